@@ -1,0 +1,136 @@
+//! Event sources: the kernel-fed hints that start the data flow.
+//!
+//! ```text
+//! kernel --(ebpf | fanotify | inotify)--> FsEvent --> watcher (verifies by stat) --> desired state
+//! ```
+//!
+//! Every source reports the same [`FsEvent`]s into one channel. Events are *hints*: the watcher
+//! stats every path it is told about, so a source may over-report (a name that turns out not to be a
+//! socket, a create and delete merged into one event) but must never under-report silently. When a
+//! source knows it lost events (inotify/fanotify queue overflow, a BPF ring-buffer reservation that
+//! failed, its reader restarted) it sends [`FsEvent::Rescan`], and the watcher walks the whole tree.
+//!
+//! Delivery has back-pressure: a source awaits room in the channel, so a slow watcher makes the
+//! kernel-side queue fill up, where loss is detected and turned into a rescan, instead of growing an
+//! unbounded buffer in the agent.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Which kernel interface feeds the watcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// BPF programs on syscall tracepoints (or fentry/LSM where allowed) feeding a ring buffer.
+    Ebpf,
+    /// fanotify with `FAN_REPORT_DFID_NAME` directory-entry events.
+    Fanotify,
+    /// inotify, one watch per directory (what kubelet uses).
+    Inotify,
+}
+
+impl SourceKind {
+    /// Preference order for `--source auto`: the first that opens wins.
+    pub const PREFERENCE: [SourceKind; 3] =
+        [SourceKind::Ebpf, SourceKind::Fanotify, SourceKind::Inotify];
+
+    /// The lowercase name used on the command line, in logs and in metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceKind::Ebpf => "ebpf",
+            SourceKind::Fanotify => "fanotify",
+            SourceKind::Inotify => "inotify",
+        }
+    }
+}
+
+impl fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// When the kernel saw the change, for latency measurement (absent for sources without timestamps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Observed {
+    /// `CLOCK_MONOTONIC` nanoseconds at the kernel event (`bpf_ktime_get_ns`).
+    pub kernel_ns: Option<u64>,
+}
+
+/// A hint that something under the watched tree changed. See the module docs for the promise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FsEvent {
+    /// An entry may have appeared at `path`: a socket bound or created, something moved in, a
+    /// directory created. The watcher stats it to learn what it is.
+    Created { path: PathBuf, observed: Observed },
+    /// The entry at `path` may have gone: unlinked, moved out, a directory removed.
+    Removed { path: PathBuf, observed: Observed },
+    /// An entry called `name` changed in a watched directory the source could not pin down (a
+    /// path resolved in another mount namespace, say): the watcher checks `name` in every watched
+    /// directory.
+    NameChanged { name: OsString, observed: Observed },
+    /// Events may have been lost; the watcher walks the whole tree and converges on it.
+    Rescan { reason: String },
+}
+
+/// A directory the watcher wants events for, with the identity sources filter by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct WatchedDir {
+    /// Path in the agent's mount namespace.
+    pub path: PathBuf,
+    /// `st_dev` as userspace sees it (`makedev` encoding, not the kernel's `s_dev`).
+    pub dev: u64,
+    /// `st_ino`.
+    pub ino: u64,
+}
+
+impl WatchedDir {
+    /// Stats `path` (following no symlink) and returns its identity if it is a directory.
+    pub fn stat(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::symlink_metadata(path)?;
+        if !meta.is_dir() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotADirectory,
+                format!("{} is not a directory", path.display()),
+            ));
+        }
+        Ok(WatchedDir {
+            path: path.to_path_buf(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}
+
+/// A source of [`FsEvent`]s for a set of directories that the watcher grows and shrinks.
+///
+/// Contract:
+/// - [`watch`](Self::watch) takes effect before it returns, so the watcher can watch a directory and
+///   then walk it without a window in which a new entry goes unseen (watch-then-walk).
+/// - Events for a directory may still arrive after [`unwatch`](Self::unwatch); the watcher ignores
+///   paths outside its tree.
+/// - Events describe changes made by other processes; the agent's own filesystem activity (creating
+///   the root directory, say) is not reported back.
+/// - Loss is never silent: see [`FsEvent::Rescan`].
+///
+/// The reader task a source spawns stops when the agent's cancellation token fires.
+pub trait EventSource: Send + Sync {
+    /// Which interface this is.
+    fn kind(&self) -> SourceKind;
+
+    /// Operator-facing summary of what is attached (hooks, marks, queue sizes), logged at start.
+    fn describe(&self) -> String;
+
+    /// Start reporting changes directly inside `dir` (not recursively: the watcher calls this for
+    /// every directory of the tree).
+    fn watch(&self, dir: &WatchedDir) -> anyhow::Result<()>;
+
+    /// Stop reporting changes inside `dir` (it was removed or left the tree).
+    fn unwatch(&self, dir: &WatchedDir);
+
+    /// The watcher found an entry (socket or directory) called `name` inside `dir`. Sources that
+    /// filter removals by name in the kernel use this; others ignore it.
+    fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) {}
+}

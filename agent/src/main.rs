@@ -1,0 +1,5 @@
+//! The `plugin-agent` binary.
+
+fn main() {
+    println!("plugin-agent");
+}
