@@ -134,3 +134,7 @@ pub trait EventSource: Send + Sync {
     /// filter removals by name in the kernel use this; others ignore it.
     fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) {}
 }
+
+pub mod ebpf;
+pub mod fanotify;
+pub mod inotify;

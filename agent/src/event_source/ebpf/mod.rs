@@ -1,0 +1,1 @@
+//! The eBPF event source (see agent-ebpf for the kernel programs).

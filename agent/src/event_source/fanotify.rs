@@ -1,0 +1,1 @@
+//! The fanotify event source.

@@ -1,0 +1,1 @@
+//! The inotify event source.
