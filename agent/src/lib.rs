@@ -6,5 +6,15 @@
 //!                                                                   \-> handler (by plugin type)
 //!                                                      state::actual <-/
 //! ```
+//! [`agent`] assembles them; [`cli`] is the `plugin-agent` command line.
 
+pub mod agent;
+pub mod backoff;
+pub mod cli;
 pub mod event_source;
+pub mod executor;
+pub mod handler;
+pub mod reconciler;
+pub mod registration;
+pub mod state;
+pub mod watcher;

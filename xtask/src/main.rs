@@ -1,1 +1,50 @@
-fn main() {}
+//! Build automation for plugin-agent: `cargo xtask <command>`.
+//!
+//! The agent is ordinary Rust built by rustup's stable cargo; its eBPF object is not: it is built by
+//! Debian's rustc-web (which ships a prebuilt `core` for `bpfel-unknown-none`) and linked by
+//! bpf-linker, then embedded into the agent. These commands make that two-toolchain build one step
+//! and install what a fresh machine lacks. See ../shared/ebpf-toolchain.md for why.
+
+mod build;
+mod build_ebpf;
+mod deps;
+mod lint;
+mod run;
+mod shell;
+mod test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "Build, install-prerequisites, run and test plugin-agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install what is missing (apt packages, bpf-linker), idempotently, saying what it does.
+    Deps,
+    /// Build the eBPF object with Debian's rustc-web and bpf-linker.
+    BuildEbpf(build_ebpf::Options),
+    /// Build the eBPF object, then the workspace with the object embedded.
+    Build(build::Options),
+    /// Install what is missing, build, and run the agent (default: on /var/lib/kubelet/plugins_registry).
+    Run(run::Options),
+    /// Install what is missing, build everything, check formatting and lints, run every test.
+    Test(test::Options),
+    /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
+    Lint,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Deps => deps::install_missing(),
+        Command::BuildEbpf(options) => build_ebpf::build(&options).map(|_| ()),
+        Command::Build(options) => build::build(&options),
+        Command::Run(options) => run::run(options),
+        Command::Test(options) => test::test(&options),
+        Command::Lint => lint::lint(),
+    }
+}

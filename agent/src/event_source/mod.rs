@@ -58,6 +58,14 @@ pub struct Observed {
     pub kernel_ns: Option<u64>,
 }
 
+/// `CLOCK_MONOTONIC` now, in nanoseconds: the clock `bpf_ktime_get_ns` reads, so kernel event
+/// timestamps and userspace receipt can be subtracted.
+pub fn monotonic_now_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|ts| ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64);
+    now.unwrap_or(0)
+}
+
 /// A hint that something under the watched tree changed. See the module docs for the promise.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FsEvent {
@@ -138,3 +146,84 @@ pub trait EventSource: Send + Sync {
 pub mod ebpf;
 pub mod fanotify;
 pub mod inotify;
+
+/// `--source`: one source, or the best this kernel allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceChoice {
+    /// Try [`SourceKind::PREFERENCE`] in order and take the first that opens.
+    Auto,
+    /// Exactly this one, or fail.
+    Only(SourceKind),
+}
+
+impl std::str::FromStr for SourceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(SourceChoice::Auto),
+            other => <SourceKind as clap::ValueEnum>::from_str(other, true)
+                .map(SourceChoice::Only)
+                .map_err(|_| {
+                    format!(
+                        "unknown event source {other:?}: expected auto, ebpf, fanotify or inotify"
+                    )
+                }),
+        }
+    }
+}
+
+/// Settings every source may need.
+#[derive(Debug, Clone, Default)]
+pub struct SourceOptions {
+    /// eBPF: ring buffer size in bytes (a power of two; 0 means the default).
+    pub ring_buffer_bytes: usize,
+}
+
+/// Opens the chosen source. With [`SourceChoice::Auto`], each refusal is logged with its reason
+/// and the next source is tried, so an operator can see why eBPF was not used.
+pub async fn open(
+    choice: SourceChoice,
+    sink: tokio::sync::mpsc::Sender<FsEvent>,
+    cancel: tokio_util::sync::CancellationToken,
+    options: &SourceOptions,
+) -> anyhow::Result<std::sync::Arc<dyn EventSource>> {
+    let kinds: &[SourceKind] = match &choice {
+        SourceChoice::Auto => &SourceKind::PREFERENCE,
+        SourceChoice::Only(kind) => std::slice::from_ref(kind),
+    };
+    let mut refusals = Vec::new();
+    for &kind in kinds {
+        match open_kind(kind, sink.clone(), cancel.clone(), options).await {
+            Ok(source) => {
+                if choice == SourceChoice::Auto {
+                    tracing::info!(source = %kind, passed_over = ?refusals, "event source chosen automatically");
+                }
+                return Ok(source);
+            }
+            Err(error) => {
+                if choice == SourceChoice::Auto {
+                    tracing::warn!(source = %kind, error = format!("{error:#}"), "event source unavailable; trying the next");
+                }
+                refusals.push(format!("{kind}: {error:#}"));
+            }
+        }
+    }
+    anyhow::bail!("no event source could be opened: {}", refusals.join("; "))
+}
+
+async fn open_kind(
+    kind: SourceKind,
+    sink: tokio::sync::mpsc::Sender<FsEvent>,
+    cancel: tokio_util::sync::CancellationToken,
+    options: &SourceOptions,
+) -> anyhow::Result<std::sync::Arc<dyn EventSource>> {
+    Ok(match kind {
+        // WIRING: replaced by the eBPF source's constructor when it lands.
+        SourceKind::Ebpf => {
+            let _ = (sink, cancel, options);
+            anyhow::bail!("the eBPF source is not wired in yet")
+        }
+        SourceKind::Fanotify => std::sync::Arc::new(fanotify::open(sink, cancel)?),
+        SourceKind::Inotify => std::sync::Arc::new(inotify::open(sink, cancel)?),
+    })
+}

@@ -1,0 +1,175 @@
+//! Assembles the data flow of DESIGN.md from a configuration and runs it.
+//!
+//! ```text
+//! event source -> watcher -> desired state -> reconciler -> executor -> handlers
+//!                                                   actual state <-/
+//! ```
+
+use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
+use crate::executor::{ExecutorConfig, OperationExecutor};
+use crate::handler::HandlerRegistry;
+use crate::reconciler::{ReconcileMode, ReconcileQueue, Reconciler};
+use crate::state::actual::ActualState;
+use crate::state::desired::DesiredState;
+use crate::watcher::Watcher;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+/// Events buffered between the source and the watcher. When full, the source waits and the
+/// kernel-side queue absorbs the burst (and reports loss if it overflows).
+const EVENT_CHANNEL: usize = 16 * 1024;
+
+/// Everything the agent needs to run.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The registration directory to watch, recursively.
+    pub plugin_dir: PathBuf,
+    /// Which event source to use.
+    pub source: SourceChoice,
+    /// Source tuning.
+    pub source_options: SourceOptions,
+    /// Event-driven, or kubelet's 1 s polling loop (for comparison).
+    pub reconcile_mode: ReconcileMode,
+    /// Period of the safety pass in event mode.
+    pub safety_period: Duration,
+    /// Timeouts and concurrency of operations.
+    pub executor: ExecutorConfig,
+}
+
+impl AgentConfig {
+    /// Kubelet-compatible defaults for `plugin_dir`.
+    pub fn new(plugin_dir: PathBuf) -> Self {
+        AgentConfig {
+            plugin_dir,
+            source: SourceChoice::Auto,
+            source_options: SourceOptions::default(),
+            reconcile_mode: ReconcileMode::Event,
+            safety_period: Duration::from_secs(30),
+            executor: ExecutorConfig::default(),
+        }
+    }
+}
+
+/// A started agent: handles to its state for the CLI, the admin API and tests.
+pub struct RunningAgent {
+    /// Sockets found under the tree.
+    pub desired: Arc<DesiredState>,
+    /// Plugins registered with handlers.
+    pub actual: Arc<ActualState>,
+    /// Handlers by type; may be changed while running.
+    pub handlers: Arc<HandlerRegistry>,
+    /// The operation executor.
+    pub executor: Arc<OperationExecutor>,
+    /// The event source in use.
+    pub source: SourceKind,
+    /// What the source attached, for operators.
+    pub source_description: String,
+    /// Becomes true once the first full scan is done.
+    pub ready: watch::Receiver<bool>,
+    cancel: CancellationToken,
+    tasks: tokio::task::JoinSet<anyhow::Result<()>>,
+}
+
+impl RunningAgent {
+    /// Opens the event source, starts the watcher and reconciler, and returns at once.
+    /// `handlers` is the initial handler set (it can change later).
+    pub async fn start(
+        config: AgentConfig,
+        handlers: Arc<HandlerRegistry>,
+    ) -> anyhow::Result<RunningAgent> {
+        let cancel = CancellationToken::new();
+        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL);
+        let source = event_source::open(
+            config.source,
+            events_tx.clone(),
+            cancel.child_token(),
+            &config.source_options,
+        )
+        .await?;
+        let source_kind = source.kind();
+        let source_description = source.describe();
+        info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
+
+        let desired = Arc::new(DesiredState::default());
+        let actual = Arc::new(ActualState::default());
+        let queue = Arc::new(ReconcileQueue::default());
+        let executor = OperationExecutor::new(
+            actual.clone(),
+            handlers.clone(),
+            queue.clone(),
+            config.executor,
+            cancel.child_token(),
+        );
+        let reconciler = Reconciler::new(
+            desired.clone(),
+            actual.clone(),
+            executor.clone(),
+            queue.clone(),
+            config.reconcile_mode,
+            config.safety_period,
+            Some(events_tx),
+        );
+        let watcher = Watcher::new(config.plugin_dir.clone(), source, desired.clone(), queue);
+        let (ready_tx, ready) = watch::channel(false);
+
+        let mut tasks = tokio::task::JoinSet::new();
+        let reconciler_cancel = cancel.clone();
+        tasks.spawn(async move {
+            reconciler.run(reconciler_cancel).await;
+            Ok(())
+        });
+        let watcher_cancel = cancel.clone();
+        tasks.spawn(async move {
+            watcher
+                .run(events_rx, watcher_cancel, move || {
+                    let _ = ready_tx.send(true);
+                })
+                .await
+        });
+        Ok(RunningAgent {
+            desired,
+            actual,
+            handlers,
+            executor,
+            source: source_kind,
+            source_description,
+            ready,
+            cancel,
+            tasks,
+        })
+    }
+
+    /// Waits for the first full scan of the plugin directory.
+    pub async fn wait_ready(&mut self) {
+        let _ = self.ready.wait_for(|ready| *ready).await;
+    }
+
+    /// Runs until `shutdown` resolves or a component fails; then stops discovery, lets running
+    /// operations finish, and returns.
+    pub async fn run_until(
+        mut self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let result = tokio::select! {
+            _ = shutdown => Ok(()),
+            Some(done) = self.tasks.join_next() => match done {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(anyhow::anyhow!("agent task failed: {e}")),
+            },
+        };
+        self.stop().await;
+        result
+    }
+
+    /// Stops discovery and reconciliation and waits for running operations.
+    pub async fn stop(&mut self) {
+        self.cancel.cancel();
+        while self.tasks.join_next().await.is_some() {}
+        self.executor.drain().await;
+    }
+}

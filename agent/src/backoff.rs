@@ -1,0 +1,245 @@
+//! Exponential backoff for failed operations, keyed by socket *identity*.
+//!
+//! Kubelet keys its backoff by socket path, so a plugin that re-creates its socket after a failure
+//! can wait minutes (node-driver-registrar issue 206). Here the key is the path plus the socket
+//! instance: a new socket starts fresh, a broken one backs off 500 ms, 1 s, 2 s ... up to 2 m 2 s.
+
+use crate::state::SocketId;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Kubelet's `initialDurationBeforeRetry`.
+pub const INITIAL_DELAY: Duration = Duration::from_millis(500);
+/// Kubelet's `maxDurationBeforeRetry` (2 m 2 s).
+pub const MAX_DELAY: Duration = Duration::from_secs(122);
+
+/// Why the last attempt failed, as far as retry policy cares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailureKind {
+    /// No handler for this plugin type yet: retried as soon as one is added, not only on backoff.
+    NoHandler { plugin_type: String },
+    /// Anything else.
+    Other,
+}
+
+/// The backoff of one socket instance.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    /// Failures in a row.
+    pub failures: u32,
+    /// Delay applied after the last failure.
+    pub delay: Duration,
+    /// No new attempt before this instant.
+    pub retry_at: Instant,
+    /// The last error, for operators.
+    pub last_error: String,
+    /// Retry-policy class of the last error.
+    pub kind: FailureKind,
+}
+
+type Key = (PathBuf, SocketId);
+
+/// All backoffs, keyed by (path, socket identity).
+#[derive(Debug, Default)]
+pub struct BackoffTable {
+    entries: Mutex<HashMap<Key, Backoff>>,
+}
+
+impl BackoffTable {
+    /// When the next attempt for this socket may start, if it is backing off now.
+    pub fn blocked_until(&self, path: &Path, socket: SocketId, now: Instant) -> Option<Instant> {
+        let entries = self.lock();
+        let backoff = entries.get(&(path.to_path_buf(), socket))?;
+        (backoff.retry_at > now).then_some(backoff.retry_at)
+    }
+
+    /// Records a failure and returns the backoff now in force.
+    pub fn fail(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        error: String,
+        kind: FailureKind,
+        now: Instant,
+    ) -> Backoff {
+        let mut entries = self.lock();
+        let entry = entries.entry((path.to_path_buf(), socket));
+        match entry {
+            std::collections::hash_map::Entry::Occupied(mut occupied) => {
+                let b = occupied.get_mut();
+                b.failures += 1;
+                b.delay = (b.delay * 2).min(MAX_DELAY);
+                b.retry_at = now + b.delay;
+                b.last_error = error;
+                b.kind = kind;
+                b.clone()
+            }
+            std::collections::hash_map::Entry::Vacant(vacant) => vacant
+                .insert(Backoff {
+                    failures: 1,
+                    delay: INITIAL_DELAY,
+                    retry_at: now + INITIAL_DELAY,
+                    last_error: error,
+                    kind,
+                })
+                .clone(),
+        }
+    }
+
+    /// Forgets the socket's failures (success, or the socket is gone).
+    pub fn reset(&self, path: &Path, socket: SocketId) {
+        self.lock().remove(&(path.to_path_buf(), socket));
+    }
+
+    /// Forgets every backoff of `path` (its socket is gone from the tree).
+    pub fn forget_path(&self, path: &Path) {
+        self.lock().retain(|(p, _), _| p != path);
+    }
+
+    /// Lifts the backoff of every plugin that failed only for lack of a `plugin_type` handler;
+    /// returns their paths so they can be retried now.
+    pub fn release_waiting_for(&self, plugin_type: &str) -> Vec<PathBuf> {
+        let mut released = Vec::new();
+        self.lock()
+            .retain(|(path, _), backoff| match &backoff.kind {
+                FailureKind::NoHandler { plugin_type: t } if t == plugin_type => {
+                    released.push(path.clone());
+                    false
+                }
+                _ => true,
+            });
+        released
+    }
+
+    /// The backoff of a socket, for status reporting.
+    pub fn get(&self, path: &Path, socket: SocketId) -> Option<Backoff> {
+        self.lock().get(&(path.to_path_buf(), socket)).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Backoff>> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(ino: u64) -> SocketId {
+        SocketId {
+            dev: 1,
+            ino,
+            birth_ns: None,
+        }
+    }
+
+    #[test]
+    fn delays_double_from_500ms_and_cap_at_2m2s() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let path = Path::new("/r/a.sock");
+        let delays: Vec<Duration> = (0..12)
+            .map(|_| {
+                table
+                    .fail(path, id(1), "x".into(), FailureKind::Other, now)
+                    .delay
+            })
+            .collect();
+        assert_eq!(delays[0], Duration::from_millis(500));
+        assert_eq!(delays[1], Duration::from_secs(1));
+        assert_eq!(delays[2], Duration::from_secs(2));
+        assert_eq!(delays[8], Duration::from_secs(122));
+        assert_eq!(delays[11], MAX_DELAY);
+        assert_eq!(table.blocked_until(path, id(1), now), Some(now + MAX_DELAY));
+    }
+
+    #[test]
+    fn recreated_socket_at_same_path_starts_fresh() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let path = Path::new("/r/a.sock");
+        for _ in 0..5 {
+            table.fail(path, id(1), "x".into(), FailureKind::Other, now);
+        }
+        assert!(table.blocked_until(path, id(1), now).is_some());
+        assert_eq!(table.blocked_until(path, id(2), now), None);
+        assert_eq!(
+            table
+                .fail(path, id(2), "x".into(), FailureKind::Other, now)
+                .delay,
+            INITIAL_DELAY
+        );
+    }
+
+    #[test]
+    fn success_resets_backoff() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let path = Path::new("/r/a.sock");
+        table.fail(path, id(1), "x".into(), FailureKind::Other, now);
+        table.reset(path, id(1));
+        assert_eq!(table.blocked_until(path, id(1), now), None);
+        assert_eq!(
+            table
+                .fail(path, id(1), "x".into(), FailureKind::Other, now)
+                .delay,
+            INITIAL_DELAY
+        );
+    }
+
+    #[test]
+    fn handler_added_releases_only_plugins_waiting_for_its_type() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let dra = FailureKind::NoHandler {
+            plugin_type: "DRAPlugin".into(),
+        };
+        let csi = FailureKind::NoHandler {
+            plugin_type: "CSIPlugin".into(),
+        };
+        table.fail(
+            Path::new("/r/dra.sock"),
+            id(1),
+            "no handler".into(),
+            dra,
+            now,
+        );
+        table.fail(
+            Path::new("/r/csi.sock"),
+            id(2),
+            "no handler".into(),
+            csi,
+            now,
+        );
+        table.fail(
+            Path::new("/r/bad.sock"),
+            id(3),
+            "boom".into(),
+            FailureKind::Other,
+            now,
+        );
+        assert_eq!(
+            table.release_waiting_for("DRAPlugin"),
+            vec![PathBuf::from("/r/dra.sock")]
+        );
+        assert_eq!(
+            table.blocked_until(Path::new("/r/dra.sock"), id(1), now),
+            None
+        );
+        assert!(
+            table
+                .blocked_until(Path::new("/r/csi.sock"), id(2), now)
+                .is_some()
+        );
+        assert!(
+            table
+                .blocked_until(Path::new("/r/bad.sock"), id(3), now)
+                .is_some()
+        );
+    }
+}

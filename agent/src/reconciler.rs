@@ -1,0 +1,203 @@
+//! Reconciler: closes the gap between desired and actual state, woken by every change.
+//!
+//! Kubelet's reconciler wakes every second and walks both caches, which is where its ~1 s
+//! registration latency comes from. Here the watcher, the executor (operation finished, backoff
+//! expired) and the handler registry mark the paths that changed in a [`ReconcileQueue`], and the
+//! reconciler looks at just those, at once. A slow periodic pass over everything (default 30 s) is
+//! the safety net, and also asks the watcher to re-walk the tree.
+//!
+//! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, or
+//! is desired with a different generation (socket re-created), is deregistered; the registration
+//! of the new socket follows when that operation has finished (the executor allows one operation
+//! per path, and marks the path again when it ends).
+
+use crate::event_source::FsEvent;
+use crate::executor::OperationExecutor;
+use crate::state::actual::ActualState;
+use crate::state::desired::DesiredState;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, trace};
+
+/// How the reconciler is driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReconcileMode {
+    /// Woken by every change (the default).
+    Event,
+    /// Kubelet's behaviour: a full pass every second, deaf to wake-ups. For side-by-side benchmarks.
+    Polling,
+}
+
+/// Kubelet's reconciler period, used by [`ReconcileMode::Polling`].
+pub const KUBELET_LOOP_PERIOD: Duration = Duration::from_secs(1);
+
+/// Paths whose desired or actual state changed since the reconciler last looked.
+#[derive(Debug, Default)]
+pub struct ReconcileQueue {
+    dirty: Mutex<Dirty>,
+    wake: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Dirty {
+    everything: bool,
+    paths: HashSet<PathBuf>,
+}
+
+/// What the reconciler should look at.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Work {
+    /// Every desired and every registered path.
+    Everything,
+    /// Just these.
+    Paths(HashSet<PathBuf>),
+}
+
+impl ReconcileQueue {
+    /// `path` changed: look at it soon.
+    pub fn mark(&self, path: PathBuf) {
+        self.lock().paths.insert(path);
+        self.wake.notify_one();
+    }
+
+    /// Anything may have changed: look at everything.
+    pub fn mark_all(&self) {
+        self.lock().everything = true;
+        self.wake.notify_one();
+    }
+
+    /// Takes what is marked, leaving the queue empty.
+    pub fn take(&self) -> Option<Work> {
+        let mut dirty = self.lock();
+        let work = if std::mem::take(&mut dirty.everything) {
+            dirty.paths.clear();
+            Work::Everything
+        } else if dirty.paths.is_empty() {
+            return None;
+        } else {
+            Work::Paths(std::mem::take(&mut dirty.paths))
+        };
+        Some(work)
+    }
+
+    /// Waits until something is marked (returns at once if something was marked since the last
+    /// wait: wake-ups are never lost, and many marks coalesce into one wake-up).
+    pub async fn changed(&self) {
+        self.wake.notified().await;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dirty> {
+        self.dirty
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// See the module docs.
+pub struct Reconciler {
+    desired: Arc<DesiredState>,
+    actual: Arc<ActualState>,
+    executor: Arc<OperationExecutor>,
+    queue: Arc<ReconcileQueue>,
+    mode: ReconcileMode,
+    safety_period: Duration,
+    rescan: Option<mpsc::Sender<FsEvent>>,
+}
+
+impl Reconciler {
+    /// - `desired`, `actual`: the caches compared;
+    /// - `executor`: runs the operations (one per path, with backoff);
+    /// - `queue`: the marked paths, and the wake-up;
+    /// - `mode`, `safety_period`: event-driven with a full pass every `safety_period`, or kubelet's
+    ///   1 s polling loop;
+    /// - `rescan`: where to ask the watcher for a full re-walk on each safety pass (none in tests).
+    pub fn new(
+        desired: Arc<DesiredState>,
+        actual: Arc<ActualState>,
+        executor: Arc<OperationExecutor>,
+        queue: Arc<ReconcileQueue>,
+        mode: ReconcileMode,
+        safety_period: Duration,
+        rescan: Option<mpsc::Sender<FsEvent>>,
+    ) -> Self {
+        Reconciler {
+            desired,
+            actual,
+            executor,
+            queue,
+            mode,
+            safety_period,
+            rescan,
+        }
+    }
+
+    /// Runs until `cancel` fires.
+    pub async fn run(self, cancel: CancellationToken) {
+        let period = match self.mode {
+            ReconcileMode::Event => self.safety_period,
+            ReconcileMode::Polling => KUBELET_LOOP_PERIOD,
+        };
+        let mut safety = tokio::time::interval(period);
+        safety.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        safety.tick().await; // the first tick is immediate
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = self.queue.changed(), if self.mode == ReconcileMode::Event => {}
+                _ = safety.tick() => {
+                    self.queue.mark_all();
+                    if self.mode == ReconcileMode::Event
+                        && let Some(rescan) = &self.rescan
+                    {
+                        let _ = rescan.try_send(FsEvent::Rescan { reason: "periodic safety pass".into() });
+                    }
+                }
+            }
+            if let Some(work) = self.queue.take() {
+                self.reconcile(work);
+            }
+        }
+    }
+
+    /// One pass over `work`: unregister what is no longer desired (or re-created), then register
+    /// what is desired and not registered. Never blocks: operations run in the executor.
+    pub fn reconcile(&self, work: Work) {
+        let paths: Vec<PathBuf> = match work {
+            Work::Everything => {
+                let mut all: HashSet<PathBuf> = self
+                    .desired
+                    .snapshot()
+                    .into_iter()
+                    .map(|(p, _)| p)
+                    .collect();
+                all.extend(self.actual.snapshot().into_iter().map(|(p, _)| p));
+                all.into_iter().collect()
+            }
+            Work::Paths(paths) => paths.into_iter().collect(),
+        };
+        trace!(paths = paths.len(), "reconciling");
+        for path in paths {
+            let desired = self.desired.get(&path);
+            let registered = self.actual.get(&path);
+            if let Some(registered) = registered {
+                if desired.as_ref().map(|d| d.generation) != Some(registered.generation) {
+                    let outcome = self.executor.deregister(&path, registered);
+                    debug!(socket_path = %path.display(), ?outcome, "unregister");
+                }
+                continue;
+            }
+            match desired {
+                Some(desired) => {
+                    let outcome = self.executor.register(&path, desired);
+                    debug!(socket_path = %path.display(), ?outcome, "register");
+                }
+                None => self.executor.forget(&path),
+            }
+        }
+    }
+}

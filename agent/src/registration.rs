@@ -1,0 +1,351 @@
+//! The plugin side of registration: kubelet's `pluginregistration` API, spoken as a client over the
+//! plugin's registration socket.
+//!
+//! Timeouts are kubelet's: dial 10 s, `GetInfo` 1 s, `NotifyRegistrationStatus` 5 s. The agent keeps
+//! no connection to registration sockets: one connection per registration attempt, closed after.
+//!
+//! # Plugins that bind before they serve
+//!
+//! A socket can exist before anyone listens on it (bind, then listen), and a listening socket can
+//! exist before its gRPC server runs (listen, then serve). Kubelet's dial blocks with gRPC's
+//! reconnect backoff and then counts the plugin as failed, so such a plugin waits out backoff
+//! steps meant for broken plugins. Here:
+//! - `ECONNREFUSED` (bound, not listening) is retried at once on a short schedule (1 ms doubling to
+//!   50 ms) within the 10 s dial budget;
+//! - a connection whose peer has sent *nothing* when `GetInfo`'s 1 s deadline passes is a server
+//!   that is not serving yet (a gRPC server sends its HTTP/2 SETTINGS as soon as it serves), so the
+//!   attempt is repeated on a fresh connection, again within the dial budget. The request waits in
+//!   the socket's queue, so the plugin is answered the moment it starts serving.
+//!
+//! A peer that sent bytes but no `GetInfo` answer within 1 s is a hung plugin: that is a failure.
+
+use crate::state::{EntryKind, SocketId};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, registration_client::RegistrationClient,
+};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::UnixStream;
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+
+/// Deadlines for the calls to a plugin.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// Connecting and waiting for the plugin to serve (kubelet: 10 s).
+    pub dial: Duration,
+    /// `GetInfo` (kubelet: 1 s).
+    pub get_info: Duration,
+    /// `NotifyRegistrationStatus` (kubelet: 5 s).
+    pub notify: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            dial: Duration::from_secs(10),
+            get_info: Duration::from_secs(1),
+            notify: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Largest message accepted from a plugin. `PluginInfo` is a few hundred bytes in practice; a
+/// plugin answering with megabytes is refused before it costs memory.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// Limits on what a plugin may announce, checked before any handler sees it.
+pub mod limits {
+    /// Longest plugin type or name.
+    pub const NAME_BYTES: usize = 256;
+    /// Longest endpoint (PATH_MAX).
+    pub const ENDPOINT_BYTES: usize = 4096;
+    /// Most supported versions.
+    pub const VERSIONS: usize = 64;
+    /// Longest version string.
+    pub const VERSION_BYTES: usize = 256;
+}
+
+/// Why talking to a plugin failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistrationError {
+    /// The socket vanished, or was replaced by another socket (which gets its own registration).
+    #[error("socket {0} no longer exists or was replaced")]
+    SocketGone(PathBuf),
+    /// Could not connect within the dial timeout.
+    #[error("dial {path}: {reason} (after {elapsed:?})")]
+    Dial {
+        path: PathBuf,
+        reason: String,
+        elapsed: Duration,
+    },
+    /// GetInfo failed.
+    #[error("GetInfo: {0}")]
+    GetInfo(String),
+    /// GetInfo answered something no handler should see.
+    #[error("invalid PluginInfo: {0}")]
+    InvalidInfo(String),
+    /// NotifyRegistrationStatus failed (transport or the plugin returned an error).
+    #[error("NotifyRegistrationStatus: {0}")]
+    Notify(String),
+}
+
+/// A connection to one plugin's registration socket, for one registration attempt.
+pub struct PluginConnection {
+    client: RegistrationClient<Channel>,
+    timeouts: Timeouts,
+}
+
+impl PluginConnection {
+    /// Connects to the plugin at `socket` and asks for its `PluginInfo` (see the module docs for
+    /// how not-yet-serving plugins are waited for).
+    /// `expected` is the socket instance being registered: if the path comes to hold another
+    /// socket while this attempt waits, the attempt ends (the new socket has its own).
+    pub async fn get_info(
+        socket: &Path,
+        expected: SocketId,
+        timeouts: Timeouts,
+    ) -> Result<(PluginConnection, PluginInfo), RegistrationError> {
+        let started = Instant::now();
+        let budget_end = started + timeouts.dial;
+        loop {
+            let (stream, heard) =
+                connect_when_listening(socket, expected, budget_end, started).await?;
+            let remaining = budget_end.saturating_duration_since(Instant::now());
+            let channel = match tokio::time::timeout(remaining, channel_over(stream)).await {
+                Ok(Ok(channel)) => channel,
+                Ok(Err(e)) => {
+                    return Err(dial_error(
+                        socket,
+                        format!("HTTP/2 connection: {e}"),
+                        started,
+                    ));
+                }
+                Err(_) => {
+                    return Err(dial_error(
+                        socket,
+                        "HTTP/2 connection timed out".into(),
+                        started,
+                    ));
+                }
+            };
+            let mut client = RegistrationClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            let mut request = tonic::Request::new(InfoRequest {});
+            request.set_timeout(timeouts.get_info);
+            match tokio::time::timeout(timeouts.get_info, client.get_info(request)).await {
+                Ok(Ok(response)) => {
+                    let info = response.into_inner();
+                    validate_info(&info)?;
+                    return Ok((PluginConnection { client, timeouts }, info));
+                }
+                Ok(Err(status))
+                    if status.code() == tonic::Code::DeadlineExceeded
+                        || status.code() == tonic::Code::Unavailable =>
+                {
+                    if !heard.load(Ordering::Relaxed) && Instant::now() < budget_end {
+                        continue; // not serving yet: ask again on a fresh connection
+                    }
+                    return Err(RegistrationError::GetInfo(status_text(&status)));
+                }
+                Ok(Err(status)) => return Err(RegistrationError::GetInfo(status_text(&status))),
+                Err(_elapsed) => {
+                    if !heard.load(Ordering::Relaxed) && Instant::now() < budget_end {
+                        continue;
+                    }
+                    return Err(RegistrationError::GetInfo(format!(
+                        "no answer within {:?}",
+                        timeouts.get_info
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
+    /// every failed registration; an error from the plugin or the transport is returned.
+    pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), RegistrationError> {
+        let mut request = tonic::Request::new(RegistrationStatus {
+            plugin_registered: registered,
+            error: error.to_string(),
+        });
+        request.set_timeout(self.timeouts.notify);
+        match tokio::time::timeout(
+            self.timeouts.notify,
+            self.client.notify_registration_status(request),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(status)) => Err(RegistrationError::Notify(status_text(&status))),
+            Err(_) => Err(RegistrationError::Notify(format!(
+                "no answer within {:?}",
+                self.timeouts.notify
+            ))),
+        }
+    }
+}
+
+fn dial_error(socket: &Path, reason: String, started: Instant) -> RegistrationError {
+    RegistrationError::Dial {
+        path: socket.to_path_buf(),
+        reason,
+        elapsed: started.elapsed(),
+    }
+}
+
+fn status_text(status: &tonic::Status) -> String {
+    if status.message().is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        format!("{:?}: {}", status.code(), status.message())
+    }
+}
+
+/// Rejects what would be unreasonable to hand to a handler (or to log, or to keep in memory).
+fn validate_info(info: &PluginInfo) -> Result<(), RegistrationError> {
+    let invalid = |what: String| Err(RegistrationError::InvalidInfo(what));
+    if info.r#type.is_empty() {
+        return invalid("empty type".into());
+    }
+    if info.name.is_empty() {
+        return invalid("empty name".into());
+    }
+    if info.r#type.len() > limits::NAME_BYTES || info.name.len() > limits::NAME_BYTES {
+        return invalid(format!(
+            "type or name longer than {} bytes",
+            limits::NAME_BYTES
+        ));
+    }
+    if info.endpoint.len() > limits::ENDPOINT_BYTES {
+        return invalid(format!(
+            "endpoint longer than {} bytes",
+            limits::ENDPOINT_BYTES
+        ));
+    }
+    if info.supported_versions.len() > limits::VERSIONS {
+        return invalid(format!(
+            "{} supported versions (at most {})",
+            info.supported_versions.len(),
+            limits::VERSIONS
+        ));
+    }
+    if info
+        .supported_versions
+        .iter()
+        .any(|v| v.len() > limits::VERSION_BYTES)
+    {
+        return invalid(format!(
+            "a supported version longer than {} bytes",
+            limits::VERSION_BYTES
+        ));
+    }
+    Ok(())
+}
+
+/// Connects to `socket`, retrying `ECONNREFUSED` (bound but not listening yet) until `budget_end`.
+async fn connect_when_listening(
+    socket: &Path,
+    expected: SocketId,
+    budget_end: Instant,
+    started: Instant,
+) -> Result<(HeardStream, Arc<AtomicBool>), RegistrationError> {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if !matches!(EntryKind::of(socket), Ok(EntryKind::Socket(id)) if id == expected) {
+            return Err(RegistrationError::SocketGone(socket.to_path_buf()));
+        }
+        let remaining = budget_end.saturating_duration_since(Instant::now());
+        let attempt = tokio::time::timeout(remaining, UnixStream::connect(socket)).await;
+        let error = match attempt {
+            Ok(Ok(stream)) => {
+                let heard = Arc::new(AtomicBool::new(false));
+                return Ok((
+                    HeardStream {
+                        inner: stream,
+                        heard: heard.clone(),
+                    },
+                    heard,
+                ));
+            }
+            Ok(Err(e)) => e,
+            Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+        };
+        match error.kind() {
+            io::ErrorKind::NotFound => {
+                return Err(RegistrationError::SocketGone(socket.to_path_buf()));
+            }
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock
+                if Instant::now() + pause < budget_end =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            _ => return Err(dial_error(socket, error.to_string(), started)),
+        }
+    }
+}
+
+/// Builds a tonic channel over an already connected stream (no reconnects: one attempt, one
+/// connection).
+async fn channel_over(stream: HeardStream) -> Result<Channel, tonic::transport::Error> {
+    let slot = Arc::new(std::sync::Mutex::new(Some(stream)));
+    // The URI is required by the API but unused: the connector hands over the connected stream.
+    Endpoint::from_static("http://plugin.invalid")
+        .connect_with_connector(tower::service_fn(move |_uri| {
+            let stream = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+            async move {
+                stream.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::NotConnected,
+                        "registration connection already used",
+                    )
+                })
+            }
+        }))
+        .await
+}
+
+/// A Unix stream that records whether the peer has sent anything yet.
+struct HeardStream {
+    inner: UnixStream,
+    heard: Arc<AtomicBool>,
+}
+
+impl AsyncRead for HeardStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        poll
+    }
+}
+
+impl AsyncWrite for HeardStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

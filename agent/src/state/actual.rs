@@ -1,0 +1,242 @@
+//! Actual state of the world: plugins registered with a handler, keyed by socket path.
+//!
+//! Written only by the operation executor: an entry is added *before* the handler's `Register` (so
+//! a socket deleted during registration becomes a deregistration) and removed before the handler's
+//! `DeRegister`. Read by the reconciler, and by operators through the admin API and metrics.
+
+use super::SocketId;
+use crate::handler::{Plugin, PluginHandler};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+use uuid::Uuid;
+
+/// A plugin the agent registered (or is registering) with a handler.
+#[derive(Clone)]
+pub struct RegisteredPlugin {
+    /// The desired-state generation this registration is for.
+    pub generation: Uuid,
+    /// Identity of the socket it was registered from.
+    pub socket: SocketId,
+    /// What GetInfo said, with the endpoint defaulted and the socket path added.
+    pub plugin: Plugin,
+    /// The handler it was registered with; deregistration goes to the same one even if the
+    /// handler for its type changed since.
+    pub handler: Arc<dyn PluginHandler>,
+    /// When the entry was added.
+    pub registered_at: SystemTime,
+    /// A newer socket registered the same plugin (type and name) since: removing this socket must
+    /// not deregister the plugin (the handler contract's re-registration rule).
+    pub superseded: bool,
+}
+
+impl std::fmt::Debug for RegisteredPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredPlugin")
+            .field("generation", &self.generation)
+            .field("socket", &self.socket)
+            .field("plugin", &self.plugin)
+            .field("superseded", &self.superseded)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The cache itself; cheap to share behind an `Arc`.
+#[derive(Debug, Default)]
+pub struct ActualState {
+    plugins: Mutex<HashMap<PathBuf, RegisteredPlugin>>,
+}
+
+impl ActualState {
+    /// Records a registration for `path` (replacing any entry there) and returns it.
+    pub fn add(
+        &self,
+        path: &Path,
+        generation: Uuid,
+        socket: SocketId,
+        plugin: Plugin,
+        handler: Arc<dyn PluginHandler>,
+    ) -> RegisteredPlugin {
+        let entry = RegisteredPlugin {
+            generation,
+            socket,
+            plugin,
+            handler,
+            registered_at: SystemTime::now(),
+            superseded: false,
+        };
+        self.lock().insert(path.to_path_buf(), entry.clone());
+        entry
+    }
+
+    /// Removes the entry for `path` if it is the registration of `generation`; returns it.
+    pub fn remove(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
+        let mut plugins = self.lock();
+        match plugins.get(path) {
+            Some(entry) if entry.generation == generation => plugins.remove(path),
+            _ => None,
+        }
+    }
+
+    /// The entry for `path`.
+    pub fn get(&self, path: &Path) -> Option<RegisteredPlugin> {
+        self.lock().get(path).cloned()
+    }
+
+    /// Kubelet's `PluginExistsWithCorrectUUID`: registered, and for this generation.
+    pub fn is_registered(&self, path: &Path, generation: Uuid) -> bool {
+        self.lock()
+            .get(path)
+            .is_some_and(|entry| entry.generation == generation)
+    }
+
+    /// The registration at `path` completed: every *other* socket's registration of the same
+    /// plugin type and name is now superseded by it.
+    pub fn supersede_others(&self, path: &Path) {
+        let mut plugins = self.lock();
+        let Some(newest) = plugins
+            .get(path)
+            .map(|e| (e.plugin.plugin_type.clone(), e.plugin.name.clone()))
+        else {
+            return;
+        };
+        for (other_path, other) in plugins.iter_mut() {
+            if other_path != path
+                && other.plugin.plugin_type == newest.0
+                && other.plugin.name == newest.1
+            {
+                other.superseded = true;
+            }
+        }
+    }
+
+    /// Every registered path and its entry, in no particular order.
+    pub fn snapshot(&self) -> Vec<(PathBuf, RegisteredPlugin)> {
+        self.lock()
+            .iter()
+            .map(|(p, e)| (p.clone(), e.clone()))
+            .collect()
+    }
+
+    /// Number of registered plugins.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, RegisteredPlugin>> {
+        // Single inserts/removes: a poisoned map is still consistent.
+        self.plugins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::accept_all::AcceptAll;
+
+    fn plugin(name: &str, socket: &str) -> Plugin {
+        Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: name.into(),
+            endpoint: socket.into(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: socket.into(),
+        }
+    }
+
+    fn id(ino: u64) -> SocketId {
+        SocketId {
+            dev: 1,
+            ino,
+            birth_ns: None,
+        }
+    }
+
+    #[test]
+    fn registered_with_right_generation_is_found() {
+        let state = ActualState::default();
+        let generation = Uuid::new_v4();
+        state.add(
+            Path::new("/r/a.sock"),
+            generation,
+            id(1),
+            plugin("a", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        assert!(state.is_registered(Path::new("/r/a.sock"), generation));
+    }
+
+    #[test]
+    fn lookup_by_wrong_generation_is_false() {
+        let state = ActualState::default();
+        state.add(
+            Path::new("/r/a.sock"),
+            Uuid::new_v4(),
+            id(1),
+            plugin("a", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        assert!(!state.is_registered(Path::new("/r/a.sock"), Uuid::new_v4()));
+        assert!(!state.is_registered(Path::new("/r/other.sock"), Uuid::new_v4()));
+    }
+
+    #[test]
+    fn remove_only_removes_the_named_generation() {
+        let state = ActualState::default();
+        let generation = Uuid::new_v4();
+        state.add(
+            Path::new("/r/a.sock"),
+            generation,
+            id(1),
+            plugin("a", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        assert!(
+            state
+                .remove(Path::new("/r/a.sock"), Uuid::new_v4())
+                .is_none()
+        );
+        assert!(state.remove(Path::new("/r/a.sock"), generation).is_some());
+        assert!(state.is_empty());
+    }
+
+    #[test]
+    fn newer_socket_with_same_name_supersedes_older() {
+        let state = ActualState::default();
+        let (v1, v2) = (Path::new("/r/v1.sock"), Path::new("/r/v2.sock"));
+        state.add(
+            v1,
+            Uuid::new_v4(),
+            id(1),
+            plugin("foo", "/r/v1.sock"),
+            Arc::new(AcceptAll),
+        );
+        state.supersede_others(v1);
+        state.add(
+            v2,
+            Uuid::new_v4(),
+            id(2),
+            plugin("foo", "/r/v2.sock"),
+            Arc::new(AcceptAll),
+        );
+        state.add(
+            Path::new("/r/bar.sock"),
+            Uuid::new_v4(),
+            id(3),
+            plugin("bar", "/r/bar.sock"),
+            Arc::new(AcceptAll),
+        );
+        state.supersede_others(v2);
+        assert!(state.get(v1).expect("v1").superseded);
+        assert!(!state.get(v2).expect("v2").superseded);
+        assert!(!state.get(Path::new("/r/bar.sock")).expect("bar").superseded);
+    }
+}

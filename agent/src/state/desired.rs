@@ -1,0 +1,247 @@
+//! Desired state of the world: every socket the watcher found under the tree, keyed by path.
+//!
+//! Written by the watcher, read by the reconciler. Each add of a new socket instance gets a fresh
+//! generation (kubelet's UUID), which is how the reconciler tells "the same registered plugin" from
+//! "a socket re-created at the same path" that must be registered again.
+
+use super::SocketId;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+use uuid::Uuid;
+
+/// A socket that should be registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredPlugin {
+    /// New on every add of a new socket instance at this path.
+    pub generation: Uuid,
+    /// The socket's identity when it was seen.
+    pub socket: SocketId,
+    /// When the watcher saw it.
+    pub seen_at: SystemTime,
+    /// `CLOCK_MONOTONIC` ns of the kernel event that led to it, for latency accounting.
+    pub kernel_ns: Option<u64>,
+}
+
+/// What [`DesiredState::add_or_update`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// A path not desired before.
+    Added,
+    /// A path already desired, now with a different socket instance: new generation.
+    Replaced,
+    /// The same socket instance seen again (a duplicate or merged event): nothing changed.
+    Unchanged,
+}
+
+/// Errors from the desired state.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DesiredStateError {
+    /// Kubelet's `socket path is empty`.
+    #[error("socket path is empty")]
+    EmptyPath,
+}
+
+/// The cache itself; cheap to share behind an `Arc`.
+#[derive(Debug, Default)]
+pub struct DesiredState {
+    plugins: Mutex<HashMap<PathBuf, DesiredPlugin>>,
+}
+
+impl DesiredState {
+    /// Records the socket at `path`; a different instance than the one recorded gets a new
+    /// generation, the same instance changes nothing.
+    pub fn add_or_update(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        kernel_ns: Option<u64>,
+    ) -> Result<Change, DesiredStateError> {
+        if path.as_os_str().is_empty() {
+            return Err(DesiredStateError::EmptyPath);
+        }
+        let mut plugins = self.lock();
+        let change = match plugins.get(path) {
+            Some(existing) if existing.socket == socket => return Ok(Change::Unchanged),
+            Some(_) => Change::Replaced,
+            None => Change::Added,
+        };
+        let plugin = DesiredPlugin {
+            generation: Uuid::new_v4(),
+            socket,
+            seen_at: SystemTime::now(),
+            kernel_ns,
+        };
+        plugins.insert(path.to_path_buf(), plugin);
+        Ok(change)
+    }
+
+    /// Forgets `path`; returns whether it was desired.
+    pub fn remove(&self, path: &Path) -> bool {
+        self.lock().remove(path).is_some()
+    }
+
+    /// Forgets every path at or below `dir`; returns the paths removed.
+    pub fn remove_under(&self, dir: &Path) -> Vec<PathBuf> {
+        let mut plugins = self.lock();
+        let gone: Vec<PathBuf> = plugins
+            .keys()
+            .filter(|p| p.starts_with(dir))
+            .cloned()
+            .collect();
+        for path in &gone {
+            plugins.remove(path);
+        }
+        gone
+    }
+
+    /// The entry for `path`, if desired.
+    pub fn get(&self, path: &Path) -> Option<DesiredPlugin> {
+        self.lock().get(path).cloned()
+    }
+
+    /// Whether `path` is desired.
+    pub fn contains(&self, path: &Path) -> bool {
+        self.lock().contains_key(path)
+    }
+
+    /// Every desired path and its entry, in no particular order.
+    pub fn snapshot(&self) -> Vec<(PathBuf, DesiredPlugin)> {
+        self.lock()
+            .iter()
+            .map(|(p, d)| (p.clone(), d.clone()))
+            .collect()
+    }
+
+    /// Number of desired sockets.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when nothing is desired.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, DesiredPlugin>> {
+        // A panic while holding the lock cannot leave the map half-updated (single inserts/removes),
+        // so a poisoned lock is still consistent.
+        self.plugins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(ino: u64) -> SocketId {
+        SocketId {
+            dev: 1,
+            ino,
+            birth_ns: None,
+        }
+    }
+
+    #[test]
+    fn add_new_plugin_is_desired_with_a_generation() {
+        let state = DesiredState::default();
+        assert_eq!(
+            state.add_or_update(Path::new("/r/a.sock"), id(1), None),
+            Ok(Change::Added)
+        );
+        let entry = state.get(Path::new("/r/a.sock")).expect("desired");
+        assert_eq!(entry.socket, id(1));
+        assert!(!entry.generation.is_nil());
+        assert_eq!(state.len(), 1);
+    }
+
+    #[test]
+    fn add_existing_path_with_new_socket_changes_generation() {
+        let state = DesiredState::default();
+        state
+            .add_or_update(Path::new("/r/a.sock"), id(1), None)
+            .expect("add");
+        let first = state
+            .get(Path::new("/r/a.sock"))
+            .expect("desired")
+            .generation;
+        assert_eq!(
+            state.add_or_update(Path::new("/r/a.sock"), id(2), None),
+            Ok(Change::Replaced)
+        );
+        let second = state
+            .get(Path::new("/r/a.sock"))
+            .expect("desired")
+            .generation;
+        assert_ne!(first, second);
+        assert_eq!(state.len(), 1);
+    }
+
+    #[test]
+    fn add_same_socket_again_keeps_generation() {
+        let state = DesiredState::default();
+        state
+            .add_or_update(Path::new("/r/a.sock"), id(1), None)
+            .expect("add");
+        let first = state
+            .get(Path::new("/r/a.sock"))
+            .expect("desired")
+            .generation;
+        assert_eq!(
+            state.add_or_update(Path::new("/r/a.sock"), id(1), None),
+            Ok(Change::Unchanged)
+        );
+        assert_eq!(
+            state
+                .get(Path::new("/r/a.sock"))
+                .expect("desired")
+                .generation,
+            first
+        );
+    }
+
+    #[test]
+    fn add_empty_path_is_rejected() {
+        let state = DesiredState::default();
+        assert_eq!(
+            state.add_or_update(Path::new(""), id(1), None),
+            Err(DesiredStateError::EmptyPath)
+        );
+        assert!(state.is_empty());
+    }
+
+    #[test]
+    fn remove_plugin_forgets_it() {
+        let state = DesiredState::default();
+        state
+            .add_or_update(Path::new("/r/a.sock"), id(1), None)
+            .expect("add");
+        assert!(state.remove(Path::new("/r/a.sock")));
+        assert!(!state.remove(Path::new("/r/a.sock")));
+        assert!(state.is_empty());
+    }
+
+    #[test]
+    fn remove_under_directory_forgets_only_that_subtree() {
+        let state = DesiredState::default();
+        for (i, p) in ["/r/a/x.sock", "/r/a/b/y.sock", "/r/ab.sock", "/r/z.sock"]
+            .iter()
+            .enumerate()
+        {
+            state
+                .add_or_update(Path::new(p), id(i as u64), None)
+                .expect("add");
+        }
+        let mut gone = state.remove_under(Path::new("/r/a"));
+        gone.sort();
+        assert_eq!(
+            gone,
+            vec![PathBuf::from("/r/a/b/y.sock"), PathBuf::from("/r/a/x.sock")]
+        );
+        assert!(state.contains(Path::new("/r/ab.sock")));
+        assert_eq!(state.len(), 2);
+    }
+}

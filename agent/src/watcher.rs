@@ -1,0 +1,345 @@
+//! Watcher: turns event-source hints into desired state, checking each against the filesystem.
+//!
+//! ```text
+//! FsEvent --> stat the path (the truth) --> socket:    desired add-or-update --> mark for reconcile
+//!                                       --> directory: watch it, then walk it (recursively)
+//!                                       --> gone:      desired remove (the whole subtree for a dir)
+//! Rescan  --> walk the whole tree and converge desired state on it exactly
+//! ```
+//!
+//! Rules (one set, applied the same at start, on events and on rescans):
+//! - Only Unix domain sockets are plugins. Regular files, FIFOs, devices are ignored.
+//! - Symlinks are ignored, to a socket or to a directory: a plugin creates its socket in the tree.
+//!   Following them would let an entry outside the tree (whose removal no event reports) or a
+//!   symlink loop into the desired state. Kubelet follows them; this is a deliberate difference.
+//! - Names starting with `.` are ignored, files and directories alike, at start and on events
+//!   (kubelet ignores them on events but walks dot-directories at start).
+//! - Directories are watched *before* they are walked, so an entry created during the walk is
+//!   seen either by the walk or by an event.
+//! - If the root itself is removed, the agent re-creates it (mode 0755, as kubelet does at start),
+//!   and rescans.
+//! - A directory that cannot be read (permission denied) is logged and skipped; its siblings are
+//!   not affected.
+
+use crate::event_source::{EventSource, FsEvent, Observed, WatchedDir, monotonic_now_ns};
+use crate::reconciler::ReconcileQueue;
+use crate::state::EntryKind;
+use crate::state::desired::{Change, DesiredState};
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Most events handled per wake-up before desired-state changes are published to the reconciler
+/// (bounds latency under a storm while still batching).
+const BATCH: usize = 1024;
+
+/// See the module docs.
+pub struct Watcher {
+    root: PathBuf,
+    source: Arc<dyn EventSource>,
+    desired: Arc<DesiredState>,
+    queue: Arc<ReconcileQueue>,
+    dirs: HashMap<PathBuf, WatchedDir>,
+    scans_done: u64,
+}
+
+impl Watcher {
+    /// - `root`: the registration directory (kubelet: `/var/lib/kubelet/plugins_registry`);
+    /// - `source`: where hints come from; the watcher tells it which directories to watch;
+    /// - `desired`: filled here;
+    /// - `queue`: told about every path whose desired state changed.
+    pub fn new(
+        root: PathBuf,
+        source: Arc<dyn EventSource>,
+        desired: Arc<DesiredState>,
+        queue: Arc<ReconcileQueue>,
+    ) -> Self {
+        Watcher {
+            root,
+            source,
+            desired,
+            queue,
+            dirs: HashMap::new(),
+            scans_done: 0,
+        }
+    }
+
+    /// Creates the root if missing, watches and walks it, then follows `events` until `cancel`.
+    /// `on_ready` is called after the first full scan.
+    pub async fn run(
+        mut self,
+        mut events: mpsc::Receiver<FsEvent>,
+        cancel: CancellationToken,
+        on_ready: impl FnOnce(),
+    ) -> anyhow::Result<()> {
+        self.rescan("start");
+        on_ready();
+        let mut batch = Vec::with_capacity(BATCH);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                received = events.recv_many(&mut batch, BATCH) => {
+                    if received == 0 {
+                        anyhow::bail!("event source {} stopped", self.source.kind());
+                    }
+                }
+            }
+            let mut rescan: Option<String> = None;
+            for event in batch.drain(..) {
+                match event {
+                    FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
+                        self.check(&path, observed)
+                    }
+                    FsEvent::NameChanged { name, observed } => self.check_name(&name, observed),
+                    FsEvent::Rescan { reason } => rescan = Some(reason),
+                }
+            }
+            if let Some(reason) = rescan {
+                self.rescan(&reason);
+            }
+        }
+    }
+
+    /// Number of full scans done (start included).
+    pub fn scans_done(&self) -> u64 {
+        self.scans_done
+    }
+
+    /// Looks at one path the source mentioned and updates state to match what is there.
+    fn check(&mut self, path: &Path, observed: Observed) {
+        if !path.starts_with(&self.root) || ignored_name(path, &self.root) {
+            return;
+        }
+        match EntryKind::of(path) {
+            Ok(EntryKind::Socket(socket)) => self.socket_present(path, socket, observed),
+            Ok(EntryKind::Directory { .. }) => {
+                self.forget_socket(path, observed);
+                if !self.dirs.contains_key(path) {
+                    self.add_tree(path);
+                }
+            }
+            Ok(EntryKind::Other) => {
+                self.forget_socket(path, observed);
+                self.forget_dir(path);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.forget_socket(path, observed);
+                self.forget_dir(path);
+                if path == self.root {
+                    self.rescan("the root directory was removed");
+                }
+            }
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "cannot stat; leaving its state as it was")
+            }
+        }
+    }
+
+    /// `name` changed in some watched directory: check it in all of them.
+    fn check_name(&mut self, name: &OsStr, observed: Observed) {
+        if name.as_bytes().contains(&b'/') {
+            return;
+        }
+        let candidates: Vec<PathBuf> = self.dirs.keys().map(|dir| dir.join(name)).collect();
+        for path in candidates {
+            self.check(&path, observed);
+        }
+    }
+
+    fn socket_present(&mut self, path: &Path, socket: crate::state::SocketId, observed: Observed) {
+        match self.desired.add_or_update(path, socket, observed.kernel_ns) {
+            Ok(Change::Unchanged) => {}
+            Ok(change) => {
+                let since_event = observed
+                    .kernel_ns
+                    .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
+                info!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
+                if let (Some(dir), Some(name)) = (
+                    path.parent().and_then(|p| self.dirs.get(p)),
+                    path.file_name(),
+                ) {
+                    self.source.entry_present(dir, name);
+                }
+                self.queue.mark(path.to_path_buf());
+            }
+            Err(e) => warn!(socket_path = %path.display(), error = %e, "cannot record socket"),
+        }
+    }
+
+    fn forget_socket(&mut self, path: &Path, observed: Observed) {
+        if self.desired.remove(path) {
+            let since_event = observed
+                .kernel_ns
+                .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
+            info!(socket_path = %path.display(), ?since_event, "socket removed");
+            self.queue.mark(path.to_path_buf());
+        }
+    }
+
+    /// Watches `dir` and everything below it, then records the sockets found.
+    fn add_tree(&mut self, dir: &Path) {
+        let mut found = Vec::new();
+        let mut seen_dirs = HashSet::new();
+        self.walk(dir, &mut found, &mut seen_dirs);
+        for (path, socket) in found {
+            self.socket_present(&path, socket, Observed::default());
+        }
+    }
+
+    /// Watch-then-walk of one directory, recursively. Collects sockets into `found` and the
+    /// directories visited into `seen_dirs`.
+    fn walk(
+        &mut self,
+        dir: &Path,
+        found: &mut Vec<(PathBuf, crate::state::SocketId)>,
+        seen_dirs: &mut HashSet<PathBuf>,
+    ) {
+        let watched = match WatchedDir::stat(dir) {
+            Ok(watched) => watched,
+            Err(e) => {
+                debug!(dir = %dir.display(), error = %e, "directory vanished before it could be watched");
+                return;
+            }
+        };
+        if !self.dirs.contains_key(dir) {
+            if let Err(e) = self.source.watch(&watched) {
+                warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
+            }
+            if let Some(parent) = dir.parent().and_then(|p| self.dirs.get(p))
+                && let Some(name) = dir.file_name()
+            {
+                self.source.entry_present(parent, name);
+            }
+            self.dirs.insert(dir.to_path_buf(), watched);
+        }
+        seen_dirs.insert(dir.to_path_buf());
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                warn!(dir = %dir.display(), error = %e, "cannot read directory; its plugins are not discovered");
+                return;
+            }
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if ignored_name(&path, &self.root) {
+                continue;
+            }
+            match EntryKind::of(&path) {
+                Ok(EntryKind::Socket(socket)) => found.push((path, socket)),
+                Ok(EntryKind::Directory { .. }) => self.walk(&path, found, seen_dirs),
+                Ok(EntryKind::Other) | Err(_) => {}
+            }
+        }
+    }
+
+    fn forget_dir(&mut self, dir: &Path) {
+        let gone: Vec<PathBuf> = self
+            .dirs
+            .keys()
+            .filter(|d| d.starts_with(dir))
+            .cloned()
+            .collect();
+        for path in gone {
+            if let Some(watched) = self.dirs.remove(&path) {
+                self.source.unwatch(&watched);
+            }
+        }
+        for path in self.desired.remove_under(dir) {
+            info!(socket_path = %path.display(), "socket removed with its directory");
+            self.queue.mark(path);
+        }
+    }
+
+    /// Walks the whole tree and makes desired state and the watched set equal to it.
+    fn rescan(&mut self, reason: &str) {
+        self.scans_done += 1;
+        if let Err(e) = ensure_root(&self.root) {
+            warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
+        }
+        let mut found = Vec::new();
+        let mut seen_dirs = HashSet::new();
+        self.walk(&self.root.clone(), &mut found, &mut seen_dirs);
+        let stale_dirs: Vec<PathBuf> = self
+            .dirs
+            .keys()
+            .filter(|d| !seen_dirs.contains(*d))
+            .cloned()
+            .collect();
+        for dir in stale_dirs {
+            if let Some(watched) = self.dirs.remove(&dir) {
+                self.source.unwatch(&watched);
+            }
+        }
+        let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
+        let mut removed = 0;
+        for (path, _) in self.desired.snapshot() {
+            if !present.contains(&path) {
+                self.forget_socket(&path, Observed::default());
+                removed += 1;
+            }
+        }
+        let before = self.desired.len();
+        for (path, socket) in found {
+            self.socket_present(&path, socket, Observed::default());
+        }
+        let level_info = reason == "start" || removed > 0 || self.desired.len() != before;
+        if level_info {
+            info!(
+                reason,
+                dirs = self.dirs.len(),
+                sockets = self.desired.len(),
+                removed,
+                "scanned plugin directory"
+            );
+        } else {
+            debug!(
+                reason,
+                dirs = self.dirs.len(),
+                sockets = self.desired.len(),
+                "scanned plugin directory"
+            );
+        }
+    }
+}
+
+/// True for paths with a component below the root that starts with `.`.
+fn ignored_name(path: &Path, root: &Path) -> bool {
+    path.strip_prefix(root)
+        .map(|rel| {
+            rel.components()
+                .any(|c| c.as_os_str().as_bytes().first() == Some(&b'.'))
+        })
+        .unwrap_or(true)
+}
+
+/// Creates the root directory (and parents) with mode 0755 if it is missing.
+pub fn ensure_root(root: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(root)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_names_below_root_are_ignored_anywhere_in_the_path() {
+        let root = Path::new("/r");
+        assert!(ignored_name(Path::new("/r/.tmp.sock"), root));
+        assert!(ignored_name(Path::new("/r/.hidden/a.sock"), root));
+        assert!(!ignored_name(Path::new("/r/a.sock"), root));
+        assert!(!ignored_name(Path::new("/r/sub/a.b.sock"), root));
+        assert!(!ignored_name(Path::new("/r"), root));
+        assert!(ignored_name(Path::new("/elsewhere/a.sock"), root));
+    }
+}

@@ -1,0 +1,393 @@
+//! The registration engine end to end inside one process: the real watcher, reconciler and
+//! executor over the inotify source, real tonic plugin servers on real Unix sockets, and a handler
+//! that records every call. Scenarios from kubelet's reconciler, executor and handler-contract
+//! tests, plus the cases kubelet gets wrong.
+
+use plugin_agent::agent::{AgentConfig, RunningAgent};
+use plugin_agent::event_source::{SourceChoice, SourceKind};
+use plugin_agent::executor::{ExecutorConfig, Start};
+use plugin_agent::handler::{HandlerError, HandlerRegistry, Plugin, PluginHandler};
+use plugin_agent_proto::pluginregistration::registration_server::{
+    Registration, RegistrationServer,
+};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A handler call, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Validate(String),
+    Register(String),
+    Deregister(String),
+}
+
+/// Records calls; can be told to reject.
+#[derive(Default)]
+struct RecordingHandler {
+    calls: Mutex<Vec<Call>>,
+    changed: tokio::sync::Notify,
+    reject_validate: Mutex<Option<String>>,
+    reject_register: Mutex<Option<String>>,
+}
+
+impl RecordingHandler {
+    fn record(&self, call: Call) {
+        self.calls.lock().expect("calls").push(call);
+        self.changed.notify_waiters();
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().expect("calls").clone()
+    }
+
+    /// Waits until the recorded calls satisfy `done`.
+    async fn wait_for(&self, what: &str, done: impl Fn(&[Call]) -> bool) {
+        let waited = tokio::time::timeout(WAIT, async {
+            loop {
+                let notified = self.changed.notified();
+                if done(&self.calls()) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "timed out waiting for {what}; calls: {:?}",
+            self.calls()
+        );
+    }
+}
+
+#[async_trait::async_trait]
+impl PluginHandler for RecordingHandler {
+    async fn validate(&self, plugin: &Plugin) -> Result<(), HandlerError> {
+        self.record(Call::Validate(plugin.name.clone()));
+        match self.reject_validate.lock().expect("flag").clone() {
+            Some(reason) => Err(HandlerError(reason)),
+            None => Ok(()),
+        }
+    }
+    async fn register(&self, plugin: &Plugin) -> Result<(), HandlerError> {
+        self.record(Call::Register(plugin.name.clone()));
+        match self.reject_register.lock().expect("flag").clone() {
+            Some(reason) => Err(HandlerError(reason)),
+            None => Ok(()),
+        }
+    }
+    async fn deregister(&self, plugin: &Plugin) -> Result<(), HandlerError> {
+        self.record(Call::Deregister(plugin.name.clone()));
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "recording test handler".into()
+    }
+}
+
+/// A kubelet-compatible plugin served in-process.
+struct TestPlugin {
+    notifications: mpsc::UnboundedReceiver<RegistrationStatus>,
+    stop: CancellationToken,
+    socket: PathBuf,
+}
+
+#[derive(Clone)]
+struct PluginService {
+    info: PluginInfo,
+    notifications: mpsc::UnboundedSender<RegistrationStatus>,
+}
+
+#[tonic::async_trait]
+impl Registration for PluginService {
+    async fn get_info(
+        &self,
+        _: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+        Ok(tonic::Response::new(self.info.clone()))
+    }
+    async fn notify_registration_status(
+        &self,
+        request: tonic::Request<RegistrationStatus>,
+    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+        let _ = self.notifications.send(request.into_inner());
+        Ok(tonic::Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+impl TestPlugin {
+    fn serve(socket: &Path, plugin_type: &str, name: &str) -> TestPlugin {
+        let listener = tokio::net::UnixListener::bind(socket).expect("bind plugin socket");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let service = PluginService {
+            info: PluginInfo {
+                r#type: plugin_type.into(),
+                name: name.into(),
+                endpoint: String::new(),
+                supported_versions: vec!["1.0.0".into()],
+            },
+            notifications: tx,
+        };
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(RegistrationServer::new(service))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    stopped.cancelled_owned(),
+                )
+                .await;
+        });
+        TestPlugin {
+            notifications: rx,
+            stop,
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    async fn next_notification(&mut self) -> RegistrationStatus {
+        tokio::time::timeout(WAIT, self.notifications.recv())
+            .await
+            .expect("timed out waiting for NotifyRegistrationStatus")
+            .expect("plugin stopped")
+    }
+
+    /// Stops serving and removes the socket, as a plugin does on exit.
+    fn remove(self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+struct Harness {
+    agent: RunningAgent,
+    handler: Arc<RecordingHandler>,
+    dir: tempfile::TempDir,
+}
+
+async fn start_agent(handler_types: &[&str]) -> Harness {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let handler = Arc::new(RecordingHandler::default());
+    let handlers = Arc::new(HandlerRegistry::default());
+    for t in handler_types {
+        handlers.insert(t, handler.clone());
+    }
+    let mut config = AgentConfig::new(dir.path().to_path_buf());
+    config.source = SourceChoice::Only(SourceKind::Inotify);
+    config.executor = ExecutorConfig {
+        max_concurrent: 64,
+        ..ExecutorConfig::default()
+    };
+    let mut agent = RunningAgent::start(config, handlers)
+        .await
+        .expect("agent starts");
+    agent.wait_ready().await;
+    Harness {
+        agent,
+        handler,
+        dir,
+    }
+}
+
+#[tokio::test]
+async fn register_then_unregister_calls_handler_in_contract_order() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    let mut plugin = TestPlugin::serve(&h.dir.path().join("a.sock"), "CSIPlugin", "a");
+    let status = plugin.next_notification().await;
+    assert!(status.plugin_registered, "error: {}", status.error);
+    assert_eq!(
+        h.handler.calls(),
+        vec![Call::Validate("a".into()), Call::Register("a".into())]
+    );
+    assert_eq!(h.agent.actual.len(), 1);
+
+    plugin.remove();
+    h.handler.wait_for("deregister", |c| c.len() == 3).await;
+    assert_eq!(h.handler.calls()[2], Call::Deregister("a".into()));
+    assert!(h.agent.actual.is_empty());
+}
+
+#[tokio::test]
+async fn nothing_to_do_leaves_handler_untouched() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    std::fs::write(h.dir.path().join("not-a-socket"), b"x").expect("write file");
+    // A sentinel plugin proves the watcher processed everything before it.
+    let mut sentinel =
+        TestPlugin::serve(&h.dir.path().join("sentinel.sock"), "CSIPlugin", "sentinel");
+    assert!(sentinel.next_notification().await.plugin_registered);
+    assert_eq!(
+        h.handler.calls(),
+        vec![
+            Call::Validate("sentinel".into()),
+            Call::Register("sentinel".into())
+        ]
+    );
+}
+
+#[tokio::test]
+async fn socket_recreated_on_same_path_is_unregistered_then_registered() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    let path = h.dir.path().join("p.sock");
+    let mut first = TestPlugin::serve(&path, "CSIPlugin", "first");
+    assert!(first.next_notification().await.plugin_registered);
+    let generation = h.agent.actual.get(&path).expect("registered").generation;
+
+    first.remove();
+    let mut second = TestPlugin::serve(&path, "CSIPlugin", "second");
+    assert!(second.next_notification().await.plugin_registered);
+    let calls = h.handler.calls();
+    let deregister = calls
+        .iter()
+        .position(|c| *c == Call::Deregister("first".into()))
+        .expect("first deregistered");
+    let register = calls
+        .iter()
+        .position(|c| *c == Call::Register("second".into()))
+        .expect("second registered");
+    assert!(
+        deregister < register,
+        "unregister must come before register: {calls:?}"
+    );
+    let entry = h.agent.actual.get(&path).expect("registered");
+    assert_ne!(entry.generation, generation);
+    assert_eq!(entry.plugin.name, "second");
+    assert_eq!(h.agent.actual.len(), 1);
+}
+
+#[tokio::test]
+async fn validation_rejection_reaches_plugin_and_nothing_is_registered() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    *h.handler.reject_validate.lock().expect("flag") = Some("driver version too old".into());
+    let mut plugin = TestPlugin::serve(&h.dir.path().join("a.sock"), "CSIPlugin", "a");
+    let status = plugin.next_notification().await;
+    assert!(!status.plugin_registered);
+    assert!(
+        status.error.contains("driver version too old"),
+        "error: {}",
+        status.error
+    );
+    assert!(h.agent.actual.is_empty());
+    assert!(!h.handler.calls().contains(&Call::Register("a".into())));
+}
+
+#[tokio::test]
+async fn register_failure_rolls_back_then_retries_with_backoff() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    *h.handler.reject_register.lock().expect("flag") = Some("no capacity".into());
+    let mut plugin = TestPlugin::serve(&h.dir.path().join("a.sock"), "CSIPlugin", "a");
+    let status = plugin.next_notification().await;
+    assert!(!status.plugin_registered);
+    assert!(
+        status.error.contains("no capacity"),
+        "error: {}",
+        status.error
+    );
+    h.handler
+        .wait_for("rollback deregister", |c| {
+            c.contains(&Call::Deregister("a".into()))
+        })
+        .await;
+    assert!(h.agent.actual.is_empty());
+
+    // The retry (after 500 ms) succeeds once the handler accepts.
+    *h.handler.reject_register.lock().expect("flag") = None;
+    let status = plugin.next_notification().await;
+    assert!(status.plugin_registered, "retry failed: {}", status.error);
+    assert_eq!(h.agent.actual.len(), 1);
+}
+
+#[tokio::test]
+async fn plugin_without_handler_is_told_and_registers_when_handler_is_added() {
+    let h = start_agent(&[]).await;
+    let mut plugin = TestPlugin::serve(&h.dir.path().join("dra.sock"), "DRAPlugin", "gpu");
+    let status = plugin.next_notification().await;
+    assert!(!status.plugin_registered);
+    assert!(
+        status
+            .error
+            .starts_with("no handler registered for plugin type: DRAPlugin"),
+        "error: {}",
+        status.error
+    );
+
+    h.agent.handlers.insert("DRAPlugin", h.handler.clone());
+    let status = plugin.next_notification().await;
+    assert!(status.plugin_registered, "error: {}", status.error);
+    assert_eq!(
+        h.handler.calls(),
+        vec![Call::Validate("gpu".into()), Call::Register("gpu".into())]
+    );
+}
+
+#[tokio::test]
+async fn re_registration_from_new_socket_survives_deletion_of_old_socket() {
+    let h = start_agent(&["DRAPlugin"]).await;
+    let mut old = TestPlugin::serve(&h.dir.path().join("v1.sock"), "DRAPlugin", "gpu");
+    assert!(old.next_notification().await.plugin_registered);
+    let mut new = TestPlugin::serve(&h.dir.path().join("v2.sock"), "DRAPlugin", "gpu");
+    assert!(new.next_notification().await.plugin_registered);
+
+    old.remove();
+    // The new socket's removal is the one that deregisters; the old one's is silent.
+    new.remove();
+    h.handler
+        .wait_for("one deregister", |c| {
+            c.iter().any(|c| matches!(c, Call::Deregister(_)))
+        })
+        .await;
+    h.handler
+        .wait_for("registry empty", |_| h.agent.actual.is_empty())
+        .await;
+    let deregisters = h
+        .handler
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::Deregister(_)))
+        .count();
+    assert_eq!(deregisters, 1, "calls: {:?}", h.handler.calls());
+}
+
+#[tokio::test]
+async fn same_socket_runs_one_operation_at_a_time() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    // A socket with no listener: the dial retries ECONNREFUSED for up to 10 s, holding the slot.
+    let path = h.dir.path().join("stale.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+    drop(listener);
+    let waited = tokio::time::timeout(WAIT, async {
+        while !h.agent.executor.is_running(&path) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "registration never started");
+    let desired = h.agent.desired.get(&path).expect("desired");
+    assert!(matches!(
+        h.agent.executor.register(&path, desired),
+        Start::AlreadyRunning(_)
+    ));
+}
+
+#[tokio::test]
+async fn different_sockets_register_concurrently() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    // A stale socket occupies its operation for the whole dial timeout...
+    let stale = h.dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+    // ...and a healthy plugin next to it registers regardless.
+    let mut plugin = TestPlugin::serve(&h.dir.path().join("ok.sock"), "CSIPlugin", "ok");
+    assert!(plugin.next_notification().await.plugin_registered);
+    assert!(
+        h.agent.executor.is_running(&stale),
+        "the stale socket should still be dialling"
+    );
+}

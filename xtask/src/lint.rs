@@ -1,0 +1,16 @@
+//! `cargo xtask lint`: formatting and clippy with warnings denied, as CI enforces them.
+
+use crate::{build, build_ebpf, shell};
+
+/// Runs `cargo fmt --check` and `cargo clippy --workspace --all-targets -- -D warnings`, with the
+/// eBPF object embedded when it has been built so the eBPF-only code is linted too.
+pub fn lint() -> anyhow::Result<()> {
+    shell::run(shell::cargo().args(["fmt", "--all", "--check"]))?;
+    let mut clippy = shell::cargo();
+    clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+    let object = build_ebpf::object_path(true);
+    if object.is_file() {
+        build::with_ebpf_object(&mut clippy, &object);
+    }
+    shell::run(&mut clippy)
+}
