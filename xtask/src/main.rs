@@ -5,6 +5,7 @@
 //! bpf-linker, then embedded into the agent. These commands make that two-toolchain build one step
 //! and install what a fresh machine lacks. See ../shared/ebpf-toolchain.md for why.
 
+mod bench;
 mod build;
 mod build_ebpf;
 mod deps;
@@ -36,6 +37,8 @@ enum Command {
     Test(test::Options),
     /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
     Lint,
+    /// Registration latency per event source and kubelet-like polling, side by side.
+    Bench(bench::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,5 +49,6 @@ fn main() -> anyhow::Result<()> {
         Command::Run(options) => run::run(options),
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
+        Command::Bench(options) => bench::bench(&options),
     }
 }
