@@ -135,6 +135,7 @@ mod tests {
             dev: 1,
             ino,
             birth_ns: None,
+            handle: None,
         }
     }
 

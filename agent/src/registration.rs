@@ -56,6 +56,10 @@ impl Default for Timeouts {
     }
 }
 
+/// Pause before asking a silent (not yet serving) plugin again, so a listener that accepts and
+/// closes at once is not spun on.
+const NOT_SERVING_PAUSE: Duration = Duration::from_millis(5);
+
 /// Largest message accepted from a plugin. `PluginInfo` is a few hundred bytes in practice; a
 /// plugin answering with megabytes is refused before it costs memory.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -140,32 +144,23 @@ impl PluginConnection {
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
             let mut request = tonic::Request::new(InfoRequest {});
             request.set_timeout(timeouts.get_info);
-            match tokio::time::timeout(timeouts.get_info, client.get_info(request)).await {
-                Ok(Ok(response)) => {
-                    let info = response.into_inner();
-                    validate_info(&info)?;
-                    return Ok((PluginConnection { client, timeouts }, info));
-                }
-                Ok(Err(status))
-                    if status.code() == tonic::Code::DeadlineExceeded
-                        || status.code() == tonic::Code::Unavailable =>
-                {
-                    if !heard.load(Ordering::Relaxed) && Instant::now() < budget_end {
-                        continue; // not serving yet: ask again on a fresh connection
+            let answer =
+                match tokio::time::timeout(timeouts.get_info, client.get_info(request)).await {
+                    Ok(Ok(response)) => {
+                        let info = response.into_inner();
+                        validate_info(&info)?;
+                        return Ok((PluginConnection { client, timeouts }, info));
                     }
-                    return Err(RegistrationError::GetInfo(status_text(&status)));
-                }
-                Ok(Err(status)) => return Err(RegistrationError::GetInfo(status_text(&status))),
-                Err(_elapsed) => {
-                    if !heard.load(Ordering::Relaxed) && Instant::now() < budget_end {
-                        continue;
-                    }
-                    return Err(RegistrationError::GetInfo(format!(
-                        "no answer within {:?}",
-                        timeouts.get_info
-                    )));
-                }
+                    Ok(Err(status)) => status_text(&status),
+                    Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
+                };
+            // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
+            // ask again on a fresh connection, within the dial budget.
+            if !heard.load(Ordering::Relaxed) && Instant::now() + NOT_SERVING_PAUSE < budget_end {
+                tokio::time::sleep(NOT_SERVING_PAUSE).await;
+                continue;
             }
+            return Err(RegistrationError::GetInfo(answer));
         }
     }
 

@@ -157,6 +157,7 @@ mod tests {
             dev: 1,
             ino,
             birth_ns: None,
+            handle: None,
         }
     }
 

@@ -142,6 +142,7 @@ mod tests {
             dev: 1,
             ino,
             birth_ns: None,
+            handle: None,
         }
     }
 

@@ -13,8 +13,11 @@ use std::path::Path;
 /// Who a socket is, beyond where it is: a socket re-created at the same path is a different plugin
 /// instance, and must be re-registered and get a fresh backoff.
 ///
-/// `(dev, ino)` alone is not enough on filesystems that reuse inode numbers at once (ext4), so the
-/// birth time is part of the identity when the filesystem reports one (ext4, tmpfs, xfs, btrfs).
+/// `(dev, ino)` alone is not enough: ext4 hands a freed inode number to the next new file at once,
+/// and its birth time ticks only every few milliseconds, so a socket re-created quickly has the
+/// same number and birth time. The file handle (`name_to_handle_at`) carries the inode's
+/// generation, which ext4, tmpfs, xfs and btrfs draw at random for every new inode: it tells the
+/// two apart. Birth time is kept for filesystems without file handles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct SocketId {
     /// `st_dev` of the filesystem holding the socket.
@@ -23,6 +26,8 @@ pub struct SocketId {
     pub ino: u64,
     /// `statx` birth time in nanoseconds since the epoch, when the filesystem reports it.
     pub birth_ns: Option<i128>,
+    /// Hash of the file handle (inode number and generation), when the filesystem exports handles.
+    pub handle: Option<u64>,
 }
 
 /// What `lstat` found at a path under the watched tree.
@@ -54,6 +59,7 @@ impl EntryKind {
                     dev,
                     ino: stx.stx_ino,
                     birth_ns,
+                    handle: file_handle_hash(path),
                 })
             }
             SFlag::S_IFDIR => EntryKind::Directory {
@@ -63,6 +69,47 @@ impl EntryKind {
             _ => EntryKind::Other,
         })
     }
+}
+
+/// Hash of the path's file handle, which includes the inode generation; `None` when the
+/// filesystem has no file handles (or the entry vanished meanwhile).
+fn file_handle_hash(path: &Path) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::ffi::OsStrExt;
+    /// `struct file_handle` with room for the largest handle (`MAX_HANDLE_SZ`).
+    #[repr(C)]
+    struct FileHandle {
+        handle_bytes: u32,
+        handle_type: i32,
+        f_handle: [u8; 128],
+    }
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut handle = FileHandle {
+        handle_bytes: 128,
+        handle_type: 0,
+        f_handle: [0; 128],
+    };
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: c_path is NUL-terminated; handle has handle_bytes of room after its header, as the
+    // syscall requires; mount_id is writable. AT_SYMLINK_FOLLOW is not given: the entry itself.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            libc::AT_FDCWD,
+            c_path.as_ptr(),
+            &mut handle as *mut FileHandle,
+            &mut mount_id as *mut libc::c_int,
+            0,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    let len = (handle.handle_bytes as usize).min(handle.f_handle.len());
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    handle.handle_type.hash(&mut hasher);
+    handle.f_handle[..len].hash(&mut hasher);
+    Some(hasher.finish())
 }
 
 fn statx(path: &Path) -> std::io::Result<libc::statx> {

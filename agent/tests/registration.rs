@@ -1,0 +1,292 @@
+//! The plugin client against real tonic servers on real Unix sockets: kubelet's Notify semantics,
+//! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
+
+use plugin_agent::registration::{PluginConnection, RegistrationError, Timeouts};
+use plugin_agent::state::{EntryKind, SocketId};
+use plugin_agent_proto::pluginregistration::registration_server::{
+    Registration, RegistrationServer,
+};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use std::path::Path;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Default)]
+struct Plugin {
+    name: String,
+    notify_error: Option<String>,
+    hang_get_info: bool,
+    versions: usize,
+}
+
+#[tonic::async_trait]
+impl Registration for Plugin {
+    async fn get_info(
+        &self,
+        _: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+        if self.hang_get_info {
+            std::future::pending::<()>().await;
+        }
+        Ok(tonic::Response::new(PluginInfo {
+            r#type: "CSIPlugin".into(),
+            name: self.name.clone(),
+            endpoint: String::new(),
+            supported_versions: (0..self.versions.max(1))
+                .map(|i| format!("1.{i}.0"))
+                .collect(),
+        }))
+    }
+    async fn notify_registration_status(
+        &self,
+        _: tonic::Request<RegistrationStatus>,
+    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+        match &self.notify_error {
+            Some(message) => Err(tonic::Status::internal(message.clone())),
+            None => Ok(tonic::Response::new(RegistrationStatusResponse {})),
+        }
+    }
+}
+
+fn serve(listener: tokio::net::UnixListener, plugin: Plugin) -> CancellationToken {
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(plugin))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                stopped.cancelled_owned(),
+            )
+            .await;
+    });
+    stop
+}
+
+fn identity(path: &Path) -> SocketId {
+    match EntryKind::of(path).expect("stat socket") {
+        EntryKind::Socket(id) => id,
+        other => panic!("not a socket: {other:?}"),
+    }
+}
+
+fn fast() -> Timeouts {
+    Timeouts {
+        dial: Duration::from_secs(5),
+        get_info: Duration::from_millis(300),
+        notify: Duration::from_secs(2),
+    }
+}
+
+#[tokio::test]
+async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ok = dir.path().join("ok.sock");
+    let _stop = serve(
+        tokio::net::UnixListener::bind(&ok).expect("bind"),
+        Plugin {
+            name: "ok".into(),
+            ..Plugin::default()
+        },
+    );
+    let (mut connection, info) = PluginConnection::get_info(&ok, identity(&ok), fast())
+        .await
+        .expect("GetInfo");
+    assert_eq!(info.name, "ok");
+    connection.notify(true, "").await.expect("notify true");
+
+    let failing = dir.path().join("failing.sock");
+    let plugin = Plugin {
+        name: "f".into(),
+        notify_error: Some("disk full".into()),
+        ..Plugin::default()
+    };
+    let _stop2 = serve(
+        tokio::net::UnixListener::bind(&failing).expect("bind"),
+        plugin,
+    );
+    let (mut connection, _) = PluginConnection::get_info(&failing, identity(&failing), fast())
+        .await
+        .expect("GetInfo");
+    match connection.notify(false, "rejected").await {
+        Err(RegistrationError::Notify(message)) => {
+            assert!(message.contains("disk full"), "{message}")
+        }
+        other => panic!("expected the plugin's error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn notify_transport_error_is_wrapped() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("p.sock");
+    let stop = serve(
+        tokio::net::UnixListener::bind(&path).expect("bind"),
+        Plugin {
+            name: "p".into(),
+            ..Plugin::default()
+        },
+    );
+    let (mut connection, _) = PluginConnection::get_info(&path, identity(&path), fast())
+        .await
+        .expect("GetInfo");
+    stop.cancel();
+    // Wait for the server to close the connection; then Notify has no transport.
+    let mut result = connection.notify(true, "").await;
+    for _ in 0..50 {
+        if result.is_err() {
+            break;
+        }
+        tokio::task::yield_now().await;
+        result = connection.notify(true, "").await;
+    }
+    assert!(
+        matches!(result, Err(RegistrationError::Notify(_))),
+        "got {result:?}"
+    );
+}
+
+#[tokio::test]
+async fn plugin_bound_before_listening_is_reached_once_it_listens() {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
+    };
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("late.sock");
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .expect("socket");
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &UnixAddr::new(&path).expect("addr"),
+    )
+    .expect("bind");
+    let id = identity(&path);
+    let attempt = tokio::spawn({
+        let path = path.clone();
+        async move { PluginConnection::get_info(&path, id, fast()).await }
+    });
+    // The client is now getting ECONNREFUSED; start listening and serving.
+    tokio::task::yield_now().await;
+    listen(&fd, Backlog::new(16).expect("backlog")).expect("listen");
+    let listener = tokio::net::UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
+        .expect("listener");
+    let _stop = serve(
+        listener,
+        Plugin {
+            name: "late".into(),
+            ..Plugin::default()
+        },
+    );
+    let (_, info) = attempt.await.expect("join").expect("GetInfo after listen");
+    assert_eq!(info.name, "late");
+}
+
+#[tokio::test]
+async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("slow.sock");
+    let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+    let id = identity(&path);
+    let attempt = tokio::spawn({
+        let path = path.clone();
+        async move { PluginConnection::get_info(&path, id, fast()).await }
+    });
+    // Serve only after more than one GetInfo deadline (300 ms) has passed.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let _stop = serve(
+        listener,
+        Plugin {
+            name: "slow".into(),
+            ..Plugin::default()
+        },
+    );
+    let (_, info) = attempt.await.expect("join").expect("GetInfo once serving");
+    assert_eq!(info.name, "slow");
+}
+
+#[tokio::test]
+async fn hung_get_info_fails_after_its_deadline() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("hung.sock");
+    let plugin = Plugin {
+        name: "hung".into(),
+        hang_get_info: true,
+        ..Plugin::default()
+    };
+    let _stop = serve(tokio::net::UnixListener::bind(&path).expect("bind"), plugin);
+    let started = tokio::time::Instant::now();
+    let result = PluginConnection::get_info(&path, identity(&path), fast()).await;
+    assert!(
+        matches!(result, Err(RegistrationError::GetInfo(_))),
+        "got {:?}",
+        result.err()
+    );
+    assert!(
+        started.elapsed() < fast().dial,
+        "a serving but hung plugin must fail on the GetInfo deadline"
+    );
+}
+
+#[tokio::test]
+async fn oversized_or_unreasonable_plugin_info_is_rejected() {
+    let dir = tempfile::tempdir().expect("dir");
+    let huge = dir.path().join("huge.sock");
+    let plugin = Plugin {
+        name: "x".repeat(100 * 1024),
+        ..Plugin::default()
+    };
+    let _stop = serve(tokio::net::UnixListener::bind(&huge).expect("bind"), plugin);
+    let result = PluginConnection::get_info(&huge, identity(&huge), fast()).await;
+    assert!(
+        matches!(result, Err(RegistrationError::GetInfo(_))),
+        "got {:?}",
+        result.err()
+    );
+
+    let many = dir.path().join("many.sock");
+    let plugin = Plugin {
+        name: "many".into(),
+        versions: 1000,
+        ..Plugin::default()
+    };
+    let _stop2 = serve(tokio::net::UnixListener::bind(&many).expect("bind"), plugin);
+    let result = PluginConnection::get_info(&many, identity(&many), fast()).await;
+    assert!(
+        matches!(result, Err(RegistrationError::InvalidInfo(_))),
+        "got {:?}",
+        result.err()
+    );
+}
+
+#[tokio::test]
+async fn socket_replaced_while_dialling_ends_the_attempt() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("bind stale"));
+    let stale = identity(&path);
+    let attempt = tokio::spawn({
+        let path = path.clone();
+        async move { PluginConnection::get_info(&path, stale, fast()).await }
+    });
+    std::fs::remove_file(&path).expect("unlink stale");
+    let _stop = serve(
+        tokio::net::UnixListener::bind(&path).expect("bind fresh"),
+        Plugin {
+            name: "fresh".into(),
+            ..Plugin::default()
+        },
+    );
+    let result = attempt.await.expect("join");
+    assert!(
+        matches!(result, Err(RegistrationError::SocketGone(_))),
+        "got {:?}",
+        result.err()
+    );
+}
