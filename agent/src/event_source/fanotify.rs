@@ -1,1 +1,591 @@
-//! The fanotify event source.
+//! The fanotify event source: directory-entry events from a fanotify group.
+//!
+//! ```text
+//! kernel fanotify queue --read--> records::Events --resolve dir handle--> FsEvent --> watcher
+//! ```
+//!
+//! The group is created with `FAN_CLASS_NOTIF | FAN_REPORT_DFID_NAME`: every event names the
+//! directory it happened in by *file handle* (plus the filesystem id) and the entry by name, and
+//! carries the pid of the process that caused it. [`FanotifySource::watch`] puts one inode mark on
+//! each watched directory and records that directory's handle (`name_to_handle_at`), so the reader
+//! can turn (handle, name) back into a path without opening anything.
+//!
+//! What the kernel does and how it maps onto [`FsEvent`]:
+//! - `FAN_CREATE` / `FAN_MOVED_TO` (files, sockets, and directories through `FAN_ONDIR`) ->
+//!   [`FsEvent::Created`]; `FAN_DELETE` / `FAN_MOVED_FROM` -> [`FsEvent::Removed`].
+//! - fanotify merges a new event into an unread one for the same (directory, name, pid), OR-ing
+//!   the masks, so one event can say "created and deleted" without saying in which order. Such an
+//!   event becomes `Removed` followed by `Created`: the watcher stats the path, so whatever the
+//!   order was, what it finds is the truth.
+//! - `FAN_DELETE_SELF` / `FAN_MOVE_SELF` on a watched directory -> `Removed` for that directory.
+//! - `FAN_Q_OVERFLOW` -> [`FsEvent::Rescan`]. The queue is unbounded when the kernel allows
+//!   `FAN_UNLIMITED_QUEUE`; otherwise it holds `fs.fanotify.max_queued_events` events.
+//! - Events caused by the agent's own process are dropped (the trait's promise).
+//! - A record that does not parse is logged and turned into a `Rescan`, never a panic.
+//!
+//! Limits: a mark lives on the inode, so a watched directory moved *out* of the tree keeps its mark
+//! until it is deleted or the agent exits (its events are dropped: its handle is no longer in the
+//! table). Needs Linux >= 5.9 (`FAN_REPORT_DFID_NAME`) and a filesystem that can encode file
+//! handles (ext4, xfs, btrfs, tmpfs do). `CAP_SYS_ADMIN` is what the agent normally has; since
+//! Linux 5.13 an unprivileged group works too, but only with the bounded queue (the kernel then
+//! reports other processes' pids as 0 and still reports ours, so the own-pid filter holds).
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyhow::Context as _;
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::fanotify::{EventFFlags, Fanotify, InitFlags, MarkFlags, MaskFlags};
+use nix::sys::stat::Mode;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::{EventSource, FsEvent, Observed, SourceKind, WatchedDir};
+
+mod records;
+
+/// How the fanotify group is set up; [`open`] uses the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FanotifyOptions {
+    /// Ask for `FAN_UNLIMITED_QUEUE` (retrying without it if refused). Tests turn it off to make
+    /// the kernel queue overflow on purpose.
+    pub unlimited_queue: bool,
+}
+
+impl Default for FanotifyOptions {
+    fn default() -> Self {
+        FanotifyOptions {
+            unlimited_queue: true,
+        }
+    }
+}
+
+/// Events asked for on every watched directory: entry changes (with `FAN_ONDIR`, also for
+/// sub-directories) and the directory's own removal or move.
+fn mark_mask() -> MaskFlags {
+    MaskFlags::FAN_CREATE
+        | MaskFlags::FAN_DELETE
+        | MaskFlags::FAN_MOVED_FROM
+        | MaskFlags::FAN_MOVED_TO
+        | MaskFlags::FAN_DELETE_SELF
+        | MaskFlags::FAN_MOVE_SELF
+        | MaskFlags::FAN_ONDIR
+}
+
+/// Most events turned into [`FsEvent`]s before they are handed on, so that a flood is read in
+/// bounded batches rather than all at once.
+const MAX_BATCH: usize = 4096;
+
+/// One `read(2)` worth of events; the largest event (metadata + handle + name) is well below this.
+const READ_BUF: usize = 64 * 1024;
+
+/// Opens a fanotify source with the default options (unbounded queue when allowed).
+///
+/// `sink` receives the events (with back-pressure); the reader task stops when `cancel` fires or
+/// the returned source is dropped. Must be called inside a tokio runtime.
+pub fn open(
+    sink: mpsc::Sender<FsEvent>,
+    cancel: CancellationToken,
+) -> anyhow::Result<FanotifySource> {
+    open_with(sink, cancel, FanotifyOptions::default())
+}
+
+/// Opens a fanotify source with explicit [`FanotifyOptions`]; see [`open`].
+pub fn open_with(
+    sink: mpsc::Sender<FsEvent>,
+    cancel: CancellationToken,
+    options: FanotifyOptions,
+) -> anyhow::Result<FanotifySource> {
+    tokio::runtime::Handle::try_current()
+        .context("the fanotify source must be opened inside a tokio runtime")?;
+    let (group, queue) = init_group(options.unlimited_queue)?;
+    // SAFETY: `Group` owns the fd (inside `Fanotify`), never replaces it, and closes it only when
+    // dropped together with the `AsyncFd`; `as_raw_fd` always returns that same fd.
+    let group = unsafe { AsyncFd::register_with_interest(Group(group), Interest::READABLE) }
+        .map_err(|e| anyhow::anyhow!("cannot register the fanotify fd with tokio: {e}"))?;
+    let group = Arc::new(group);
+    let dirs = Arc::new(Mutex::new(DirTable::default()));
+    let stop = cancel.child_token();
+    let reader = Reader {
+        group: Arc::clone(&group),
+        dirs: Arc::clone(&dirs),
+        sink,
+        own_pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
+    };
+    tokio::spawn(reader.run(stop.clone()));
+    Ok(FanotifySource {
+        group,
+        dirs,
+        queue,
+        _stop: stop.drop_guard(),
+    })
+}
+
+/// A fanotify group with one inode mark per watched directory and the task that reads it.
+pub struct FanotifySource {
+    group: Arc<AsyncFd<Group>>,
+    dirs: Arc<Mutex<DirTable>>,
+    queue: QueueLimit,
+    /// Stops the reader when the source is dropped (the agent's token stops it too).
+    _stop: DropGuard,
+}
+
+/// What bounds the kernel queue, for `describe()`.
+#[derive(Debug, Clone)]
+enum QueueLimit {
+    Unlimited,
+    /// Bounded by `fs.fanotify.max_queued_events`; `why` says whether we asked for more.
+    Bounded {
+        max_events: Option<u64>,
+        why: &'static str,
+    },
+}
+
+/// The group fd, in a form `AsyncFd` accepts.
+struct Group(Fanotify);
+
+impl AsRawFd for Group {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+fn init_group(unlimited: bool) -> anyhow::Result<(Fanotify, QueueLimit)> {
+    let base = InitFlags::FAN_CLASS_NOTIF
+        | InitFlags::FAN_CLOEXEC
+        | InitFlags::FAN_NONBLOCK
+        // nix does not name the FID reporting flags; the bits are the kernel's.
+        | InitFlags::from_bits_retain(libc::FAN_REPORT_DFID_NAME);
+    let event_flags = EventFFlags::O_RDONLY | EventFFlags::O_CLOEXEC;
+    let bounded = |why| QueueLimit::Bounded {
+        max_events: read_sysctl("/proc/sys/fs/fanotify/max_queued_events"),
+        why,
+    };
+    if unlimited {
+        match Fanotify::init(base | InitFlags::FAN_UNLIMITED_QUEUE, event_flags) {
+            Ok(group) => return Ok((group, QueueLimit::Unlimited)),
+            Err(Errno::EPERM) => {
+                tracing::warn!(
+                    "fanotify_init refused FAN_UNLIMITED_QUEUE (EPERM); using the bounded queue, \
+                     overflow will trigger rescans"
+                );
+                let group = Fanotify::init(base, event_flags).map_err(init_error)?;
+                return Ok((group, bounded("FAN_UNLIMITED_QUEUE refused: EPERM")));
+            }
+            Err(e) => return Err(init_error(e)),
+        }
+    }
+    let group = Fanotify::init(base, event_flags).map_err(init_error)?;
+    Ok((group, bounded("bounded queue requested")))
+}
+
+fn init_error(errno: Errno) -> anyhow::Error {
+    let hint = match errno {
+        Errno::EPERM => {
+            "; needs CAP_SYS_ADMIN (or Linux >= 5.13 for an unprivileged fanotify group)"
+        }
+        Errno::EINVAL => "; the kernel lacks FAN_REPORT_DFID_NAME (needs Linux >= 5.9)",
+        Errno::ENOSYS => "; the kernel is built without fanotify",
+        Errno::EMFILE => "; too many fanotify groups (fs.fanotify.max_user_groups)",
+        _ => "",
+    };
+    anyhow::anyhow!("fanotify_init: {}{hint}", errno.desc().to_lowercase())
+}
+
+fn read_sysctl(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+impl EventSource for FanotifySource {
+    fn kind(&self) -> SourceKind {
+        SourceKind::Fanotify
+    }
+
+    fn describe(&self) -> String {
+        let marks = lock(&self.dirs).by_handle.len();
+        let queue = match &self.queue {
+            QueueLimit::Unlimited => "unlimited queue".to_string(),
+            QueueLimit::Bounded { max_events, why } => match max_events {
+                Some(n) => format!("queue bounded at {n} events ({why}); overflow -> rescan"),
+                None => format!("bounded queue ({why}); overflow -> rescan"),
+            },
+        };
+        format!(
+            "fanotify FAN_CLASS_NOTIF|FAN_REPORT_DFID_NAME, {marks} directory inode marks \
+             (create, delete, moved from/to, delete/move self, dirs included), {queue}"
+        )
+    }
+
+    fn watch(&self, dir: &WatchedDir) -> anyhow::Result<()> {
+        let fd = open_dir(dir)?;
+        let handle = DirHandle::of(fd.as_fd())
+            .with_context(|| format!("cannot get a file handle for {}", dir.path.display()))?;
+        // Record the handle before marking, under the lock, so the first event finds it.
+        let mut dirs = lock(&self.dirs);
+        let previous = dirs.by_handle.insert(handle.clone(), dir.clone());
+        let marked = self.group.get_ref().0.mark(
+            MarkFlags::FAN_MARK_ADD | MarkFlags::FAN_MARK_ONLYDIR,
+            mark_mask(),
+            fd.as_fd(),
+            None::<&Path>,
+        );
+        if let Err(errno) = marked {
+            match previous {
+                Some(previous) => dirs.by_handle.insert(handle, previous),
+                None => dirs.by_handle.remove(&handle),
+            };
+            return Err(mark_error(errno, &dir.path));
+        }
+        tracing::debug!(dir = %dir.path.display(), "fanotify mark added");
+        Ok(())
+    }
+
+    fn unwatch(&self, dir: &WatchedDir) {
+        let mut dirs = lock(&self.dirs);
+        let before = dirs.by_handle.len();
+        dirs.by_handle.retain(|_, watched| watched != dir);
+        if dirs.by_handle.len() == before {
+            return; // never watched, already gone, or re-watched under another path
+        }
+        // The mark is removed through the path while it still names the same directory; a
+        // directory that was deleted lost its mark with its inode, one moved away keeps it.
+        if let Ok(fd) = open_dir(dir) {
+            let removed = self.group.get_ref().0.mark(
+                MarkFlags::FAN_MARK_REMOVE | MarkFlags::FAN_MARK_ONLYDIR,
+                mark_mask(),
+                fd.as_fd(),
+                None::<&Path>,
+            );
+            if let Err(errno) = removed {
+                tracing::debug!(dir = %dir.path.display(), %errno, "fanotify mark removal failed");
+            }
+        }
+    }
+}
+
+/// Opens `dir` without following a symlink and checks it is still the directory the watcher
+/// stat'ed (a directory replaced in between is an error, not a silent watch on the wrong inode).
+/// `O_RDONLY` rather than `O_PATH`: fanotify_mark rejects `O_PATH` descriptors.
+fn open_dir(dir: &WatchedDir) -> anyhow::Result<OwnedFd> {
+    let fd = nix::fcntl::open(
+        dir.path.as_path(),
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("cannot open directory {}", dir.path.display()))?;
+    let st = nix::sys::stat::fstat(&fd)
+        .with_context(|| format!("cannot stat directory {}", dir.path.display()))?;
+    if st.st_dev != dir.dev || st.st_ino != dir.ino {
+        anyhow::bail!(
+            "{} was replaced by another directory before it could be watched",
+            dir.path.display()
+        );
+    }
+    Ok(fd)
+}
+
+fn mark_error(errno: Errno, path: &Path) -> anyhow::Error {
+    let hint = match errno {
+        Errno::ENODEV | Errno::EOPNOTSUPP | Errno::EXDEV => {
+            "; the filesystem cannot report file handles to fanotify"
+        }
+        Errno::ENOSPC => "; too many marks (fs.fanotify.max_user_marks)",
+        _ => "",
+    };
+    anyhow::anyhow!(
+        "fanotify_mark {}: {}{hint}",
+        path.display(),
+        errno.desc().to_lowercase()
+    )
+}
+
+fn lock(dirs: &Mutex<DirTable>) -> MutexGuard<'_, DirTable> {
+    // A panic while holding the lock leaves a consistent map (single inserts/removes).
+    dirs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Watched directories by the identity fanotify reports them with.
+#[derive(Debug, Default)]
+struct DirTable {
+    by_handle: HashMap<DirHandle, WatchedDir>,
+}
+
+/// A directory's identity in fanotify records: filesystem id plus file handle.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct DirHandle {
+    fsid: [u8; 8],
+    handle_type: i32,
+    handle: Vec<u8>,
+}
+
+impl DirHandle {
+    /// The handle of the open directory `fd`, encoded the way fanotify encodes it.
+    fn of(fd: BorrowedFd<'_>) -> anyhow::Result<Self> {
+        let statfs = nix::sys::statfs::fstatfs(fd).context("fstatfs")?;
+        let fsid = statfs.filesystem_id();
+        // SAFETY: `fsid_t` is two `c_int`s (8 bytes, no padding) whose fields libc keeps private;
+        // the kernel reports the same 8 bytes in every fanotify record.
+        let fsid: [u8; 8] = unsafe { std::mem::transmute::<libc::fsid_t, [u8; 8]>(fsid) };
+        // AT_HANDLE_FID (Linux 6.5) asks for the same encoding fanotify uses even on filesystems
+        // that cannot be NFS-exported; older kernels reject the flag and use the export encoding,
+        // which is what fanotify used there too.
+        let (handle_type, handle) =
+            match name_to_handle(fd, libc::AT_EMPTY_PATH | libc::AT_HANDLE_FID) {
+                Err(Errno::EINVAL) => name_to_handle(fd, libc::AT_EMPTY_PATH),
+                other => other,
+            }
+            .map_err(|errno| match errno {
+                Errno::EOPNOTSUPP => anyhow::anyhow!(
+                    "name_to_handle_at: the filesystem does not support file handles"
+                ),
+                errno => anyhow::anyhow!("name_to_handle_at: {}", errno.desc().to_lowercase()),
+            })?;
+        Ok(DirHandle {
+            fsid,
+            handle_type,
+            handle,
+        })
+    }
+}
+
+/// `name_to_handle_at(fd, "", flags)`: (handle type, handle bytes). nix does not wrap it.
+fn name_to_handle(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<(i32, Vec<u8>), Errno> {
+    /// `struct file_handle` with room for the largest handle the kernel hands out.
+    #[repr(C)]
+    struct HandleBuf {
+        handle_bytes: libc::c_uint,
+        handle_type: libc::c_int,
+        f_handle: [u8; libc::MAX_HANDLE_SZ as usize],
+    }
+    let mut buf = HandleBuf {
+        handle_bytes: libc::MAX_HANDLE_SZ as libc::c_uint,
+        handle_type: 0,
+        f_handle: [0; libc::MAX_HANDLE_SZ as usize],
+    };
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: `buf` is a `struct file_handle` header followed by `handle_bytes` bytes of storage,
+    // the path is a NUL-terminated empty string (AT_EMPTY_PATH: the handle of `fd` itself), and
+    // `mount_id` is a valid out-pointer; all outlive the call.
+    let rc = unsafe {
+        libc::name_to_handle_at(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            (&raw mut buf).cast::<libc::file_handle>(),
+            &raw mut mount_id,
+            flags,
+        )
+    };
+    Errno::result(rc)?;
+    let len = (buf.handle_bytes as usize).min(buf.f_handle.len());
+    Ok((buf.handle_type, buf.f_handle[..len].to_vec()))
+}
+
+/// The task that drains the group and feeds the watcher.
+struct Reader {
+    group: Arc<AsyncFd<Group>>,
+    dirs: Arc<Mutex<DirTable>>,
+    sink: mpsc::Sender<FsEvent>,
+    own_pid: i32,
+}
+
+impl Reader {
+    async fn run(self, stop: CancellationToken) {
+        let mut buf = vec![0u8; READ_BUF];
+        let mut batch = Vec::new();
+        loop {
+            let mut ready = tokio::select! {
+                _ = stop.cancelled() => return,
+                ready = self.group.readable() => match ready {
+                    Ok(ready) => ready,
+                    Err(error) => {
+                        self.fail(&stop, format!("fanotify fd cannot be polled: {error}")).await;
+                        return;
+                    }
+                },
+            };
+            // Drain what is readable now, up to a batch; `try_io` clears readiness on EAGAIN.
+            while batch.len() < MAX_BATCH {
+                match ready.try_io(|group| {
+                    nix::unistd::read(group.get_ref().0.as_fd(), &mut buf).map_err(io::Error::from)
+                }) {
+                    Ok(Ok(0)) => break,
+                    Ok(Ok(n)) => self.interpret(&buf[..n], &mut batch),
+                    Ok(Err(error)) if error.kind() == io::ErrorKind::Interrupted => continue,
+                    Ok(Err(error)) => {
+                        drop(ready);
+                        self.fail(&stop, format!("reading the fanotify fd failed: {error}"))
+                            .await;
+                        return;
+                    }
+                    Err(_would_block) => break,
+                }
+            }
+            drop(ready);
+            for event in batch.drain(..) {
+                if !deliver(&self.sink, &stop, event).await {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Turns one read's worth of records into events, appending to `out`.
+    fn interpret(&self, buf: &[u8], out: &mut Vec<FsEvent>) {
+        let mut dirs = lock(&self.dirs);
+        for event in records::Events::new(buf) {
+            let event = match event {
+                Ok(event) => event,
+                Err(malformed) => {
+                    tracing::error!(%malformed, "malformed fanotify event; rescanning");
+                    out.push(FsEvent::Rescan {
+                        reason: format!("malformed fanotify event: {malformed}"),
+                    });
+                    continue;
+                }
+            };
+            if event.mask & libc::FAN_Q_OVERFLOW != 0 {
+                tracing::warn!("fanotify queue overflowed; rescanning");
+                out.push(FsEvent::Rescan {
+                    reason: "fanotify queue overflowed".to_string(),
+                });
+                continue;
+            }
+            // The agent's own filesystem activity is not reported, but still keeps the table right.
+            let own = event.pid == self.own_pid;
+            let Some(record) = event.dir else {
+                tracing::debug!(
+                    mask = event.mask,
+                    "fanotify event without a directory record"
+                );
+                continue;
+            };
+            let key = DirHandle {
+                fsid: record.fsid,
+                handle_type: record.handle_type,
+                handle: record.handle.to_vec(),
+            };
+            let Some(dir) = dirs.by_handle.get(&key) else {
+                // A directory unwatched (or moved out of the tree) with events still queued.
+                tracing::trace!(
+                    mask = event.mask,
+                    "fanotify event for an unwatched directory"
+                );
+                continue;
+            };
+            match record.name {
+                None | Some(b".") => {
+                    if !own && event.mask & (libc::FAN_DELETE_SELF | libc::FAN_MOVE_SELF) != 0 {
+                        out.push(removed(dir.path.clone()));
+                    }
+                    if event.mask & libc::FAN_DELETE_SELF != 0 {
+                        // The inode is gone and took the mark with it.
+                        dirs.by_handle.remove(&key);
+                    }
+                }
+                Some(name) if records::is_entry_name(name) => {
+                    if !own {
+                        entry_events(event.mask, dir.path.join(OsStr::from_bytes(name)), out);
+                    }
+                }
+                Some(name) => {
+                    let name = String::from_utf8_lossy(name);
+                    tracing::error!(%name, "impossible entry name from fanotify; rescanning");
+                    out.push(FsEvent::Rescan {
+                        reason: format!("fanotify reported an impossible entry name {name:?}"),
+                    });
+                }
+            }
+        }
+    }
+
+    /// The reader cannot go on: say so and ask for a rescan so nothing read so far is lost.
+    async fn fail(&self, stop: &CancellationToken, reason: String) {
+        tracing::error!(%reason, "fanotify reader stopped; no further events from this source");
+        deliver(&self.sink, stop, FsEvent::Rescan { reason }).await;
+    }
+}
+
+/// The events for a change to the entry at `path`. A mask saying both "appeared" and "gone" is
+/// several events fanotify merged without keeping their order: `Removed` then `Created`, so a
+/// watcher that takes them literally still ends on what its stat of `path` finds.
+fn entry_events(mask: u64, path: PathBuf, out: &mut Vec<FsEvent>) {
+    let appeared = mask & (libc::FAN_CREATE | libc::FAN_MOVED_TO) != 0;
+    let gone = mask & (libc::FAN_DELETE | libc::FAN_MOVED_FROM) != 0;
+    match (gone, appeared) {
+        (true, true) => {
+            out.push(removed(path.clone()));
+            out.push(created(path));
+        }
+        (true, false) => out.push(removed(path)),
+        (false, true) => out.push(created(path)),
+        (false, false) => {}
+    }
+}
+
+fn created(path: PathBuf) -> FsEvent {
+    FsEvent::Created {
+        path,
+        observed: Observed::default(),
+    }
+}
+
+fn removed(path: PathBuf) -> FsEvent {
+    FsEvent::Removed {
+        path,
+        observed: Observed::default(),
+    }
+}
+
+/// Sends with back-pressure; false when the reader should stop (cancelled or watcher gone).
+async fn deliver(sink: &mpsc::Sender<FsEvent>, stop: &CancellationToken, event: FsEvent) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        sent = sink.send(event) => sent.is_ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events_for(mask: u64) -> Vec<FsEvent> {
+        let mut out = Vec::new();
+        entry_events(mask, PathBuf::from("/r/a.sock"), &mut out);
+        out
+    }
+
+    #[test]
+    fn create_and_moved_to_are_created() {
+        let want = [created("/r/a.sock".into())];
+        assert_eq!(events_for(libc::FAN_CREATE), want);
+        assert_eq!(events_for(libc::FAN_MOVED_TO), want);
+        assert_eq!(events_for(libc::FAN_CREATE | libc::FAN_ONDIR), want);
+    }
+
+    #[test]
+    fn delete_and_moved_from_are_removed() {
+        let want = [removed("/r/a.sock".into())];
+        assert_eq!(events_for(libc::FAN_DELETE), want);
+        assert_eq!(events_for(libc::FAN_MOVED_FROM), want);
+    }
+
+    #[test]
+    fn merged_create_and_delete_are_removed_then_created() {
+        let want = [removed("/r/a.sock".into()), created("/r/a.sock".into())];
+        assert_eq!(events_for(libc::FAN_CREATE | libc::FAN_DELETE), want);
+        assert_eq!(events_for(libc::FAN_MOVED_FROM | libc::FAN_MOVED_TO), want);
+    }
+
+    #[test]
+    fn other_bits_alone_report_nothing() {
+        assert_eq!(events_for(libc::FAN_ONDIR), []);
+    }
+}
