@@ -1,1 +1,66 @@
-//! Shared helpers for the end-to-end tests.
+//! End-to-end test harness: the real `plugin-agent` binary against real plugin processes over
+//! real Unix sockets.
+//!
+//! ```text
+//! test --AgentProcess--> plugin-agent run --plugin-dir <PluginDir> --source <Source> --handler T=accept-all
+//!      --PluginProcess--> example-plugin --socket <PluginDir>/x.sock  (kubelet's pluginregistration API)
+//!      <-- awaits agent JSON log lines and plugin JSON events (never sleeps for an outcome)
+//! ```
+//!
+//! Every scenario runs once per event source ([`per_source!`]); sources this machine or this
+//! build cannot run are skipped with a message, except under `CI=true`, where they fail.
+//! Processes and directories are RAII guards: a failing test leaves nothing behind.
+
+pub mod agent;
+pub mod env;
+pub mod events;
+pub mod plugin;
+
+pub use agent::{AgentOptions, AgentProcess, logs};
+pub use env::{PluginDir, Source};
+pub use events::{Line, Mark};
+pub use plugin::{PluginOptions, PluginProcess};
+
+use std::time::Duration;
+
+/// Upper bound for anything event-driven (a registration, a deregistration): generous, since it
+/// only limits how long a broken run hangs; passing runs take milliseconds.
+pub const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Generates one `#[tokio::test]` per event source for each scenario function
+/// `async fn scenario(source: Source)` named (attributes such as an ignore reason may precede a
+/// name), in modules `inotify`, `fanotify` and `ebpf`, so the
+/// test list reads `inotify::registers_plugins_at_depth_0_1_and_2`, and so on.
+#[macro_export]
+macro_rules! per_source {
+    ($($(#[$attr:meta])* $scenario:ident),* $(,)?) => {
+        $crate::per_source!(@module inotify, Inotify, $($(#[$attr])* $scenario),*);
+        $crate::per_source!(@module fanotify, Fanotify, $($(#[$attr])* $scenario),*);
+        $crate::per_source!(@module ebpf, Ebpf, $($(#[$attr])* $scenario),*);
+    };
+    (@module $module:ident, $source:ident, $($(#[$attr:meta])* $scenario:ident),*) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                $(#[$attr])*
+                async fn $scenario() {
+                    super::$scenario($crate::Source::$source).await
+                }
+            )*
+        }
+    };
+}
+
+/// Options for an `example-plugin` serving at `socket`; usable from this package's integration
+/// tests, which are the only crates that know where Cargo put the binary.
+#[macro_export]
+macro_rules! plugin {
+    ($socket:expr) => {
+        $crate::PluginOptions::new(env!("CARGO_BIN_EXE_example-plugin"), $socket)
+    };
+}
+
+/// The name a scenario uses for skips, failure messages and log-reader threads.
+pub fn test_name(scenario: &str, source: Source) -> String {
+    format!("{source}::{scenario}")
+}

@@ -1,0 +1,331 @@
+//! The agent under test: a real `plugin-agent run` process with JSON logs the test awaits.
+//!
+//! ```text
+//! AgentProcess::start --spawn--> plugin-agent --log-format json run --plugin-dir D --source S --handler ...
+//!                      <-stderr-- JSON log lines --> EventLog --> wait_for_log(...)
+//! ```
+//!
+//! The process is killed when the handle is dropped, so a failed (panicking) test leaves nothing
+//! running. [`AgentProcess::stop`] is the graceful path (SIGTERM, as systemd or kubelet's pod
+//! would send).
+
+use crate::env::{Source, agent_bin, privileged, skip};
+use crate::events::{EventLog, Line, Mark, WaitError};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+/// Texts of the agent's start-up error when the eBPF source is not compiled in (or not wired in
+/// yet): the eBPF variants of the scenarios are skipped then, outside CI.
+pub const EBPF_UNAVAILABLE: [&str; 2] = ["built without the eBPF", "not wired in yet"];
+
+/// How long the agent may take to open its source and scan the directory.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// What to start the agent with.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// Event source under test.
+    pub source: Source,
+    /// Directory to watch.
+    pub plugin_dir: PathBuf,
+    /// `--handler TYPE=HANDLER` values.
+    pub handlers: Vec<String>,
+    /// Anything else for `run` (`--safety-period 1s`, say).
+    pub extra: Vec<String>,
+}
+
+impl AgentOptions {
+    /// The usual set-up: `CSIPlugin=accept-all`.
+    pub fn new(source: Source, plugin_dir: &Path) -> AgentOptions {
+        AgentOptions {
+            source,
+            plugin_dir: plugin_dir.to_path_buf(),
+            handlers: vec!["CSIPlugin=accept-all".into()],
+            extra: Vec::new(),
+        }
+    }
+
+    /// Replaces the handler list.
+    pub fn handlers(mut self, handlers: &[&str]) -> AgentOptions {
+        self.handlers = handlers.iter().map(|h| h.to_string()).collect();
+        self
+    }
+}
+
+/// A running `plugin-agent`; killed on drop.
+#[derive(Debug)]
+pub struct AgentProcess {
+    child: Option<Child>,
+    log: EventLog,
+    test: String,
+}
+
+impl AgentProcess {
+    /// Starts the agent and waits until it has scanned the plugin directory once. Returns `None`
+    /// when the test must be skipped (see [`skip`]): a privileged source without root, or an eBPF
+    /// source the agent was built without.
+    pub async fn start(test: &str, options: AgentOptions) -> Option<AgentProcess> {
+        if options.source.needs_root() && !privileged(test) {
+            return None;
+        }
+        let mut command = Command::new(agent_bin());
+        command
+            .args([
+                "--log-format",
+                "json",
+                "--log-level",
+                "plugin_agent=debug",
+                "run",
+                "--plugin-dir",
+            ])
+            .arg(&options.plugin_dir)
+            .args(["--source", options.source.as_arg()]);
+        for handler in &options.handlers {
+            command.args(["--handler", handler]);
+        }
+        command
+            .args(&options.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("{test}: cannot start plugin-agent: {e}"));
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let log = EventLog::read_from(stderr, format!("agent-log-{test}"));
+        let mut agent = AgentProcess {
+            child: Some(child),
+            log,
+            test: test.to_string(),
+        };
+
+        let ready = agent
+            .log
+            .wait_for(Mark(0), START_TIMEOUT, |l| {
+                l.message() == "scanned plugin directory" && l.field_is("reason", "start")
+            })
+            .await;
+        match ready {
+            Ok(_) => Some(agent),
+            Err(WaitError::Closed) => {
+                let status = agent.wait_exit(Duration::from_secs(5));
+                let output = agent.log.tail(50);
+                if options.source == Source::Ebpf
+                    && EBPF_UNAVAILABLE.iter().any(|m| output.contains(m))
+                {
+                    skip(
+                        test,
+                        "this plugin-agent has no eBPF source (build it with `cargo xtask test`)",
+                    );
+                    return None;
+                }
+                panic!("{test}: plugin-agent exited at start ({status:?}):\n{output}");
+            }
+            Err(WaitError::Timeout) => {
+                panic!(
+                    "{test}: plugin-agent did not scan its directory within {START_TIMEOUT:?}:\n{}",
+                    agent.log.tail(50)
+                )
+            }
+        }
+    }
+
+    /// Starts the agent with the usual options ([`AgentOptions::new`]).
+    pub async fn start_default(
+        test: &str,
+        source: Source,
+        plugin_dir: &Path,
+    ) -> Option<AgentProcess> {
+        AgentProcess::start(test, AgentOptions::new(source, plugin_dir)).await
+    }
+
+    /// The agent's log.
+    pub fn log(&self) -> &EventLog {
+        &self.log
+    }
+
+    /// The current end of the log, to wait for lines after it.
+    pub fn mark(&self) -> Mark {
+        self.log.mark()
+    }
+
+    /// Waits for a log line (from the start) matching `pred`; panics with the log tail on timeout.
+    pub async fn wait_for_log(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Line) -> bool,
+    ) -> Line {
+        self.wait_for_log_after(Mark(0), what, timeout, pred).await
+    }
+
+    /// Waits for a log line after `mark` matching `pred`; panics with the log tail on timeout.
+    pub async fn wait_for_log_after(
+        &self,
+        mark: Mark,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Line) -> bool,
+    ) -> Line {
+        match self.log.wait_for(mark, timeout, pred).await {
+            Ok(line) => line,
+            Err(e) => self.fail(&format!("waiting for {what}: {e:?} (limit {timeout:?})")),
+        }
+    }
+
+    /// Waits for `n` log lines after `mark` matching `pred`.
+    pub async fn wait_for_logs(
+        &self,
+        mark: Mark,
+        n: usize,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Line) -> bool,
+    ) -> Vec<Line> {
+        match self.log.wait_for_count(mark, n, timeout, pred).await {
+            Ok(lines) => lines,
+            Err(e) => {
+                let got = self.log.matching_since(mark, |_| true).len();
+                self.fail(&format!(
+                    "waiting for {n} x {what}: {e:?} (limit {timeout:?}, {got} lines since mark)"
+                ))
+            }
+        }
+    }
+
+    /// Log lines after `mark` matching `pred` (no waiting).
+    pub fn logs_since(&self, mark: Mark, pred: impl Fn(&Line) -> bool) -> Vec<Line> {
+        self.log.matching_since(mark, pred)
+    }
+
+    /// Panics with `why` and the end of the agent's log.
+    pub fn fail(&self, why: &str) -> ! {
+        panic!(
+            "{}: {why}\n--- plugin-agent log (last 80 lines) ---\n{}",
+            self.test,
+            self.log.tail(80)
+        )
+    }
+
+    /// The process id, for signals.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Stops the agent with SIGTERM and waits for it to exit (graceful shutdown).
+    pub async fn stop(mut self) -> ExitStatus {
+        let Some(mut child) = self.child.take() else {
+            self.fail("agent already stopped")
+        };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let waited = tokio::task::spawn_blocking(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => return Ok(status),
+                    Ok(None) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err("plugin-agent did not exit within 20 s of SIGTERM");
+                    }
+                }
+            }
+        })
+        .await
+        .expect("waiting for the agent");
+        match waited {
+            Ok(status) => status,
+            Err(why) => self.fail(why),
+        }
+    }
+
+    /// Waits for an exited (or exiting) agent, killing it after `limit`.
+    fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                _ => {
+                    let _ = child.kill();
+                    return child.wait().ok();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Predicates on agent log lines, named for what the agent reports.
+pub mod logs {
+    use crate::events::Line;
+    use std::path::Path;
+
+    fn about(line: &Line, socket: &Path) -> bool {
+        line.field_is("socket_path", &socket.to_string_lossy())
+    }
+
+    /// The executor finished registering the plugin at `socket`.
+    pub fn registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "plugin registered" && about(l, socket)
+    }
+
+    /// The accept-all handler was asked to register the plugin at `socket`.
+    pub fn handler_registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "plugin registered (accept-all)" && about(l, socket)
+    }
+
+    /// The plugin at `socket` was deregistered (handler called).
+    pub fn deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "plugin deregistered" && about(l, socket)
+    }
+
+    /// The accept-all handler was asked to deregister the plugin at `socket`.
+    pub fn handler_deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "plugin deregistered (accept-all)" && about(l, socket)
+    }
+
+    /// A registration attempt for `socket` failed.
+    pub fn registration_failed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "plugin registration failed" && about(l, socket)
+    }
+
+    /// Any registration attempt failed.
+    pub fn any_registration_failed(l: &Line) -> bool {
+        l.message() == "plugin registration failed"
+    }
+
+    /// The watcher recorded a socket at `socket`.
+    pub fn discovered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.message() == "socket discovered" && about(l, socket)
+    }
+
+    /// Any line that names `socket` (in its fields or spans).
+    pub fn mentions(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| about(l, socket)
+    }
+
+    /// The watcher forgot the socket at `socket`.
+    pub fn removed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| {
+            (l.message() == "socket removed" || l.message() == "socket removed with its directory")
+                && about(l, socket)
+        }
+    }
+}

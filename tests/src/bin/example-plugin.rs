@@ -1,0 +1,359 @@
+//! `example-plugin`: a kubelet-compatible registration plugin with knobs for misbehaving.
+//!
+//! It serves `pluginregistration.Registration` on a Unix socket exactly as CSI node-driver-registrar,
+//! device plugins and DRA drivers do, so the end-to-end tests drive the real `plugin-agent` binary
+//! against a real plugin. Flags make it fail, hang, bind before it serves, or speak no gRPC at all,
+//! which is how the tests reach the agent's error paths.
+//!
+//! It prints one JSON object per event on stdout (flushed at once), which the test harness reads:
+//! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
+//! `{"event":"get_info"}`, `{"event":"notify","registered":..,"error":..,"refused":..}`,
+//! `{"event":"accepted"}` (raw modes), `{"event":"stopped"}`.
+//!
+//! On SIGTERM or SIGINT it removes its socket (only if the path still holds the socket it bound, so
+//! a plugin that replaced it keeps its own) and exits 0, as real plugins do.
+
+use clap::{Parser, ValueEnum};
+use nix::sys::socket::{
+    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
+};
+use plugin_agent_proto::pluginregistration::registration_server::{
+    Registration, RegistrationServer,
+};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use serde_json::json;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+/// What the plugin does with connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Serve the registration API (the normal case).
+    Grpc,
+    /// Write bytes that are not HTTP/2 and close each connection.
+    NonGrpc,
+    /// Accept connections and never read or write.
+    AcceptSilent,
+}
+
+/// Command line of the example plugin.
+#[derive(Parser, Debug)]
+#[command(
+    name = "example-plugin",
+    about = "A kubelet registration plugin with knobs for misbehaving"
+)]
+struct Args {
+    /// Registration socket to create (parent directories are created, an old socket is replaced).
+    #[arg(long)]
+    socket: PathBuf,
+    /// `PluginInfo.type`.
+    #[arg(long = "type", default_value = "CSIPlugin")]
+    plugin_type: String,
+    /// `PluginInfo.name`.
+    #[arg(long, default_value = "example.plugin.test")]
+    name: String,
+    /// `PluginInfo.endpoint` (empty: the agent uses the socket path).
+    #[arg(long, default_value = "")]
+    endpoint: String,
+    /// `PluginInfo.supported_versions`, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1.0.0")]
+    versions: Vec<String>,
+    /// Answer GetInfo with this error (status UNKNOWN).
+    #[arg(long)]
+    get_info_error: Option<String>,
+    /// Fail only the first N GetInfo calls (with `--get-info-error`), then answer normally.
+    #[arg(long)]
+    get_info_error_times: Option<u32>,
+    /// Never answer GetInfo.
+    #[arg(long)]
+    get_info_hang: bool,
+    /// Wait this long before answering GetInfo.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    get_info_delay: Option<Duration>,
+    /// Answer NotifyRegistrationStatus with this error (status UNKNOWN).
+    #[arg(long)]
+    notify_error: Option<String>,
+    /// Fail only the first N NotifyRegistrationStatus calls (with `--notify-error`).
+    #[arg(long)]
+    notify_error_times: Option<u32>,
+    /// Keep the socket bound but not listening this long (connections are refused meanwhile).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    listen_delay: Option<Duration>,
+    /// Keep the socket listening but not served this long (connections wait in the backlog).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    serve_delay: Option<Duration>,
+    /// Answer GetInfo with a name of this many bytes (instead of `--name`).
+    #[arg(long)]
+    huge_name_bytes: Option<usize>,
+    /// Announce this many supported versions (instead of `--versions`).
+    #[arg(long)]
+    versions_count: Option<usize>,
+    /// What to do with connections.
+    #[arg(long, value_enum, default_value_t = Mode::Grpc)]
+    mode: Mode,
+}
+
+/// Prints one event line and flushes it, so the harness sees it at once. A closed stdout is not
+/// a reason to stop serving.
+fn emit(event: serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{event}");
+    let _ = out.flush();
+}
+
+/// Counts down the failures a flag asked for: `None` means "always fail".
+#[derive(Debug)]
+struct FailBudget(Mutex<Option<u32>>);
+
+impl FailBudget {
+    /// True if this call should fail.
+    fn take(&self) -> bool {
+        let mut left = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match left.as_mut() {
+            None => true,
+            Some(0) => false,
+            Some(n) => {
+                *n -= 1;
+                true
+            }
+        }
+    }
+}
+
+/// The registration service with its configured behaviour.
+struct ExamplePlugin {
+    info: PluginInfo,
+    get_info_error: Option<(String, FailBudget)>,
+    get_info_hang: bool,
+    get_info_delay: Option<Duration>,
+    notify_error: Option<(String, FailBudget)>,
+}
+
+#[tonic::async_trait]
+impl Registration for ExamplePlugin {
+    async fn get_info(
+        &self,
+        _request: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+        emit(json!({"event": "get_info"}));
+        if self.get_info_hang {
+            std::future::pending::<()>().await;
+        }
+        if let Some(delay) = self.get_info_delay {
+            tokio::time::sleep(delay).await;
+        }
+        if let Some((message, budget)) = &self.get_info_error
+            && budget.take()
+        {
+            emit(json!({"event": "get_info_failed", "error": message}));
+            return Err(tonic::Status::unknown(message.clone()));
+        }
+        Ok(tonic::Response::new(self.info.clone()))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: tonic::Request<RegistrationStatus>,
+    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+        let status = request.into_inner();
+        let refuse = self
+            .notify_error
+            .as_ref()
+            .filter(|(_, budget)| budget.take());
+        emit(json!({
+            "event": "notify",
+            "registered": status.plugin_registered,
+            "error": status.error,
+            "refused": refuse.is_some(),
+        }));
+        match refuse {
+            Some((message, _)) => Err(tonic::Status::unknown(message.clone())),
+            None => Ok(tonic::Response::new(RegistrationStatusResponse {})),
+        }
+    }
+}
+
+impl ExamplePlugin {
+    fn from_args(args: &Args) -> Self {
+        let name = match args.huge_name_bytes {
+            Some(bytes) => "n".repeat(bytes),
+            None => args.name.clone(),
+        };
+        let supported_versions = match args.versions_count {
+            Some(count) => (0..count).map(|i| format!("v{i}")).collect(),
+            None => args.versions.clone(),
+        };
+        let budget = |times: Option<u32>| FailBudget(Mutex::new(times));
+        ExamplePlugin {
+            info: PluginInfo {
+                r#type: args.plugin_type.clone(),
+                name,
+                endpoint: args.endpoint.clone(),
+                supported_versions,
+            },
+            get_info_error: args
+                .get_info_error
+                .clone()
+                .map(|m| (m, budget(args.get_info_error_times))),
+            get_info_hang: args.get_info_hang,
+            get_info_delay: args.get_info_delay,
+            notify_error: args
+                .notify_error
+                .clone()
+                .map(|m| (m, budget(args.notify_error_times))),
+        }
+    }
+}
+
+/// Binds the socket (replacing an old socket at the path, as real plugins do) without listening.
+fn bind_socket(path: &Path) -> anyhow::Result<std::os::fd::OwnedFd> {
+    use anyhow::Context;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("create {}", parent.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("remove old socket {}", path.display()))?,
+        Ok(_) => anyhow::bail!("{} exists and is not a socket", path.display()),
+        Err(_) => {}
+    }
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .context("socket")?;
+    let addr = UnixAddr::new(path).with_context(|| format!("socket address {}", path.display()))?;
+    bind(fd.as_raw_fd(), &addr).with_context(|| format!("bind {}", path.display()))?;
+    Ok(fd)
+}
+
+/// Listens on the bound socket after `--listen-delay`, then serves after `--serve-delay`.
+async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if let Some(delay) = args.listen_delay {
+        tokio::time::sleep(delay).await;
+    }
+    let backlog = Backlog::new(128).context("backlog")?;
+    listen(&fd, backlog).context("listen")?;
+    let listener = std::os::unix::net::UnixListener::from(fd);
+    listener.set_nonblocking(true).context("set_nonblocking")?;
+    let listener = UnixListener::from_std(listener).context("register listener")?;
+    emit(json!({"event": "listening", "socket": args.socket, "ino": ino}));
+    if let Some(delay) = args.serve_delay {
+        tokio::time::sleep(delay).await;
+    }
+    emit(json!({"event": "serving", "mode": format!("{:?}", args.mode)}));
+    match args.mode {
+        Mode::Grpc => {
+            let service = RegistrationServer::new(ExamplePlugin::from_args(&args));
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await
+                .context("gRPC server")?;
+        }
+        Mode::NonGrpc => loop {
+            let (mut stream, _) = listener.accept().await.context("accept")?;
+            emit(json!({"event": "accepted"}));
+            let _ = stream
+                .write_all(b"HELLO this is not HTTP/2\r\n\r\n\x00\x01garbage")
+                .await;
+            let _ = stream.shutdown().await;
+        },
+        Mode::AcceptSilent => {
+            let mut held = Vec::new();
+            loop {
+                let (stream, _) = listener.accept().await.context("accept")?;
+                emit(json!({"event": "accepted"}));
+                held.push(stream);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static str>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        }
+    })
+}
+
+/// Removes the socket if the path still holds the one this process bound.
+fn remove_own_socket(path: &Path, ino: u64) {
+    if let Ok(meta) = std::fs::symlink_metadata(path)
+        && meta.file_type().is_socket()
+        && meta.ino() == ino
+    {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("example-plugin: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let socket = args.socket.clone();
+    runtime.block_on(async move {
+        // Signal handlers first, so a SIGTERM sent right after start is not fatal.
+        let stop = match stop_signal() {
+            Ok(stop) => stop,
+            Err(e) => {
+                eprintln!("example-plugin: cannot install signal handlers: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let fd = match bind_socket(&socket) {
+            Ok(fd) => fd,
+            Err(e) => {
+                eprintln!("example-plugin: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let ino = std::fs::symlink_metadata(&socket)
+            .map(|m| m.ino())
+            .unwrap_or(0);
+        emit(json!({"event": "bound", "socket": socket, "ino": ino}));
+        let code = tokio::select! {
+            signal = stop => {
+                emit(json!({"event": "stopped", "signal": signal}));
+                ExitCode::SUCCESS
+            }
+            result = run(args, fd, ino) => match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("example-plugin: {e:#}");
+                    ExitCode::FAILURE
+                }
+            },
+        };
+        remove_own_socket(&socket, ino);
+        code
+    })
+}
