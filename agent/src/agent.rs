@@ -6,12 +6,13 @@
 //! ```
 
 use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
+use crate::events::EventBus;
 use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
 use crate::reconciler::{ReconcileMode, ReconcileQueue, Reconciler};
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
-use crate::watcher::Watcher;
+use crate::watcher::{Watcher, WatcherStats};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,14 @@ pub struct RunningAgent {
     pub source_description: String,
     /// Becomes true once the first full scan is done.
     pub ready: watch::Receiver<bool>,
+    /// Discovery and registration events, for the admin API and tests.
+    pub events: EventBus,
+    /// Watcher counters (rescans, loss, watched directories).
+    pub watcher_stats: Arc<WatcherStats>,
+    /// The configuration it runs with.
+    pub config: AgentConfig,
+    /// When it started.
+    pub started_at: std::time::SystemTime,
     cancel: CancellationToken,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
@@ -97,11 +106,14 @@ impl RunningAgent {
         let desired = Arc::new(DesiredState::default());
         let actual = Arc::new(ActualState::default());
         let queue = Arc::new(ReconcileQueue::default());
+        let events = EventBus::default();
+        let watcher_stats = Arc::new(WatcherStats::default());
         let executor = OperationExecutor::new(
             actual.clone(),
             handlers.clone(),
             queue.clone(),
             config.executor,
+            events.clone(),
             cancel.child_token(),
         );
         let reconciler = Reconciler::new(
@@ -113,7 +125,14 @@ impl RunningAgent {
             config.safety_period,
             Some(events_tx),
         );
-        let watcher = Watcher::new(config.plugin_dir.clone(), source, desired.clone(), queue);
+        let watcher = Watcher::new(
+            config.plugin_dir.clone(),
+            source,
+            desired.clone(),
+            queue,
+            events.clone(),
+            watcher_stats.clone(),
+        );
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();
@@ -138,6 +157,10 @@ impl RunningAgent {
             source: source_kind,
             source_description,
             ready,
+            events,
+            watcher_stats,
+            config,
+            started_at: std::time::SystemTime::now(),
             cancel,
             tasks,
         })

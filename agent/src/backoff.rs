@@ -19,8 +19,9 @@ pub const MAX_DELAY: Duration = Duration::from_secs(122);
 /// Why the last attempt failed, as far as retry policy cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailureKind {
-    /// No handler for this plugin type yet: retried as soon as one is added, not only on backoff.
-    NoHandler { plugin_type: String },
+    /// No handler for this plugin type, or its handler is unreachable: the plugin is not at
+    /// fault, and is retried as soon as a handler is added or comes back, not only on backoff.
+    WaitingForHandler { plugin_type: String },
     /// Anything else.
     Other,
 }
@@ -99,13 +100,14 @@ impl BackoffTable {
         self.lock().retain(|(p, _), _| p != path);
     }
 
-    /// Lifts the backoff of every plugin that failed only for lack of a `plugin_type` handler;
+    /// Lifts the backoff of every plugin that failed only for lack of a (reachable) `plugin_type`
+    /// handler;
     /// returns their paths so they can be retried now.
     pub fn release_waiting_for(&self, plugin_type: &str) -> Vec<PathBuf> {
         let mut released = Vec::new();
         self.lock()
             .retain(|(path, _), backoff| match &backoff.kind {
-                FailureKind::NoHandler { plugin_type: t } if t == plugin_type => {
+                FailureKind::WaitingForHandler { plugin_type: t } if t == plugin_type => {
                     released.push(path.clone());
                     false
                 }
@@ -197,10 +199,10 @@ mod tests {
     fn handler_added_releases_only_plugins_waiting_for_its_type() {
         let table = BackoffTable::default();
         let now = Instant::now();
-        let dra = FailureKind::NoHandler {
+        let dra = FailureKind::WaitingForHandler {
             plugin_type: "DRAPlugin".into(),
         };
-        let csi = FailureKind::NoHandler {
+        let csi = FailureKind::WaitingForHandler {
             plugin_type: "CSIPlugin".into(),
         };
         table.fail(

@@ -17,6 +17,7 @@
 
 use crate::backoff::{BackoffTable, FailureKind};
 use crate::event_source::monotonic_now_ns;
+use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::handler::{HandlerError, HandlerRegistry, Plugin};
 use crate::reconciler::ReconcileQueue;
 use crate::registration::{PluginConnection, RegistrationError, Timeouts};
@@ -101,8 +102,12 @@ enum RegisterError {
     Plugin(#[from] RegistrationError),
     #[error("no handler registered for plugin type: {plugin_type} at socket {socket}")]
     NoHandler { plugin_type: String, socket: String },
-    #[error("{0}")]
-    Handler(String),
+    #[error("{message}")]
+    Handler {
+        message: String,
+        unavailable: bool,
+        plugin_type: String,
+    },
 }
 
 /// See the module docs.
@@ -116,6 +121,7 @@ pub struct OperationExecutor {
     slots: Arc<Semaphore>,
     name_locks: NameLocks,
     tasks: TaskTracker,
+    events: EventBus,
     cancel: CancellationToken,
 }
 
@@ -124,12 +130,14 @@ impl OperationExecutor {
     /// - `handlers`: looked up by the plugin type GetInfo returns; adding one releases the plugins
     ///   that were waiting for it (subscribed here);
     /// - `queue`: told about every finished operation and expired backoff, to wake the reconciler;
+    /// - `events`: where registrations, failures and deregistrations are published;
     /// - `cancel`: stops backoff timers; running operations finish (see [`Self::drain`]).
     pub fn new(
         actual: Arc<ActualState>,
         handlers: Arc<HandlerRegistry>,
         queue: Arc<ReconcileQueue>,
         config: ExecutorConfig,
+        events: EventBus,
         cancel: CancellationToken,
     ) -> Arc<Self> {
         let executor = Arc::new(OperationExecutor {
@@ -142,6 +150,7 @@ impl OperationExecutor {
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
+            events,
             cancel,
         });
         let weak = Arc::downgrade(&executor);
@@ -187,6 +196,11 @@ impl OperationExecutor {
                             plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
                             took = ?started.elapsed(), since_kernel_event = ?since_event, "plugin registered"
                         );
+                        let mut event = AgentEvent::new(EventKind::Registered, &path);
+                        event.latency = since_event
+                            .or_else(|| desired.seen_at.elapsed().ok());
+                        event.plugin = Some(plugin);
+                        this.events.publish(event);
                     }
                     Err(error) => this.failed(&path, &desired, error),
                 }
@@ -282,7 +296,7 @@ impl OperationExecutor {
         let timeouts = self.config.handler_timeouts;
 
         if let Err(e) = call_handler(handler.validate(&plugin), timeouts.validate).await {
-            let error = RegisterError::Handler(format!("plugin validation failed: {e}"));
+            let error = handler_error("plugin validation failed", e, &plugin);
             notify_failure(&mut connection, &error.to_string()).await;
             return Err(error);
         }
@@ -294,7 +308,7 @@ impl OperationExecutor {
             handler.clone(),
         );
         if let Err(e) = call_handler(handler.register(&plugin), timeouts.register).await {
-            let error = RegisterError::Handler(format!("plugin registration failed: {e}"));
+            let error = handler_error("plugin registration failed", e, &plugin);
             notify_failure(&mut connection, &error.to_string()).await;
             self.roll_back(path, &entry).await;
             return Err(error);
@@ -327,10 +341,14 @@ impl OperationExecutor {
         let Some(entry) = self.actual.remove(path, registered.generation) else {
             return;
         };
+        let mut event = AgentEvent::new(EventKind::Deregistered, path);
+        event.plugin = Some(entry.plugin.clone());
         if entry.superseded {
             info!(
                 "socket removed; plugin was re-registered from a newer socket, so it stays registered"
             );
+            event.detail = Some("superseded by a newer socket: handler not called".into());
+            self.events.publish(event);
             return;
         }
         let _name = self
@@ -344,13 +362,22 @@ impl OperationExecutor {
         .await
         {
             Ok(()) => info!("plugin deregistered"),
-            Err(e) => warn!(error = %e, "handler failed to deregister plugin"),
+            Err(e) => {
+                warn!(error = %e, "handler failed to deregister plugin");
+                event.error = Some(e.message);
+            }
         }
+        self.events.publish(event);
     }
 
     fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterError) {
         let kind = match &error {
-            RegisterError::NoHandler { plugin_type, .. } => FailureKind::NoHandler {
+            RegisterError::NoHandler { plugin_type, .. }
+            | RegisterError::Handler {
+                unavailable: true,
+                plugin_type,
+                ..
+            } => FailureKind::WaitingForHandler {
                 plugin_type: plugin_type.clone(),
             },
             _ => FailureKind::Other,
@@ -362,6 +389,9 @@ impl OperationExecutor {
             debug!(%error, "socket vanished during registration");
             return;
         }
+        let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
+        event.error = Some(error.to_string());
+        self.events.publish(event);
         let backoff = self.backoff.fail(
             path,
             desired.socket,
@@ -402,6 +432,14 @@ impl OperationExecutor {
     }
 }
 
+fn handler_error(what: &str, error: HandlerError, plugin: &Plugin) -> RegisterError {
+    RegisterError::Handler {
+        message: format!("{what}: {}", error.message),
+        unavailable: error.unavailable,
+        plugin_type: plugin.plugin_type.clone(),
+    }
+}
+
 async fn notify_failure(connection: &mut PluginConnection, reason: &str) {
     if let Err(e) = connection.notify(false, reason).await {
         debug!(error = %e, "could not tell the plugin it was not registered");
@@ -414,7 +452,7 @@ async fn call_handler(
 ) -> Result<(), HandlerError> {
     match tokio::time::timeout(deadline, call).await {
         Ok(result) => result,
-        Err(_) => Err(HandlerError(format!(
+        Err(_) => Err(HandlerError::rejected(format!(
             "handler did not answer within {deadline:?}"
         ))),
     }

@@ -8,10 +8,13 @@
 //! ```
 //! [`agent`] assembles them; [`cli`] is the `plugin-agent` command line.
 
+pub mod admin;
 pub mod agent;
 pub mod backoff;
 pub mod cli;
+pub mod config;
 pub mod event_source;
+pub mod events;
 pub mod executor;
 pub mod handler;
 pub mod reconciler;

@@ -1,7 +1,7 @@
 //! The `plugin-agent` binary: parses the command line, sets up logging, runs the command.
 
 use clap::Parser;
-use plugin_agent::cli::{self, Cli, Command, LogFormat};
+use plugin_agent::cli::{self, Cli, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
@@ -17,11 +17,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async {
-        match cli.command {
-            Command::Run(args) => cli::run(args).await,
-        }
-    });
+    let result = runtime.block_on(cli::execute(cli));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -38,6 +34,7 @@ fn init_logging(format: LogFormat, level: Option<&str>) {
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -154,7 +154,7 @@ impl Reconciler {
                     if self.mode == ReconcileMode::Event
                         && let Some(rescan) = &self.rescan
                     {
-                        let _ = rescan.try_send(FsEvent::Rescan { reason: "periodic safety pass".into() });
+                        let _ = rescan.try_send(FsEvent::Rescan { reason: crate::watcher::PERIODIC_RESCAN.into() });
                     }
                 }
             }

@@ -22,6 +22,7 @@
 //!   not affected.
 
 use crate::event_source::{EventSource, FsEvent, Observed, WatchedDir, monotonic_now_ns};
+use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::reconciler::ReconcileQueue;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
@@ -30,6 +31,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +41,9 @@ use tracing::{debug, info, warn};
 /// (bounds latency under a storm while still batching).
 const BATCH: usize = 1024;
 
+/// The reason the reconciler's safety pass gives when it asks for a rescan (not a loss).
+pub const PERIODIC_RESCAN: &str = "periodic safety pass";
+
 /// See the module docs.
 pub struct Watcher {
     root: PathBuf,
@@ -46,19 +51,37 @@ pub struct Watcher {
     desired: Arc<DesiredState>,
     queue: Arc<ReconcileQueue>,
     dirs: HashMap<PathBuf, WatchedDir>,
-    scans_done: u64,
+    events: EventBus,
+    stats: Arc<WatcherStats>,
+}
+
+/// Watcher counters, shared with status reporting and metrics.
+#[derive(Debug, Default)]
+pub struct WatcherStats {
+    /// Full walks of the tree, start and safety passes included.
+    pub rescans: AtomicU64,
+    /// Rescans asked for by a source that lost events (overflow, ring buffer drops).
+    pub loss_rescans: AtomicU64,
+    /// Directories watched now.
+    pub watched_dirs: AtomicU64,
+    /// Hints received from the event source.
+    pub hints: AtomicU64,
 }
 
 impl Watcher {
     /// - `root`: the registration directory (kubelet: `/var/lib/kubelet/plugins_registry`);
     /// - `source`: where hints come from; the watcher tells it which directories to watch;
     /// - `desired`: filled here;
-    /// - `queue`: told about every path whose desired state changed.
+    /// - `queue`: told about every path whose desired state changed;
+    /// - `events`: discoveries, removals and rescans are published there;
+    /// - `stats`: counters read by status and metrics.
     pub fn new(
         root: PathBuf,
         source: Arc<dyn EventSource>,
         desired: Arc<DesiredState>,
         queue: Arc<ReconcileQueue>,
+        events: EventBus,
+        stats: Arc<WatcherStats>,
     ) -> Self {
         Watcher {
             root,
@@ -66,7 +89,8 @@ impl Watcher {
             desired,
             queue,
             dirs: HashMap::new(),
-            scans_done: 0,
+            events,
+            stats,
         }
     }
 
@@ -91,6 +115,9 @@ impl Watcher {
                 }
             }
             let mut rescan: Option<String> = None;
+            self.stats
+                .hints
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
             for event in batch.drain(..) {
                 match event {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
@@ -104,11 +131,6 @@ impl Watcher {
                 self.rescan(&reason);
             }
         }
-    }
-
-    /// Number of full scans done (start included).
-    pub fn scans_done(&self) -> u64 {
-        self.scans_done
     }
 
     /// Looks at one path the source mentioned and updates state to match what is there.
@@ -160,6 +182,8 @@ impl Watcher {
                     .kernel_ns
                     .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
                 info!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
+                self.events
+                    .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
                 if let (Some(dir), Some(name)) = (
                     path.parent().and_then(|p| self.dirs.get(p)),
                     path.file_name(),
@@ -178,6 +202,8 @@ impl Watcher {
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
             info!(socket_path = %path.display(), ?since_event, "socket removed");
+            self.events
+                .publish(AgentEvent::new(EventKind::SocketRemoved, path));
             self.queue.mark(path.to_path_buf());
         }
     }
@@ -217,6 +243,9 @@ impl Watcher {
                 self.source.entry_present(parent, name);
             }
             self.dirs.insert(dir.to_path_buf(), watched);
+            self.stats
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
         seen_dirs.insert(dir.to_path_buf());
         let entries = match std::fs::read_dir(dir) {
@@ -250,16 +279,27 @@ impl Watcher {
             if let Some(watched) = self.dirs.remove(&path) {
                 self.source.unwatch(&watched);
             }
+            self.stats
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
         for path in self.desired.remove_under(dir) {
             info!(socket_path = %path.display(), "socket removed with its directory");
+            self.events
+                .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
             self.queue.mark(path);
         }
     }
 
     /// Walks the whole tree and makes desired state and the watched set equal to it.
     fn rescan(&mut self, reason: &str) {
-        self.scans_done += 1;
+        self.stats.rescans.fetch_add(1, Ordering::Relaxed);
+        if reason != "start" && reason != PERIODIC_RESCAN {
+            self.stats.loss_rescans.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut event = AgentEvent::new(EventKind::Rescan, &self.root);
+        event.detail = Some(reason.to_string());
+        self.events.publish(event);
         if let Err(e) = ensure_root(&self.root) {
             warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
         }
@@ -276,6 +316,9 @@ impl Watcher {
             if let Some(watched) = self.dirs.remove(&dir) {
                 self.source.unwatch(&watched);
             }
+            self.stats
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
         let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
         let mut removed = 0;

@@ -73,14 +73,14 @@ impl PluginHandler for RecordingHandler {
     async fn validate(&self, plugin: &Plugin) -> Result<(), HandlerError> {
         self.record(Call::Validate(plugin.name.clone()));
         match self.reject_validate.lock().expect("flag").clone() {
-            Some(reason) => Err(HandlerError(reason)),
+            Some(reason) => Err(HandlerError::rejected(reason)),
             None => Ok(()),
         }
     }
     async fn register(&self, plugin: &Plugin) -> Result<(), HandlerError> {
         self.record(Call::Register(plugin.name.clone()));
         match self.reject_register.lock().expect("flag").clone() {
-            Some(reason) => Err(HandlerError(reason)),
+            Some(reason) => Err(HandlerError::rejected(reason)),
             None => Ok(()),
         }
     }

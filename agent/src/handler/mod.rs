@@ -19,6 +19,7 @@
 //!   plugins.
 
 pub mod accept_all;
+pub mod grpc;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -41,8 +42,32 @@ pub struct Plugin {
 
 /// Why a handler refused a plugin or failed; the message reaches the plugin.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-#[error("{0}")]
-pub struct HandlerError(pub String);
+#[error("{message}")]
+pub struct HandlerError {
+    /// What the handler (or the transport to it) said.
+    pub message: String,
+    /// The handler could not be reached: the plugin is not at fault, so it waits for the
+    /// handler to come back rather than backing off.
+    pub unavailable: bool,
+}
+
+impl HandlerError {
+    /// The handler refused the plugin, or failed handling it.
+    pub fn rejected(message: impl Into<String>) -> Self {
+        HandlerError {
+            message: message.into(),
+            unavailable: false,
+        }
+    }
+
+    /// The handler could not be reached.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        HandlerError {
+            message: message.into(),
+            unavailable: true,
+        }
+    }
+}
 
 /// Consumes plugins of one type. See the module docs for the call contract.
 #[async_trait::async_trait]
@@ -55,6 +80,18 @@ pub trait PluginHandler: Send + Sync {
     async fn deregister(&self, plugin: &Plugin) -> Result<(), HandlerError>;
     /// One line for logs and status: what this handler is and where it lives.
     fn describe(&self) -> String;
+
+    /// Reachability, for handlers that can be down (remote ones): `true` when the last contact
+    /// worked. The registry watches it and retries the plugins waiting for this handler as soon
+    /// as it turns `true`. `None`: always reachable (in-process handlers).
+    fn health(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        None
+    }
+
+    /// The last error talking to the handler, for status reporting.
+    fn last_error(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Handlers by plugin type. It can change while the agent runs: adding a handler makes the
@@ -82,8 +119,33 @@ impl HandlerRegistry {
         self.read().get(plugin_type).cloned()
     }
 
-    /// Installs (or replaces) the handler for `plugin_type`.
-    pub fn insert(&self, plugin_type: &str, handler: Arc<dyn PluginHandler>) {
+    /// Installs (or replaces) the handler for `plugin_type`. A handler that reports health is
+    /// watched: each time it becomes reachable again, the plugins waiting for it are retried.
+    pub fn insert(self: &Arc<Self>, plugin_type: &str, handler: Arc<dyn PluginHandler>) {
+        if let Some(mut health) = handler.health() {
+            let registry = Arc::downgrade(self);
+            let plugin_type = plugin_type.to_string();
+            let watched = Arc::downgrade(&handler);
+            tokio::spawn(async move {
+                while health.changed().await.is_ok() {
+                    let Some(registry) = registry.upgrade() else {
+                        return;
+                    };
+                    // Stop when this handler was replaced or removed.
+                    let current = registry.get(&plugin_type);
+                    let still_installed = match (current, watched.upgrade()) {
+                        (Some(current), Some(watched)) => Arc::ptr_eq(&current, &watched),
+                        _ => false,
+                    };
+                    if !still_installed {
+                        return;
+                    }
+                    if *health.borrow_and_update() {
+                        registry.changed(&plugin_type);
+                    }
+                }
+            });
+        }
         self.handlers
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -106,14 +168,14 @@ impl HandlerRegistry {
         removed
     }
 
-    /// `(type, description)` of every handler, sorted by type.
-    pub fn list(&self) -> Vec<(String, String)> {
+    /// Every handler by type, sorted by type.
+    pub fn list(&self) -> Vec<(String, Arc<dyn PluginHandler>)> {
         let mut list: Vec<_> = self
             .read()
             .iter()
-            .map(|(t, h)| (t.clone(), h.describe()))
+            .map(|(t, h)| (t.clone(), h.clone()))
             .collect();
-        list.sort();
+        list.sort_by(|a, b| a.0.cmp(&b.0));
         list
     }
 
@@ -140,5 +202,14 @@ impl HandlerRegistry {
         self.handlers
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// What `--handler TYPE=TARGET`, the config file and the admin API's AddHandler accept as a
+/// target: `accept-all`, `unix:///path.sock` or `http://host:port`.
+pub fn from_target(target: &str) -> Result<Arc<dyn PluginHandler>, String> {
+    match target {
+        "accept-all" => Ok(Arc::new(accept_all::AcceptAll)),
+        other => Ok(Arc::new(grpc::GrpcHandler::new(other)?)),
     }
 }

@@ -12,8 +12,12 @@
 //! Prints one JSON object on stdout: the scenario, counts and latency percentiles in microseconds.
 
 use clap::{Parser, ValueEnum};
-use plugin_agent_proto::pluginregistration::registration_server::{Registration, RegistrationServer};
-use plugin_agent_proto::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+use plugin_agent_proto::pluginregistration::registration_server::{
+    Registration, RegistrationServer,
+};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -61,7 +65,10 @@ struct Plugin {
 
 #[tonic::async_trait]
 impl Registration for Plugin {
-    async fn get_info(&self, _: tonic::Request<InfoRequest>) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+    async fn get_info(
+        &self,
+        _: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
         Ok(tonic::Response::new(self.info.clone()))
     }
     async fn notify_registration_status(
@@ -70,7 +77,11 @@ impl Registration for Plugin {
     ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
         let at = Instant::now();
         let registered = request.into_inner().plugin_registered;
-        let _ = self.notified.send(Notified { index: self.index, registered, at });
+        let _ = self.notified.send(Notified {
+            index: self.index,
+            registered,
+            at,
+        });
         Ok(tonic::Response::new(RegistrationStatusResponse {}))
     }
 }
@@ -100,7 +111,10 @@ fn start_plugin(
     tokio::spawn(async move {
         let _ = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(plugin))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), stop)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                stop,
+            )
             .await;
     });
     Ok(listening)
@@ -124,7 +138,9 @@ async fn main() -> anyhow::Result<()> {
     let warmup = args.count;
     start_plugin(&args, warmup, &tx, &shutdown)?;
     loop {
-        let n = tokio::time::timeout(args.timeout, rx.recv()).await?.ok_or_else(|| anyhow::anyhow!("channel closed"))?;
+        let n = tokio::time::timeout(args.timeout, rx.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
         if n.index == warmup && n.registered {
             break;
         }
@@ -140,7 +156,9 @@ async fn main() -> anyhow::Result<()> {
                 while latencies[i].is_none() {
                     let n = tokio::time::timeout(args.timeout, rx.recv())
                         .await
-                        .map_err(|_| anyhow::anyhow!("plugin {i} was not notified within {:?}", args.timeout))?
+                        .map_err(|_| {
+                            anyhow::anyhow!("plugin {i} was not notified within {:?}", args.timeout)
+                        })?
                         .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
                     record(&n, &listen_at, &mut latencies);
                 }
@@ -154,7 +172,13 @@ async fn main() -> anyhow::Result<()> {
             while done < args.count {
                 let n = tokio::time::timeout(args.timeout, rx.recv())
                     .await
-                    .map_err(|_| anyhow::anyhow!("only {done} of {} notified within {:?}", args.count, args.timeout))?
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "only {done} of {} notified within {:?}",
+                            args.count,
+                            args.timeout
+                        )
+                    })?
                     .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
                 if record(&n, &listen_at, &mut latencies) {
                     done += 1;
@@ -185,7 +209,9 @@ async fn main() -> anyhow::Result<()> {
 
 /// Records a successful first notification; true when it was new.
 fn record(n: &Notified, listen_at: &[Option<Instant>], latencies: &mut [Option<Duration>]) -> bool {
-    let (Some(Some(listened)), true) = (listen_at.get(n.index), n.registered) else { return false };
+    let (Some(Some(listened)), true) = (listen_at.get(n.index), n.registered) else {
+        return false;
+    };
     match latencies.get_mut(n.index) {
         Some(slot @ None) => {
             *slot = Some(n.at.saturating_duration_since(*listened));

@@ -1,1 +1,207 @@
-//! The eBPF event source (see agent-ebpf for the kernel programs).
+//! The eBPF event source: kernel programs on syscall hooks, filtered in the kernel by the watched
+//! directories, feeding a ring buffer (see agent-ebpf for the kernel side).
+//!
+//! ```text
+//! open: btf (offsets) -> loader (load, mount tracefs, attach) -> filters + reader task
+//! kernel: bind / unlink / unlinkat --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
+//!                                                       LOSSES ---reader--> FsEvent::Rescan
+//! watcher --watch / unwatch / entry_present--> filters (BPF maps)
+//! ```
+//!
+//! What it reports, and how exactly:
+//! - a successful `bind` of an `AF_UNIX` socket to a path, by the socket's own dentry, so relative
+//!   paths, chroots and other mount namespaces all land on the directory identity that is watched:
+//!   [`FsEvent::Created`];
+//! - a successful `unlink`/`unlinkat` of a single-component path relative to a watched directory
+//!   (cwd or dirfd): [`FsEvent::Removed`];
+//! - a successful removal by any other path (`/registration/x.sock` from a container): the path
+//!   cannot be resolved in BPF, so it is matched by its last component against the names present
+//!   under the tree, and reported as [`FsEvent::NameChanged`];
+//! - any record the kernel could not queue: [`FsEvent::Rescan`].
+//!
+//! The agent's own process is filtered out in the kernel.
+
+mod btf;
+mod filters;
+mod loader;
+mod reader;
+mod record;
+mod tracefs;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_ebpf::{DirKey, NameKey, names};
+use anyhow::Context;
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use tokio::sync::mpsc::Sender;
+use tokio_util::sync::CancellationToken;
+
+pub use self::btf::{KernelBtf, Member, resolve_offsets};
+use self::filters::Filters;
+use self::loader::LoadParams;
+use self::reader::Reader;
+use crate::event_source::{EventSource, FsEvent, SourceKind, WatchedDir};
+
+/// Tuning of the eBPF source; [`Default`] suits a node with a few hundred plugins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EbpfOptions {
+    /// Ring buffer size in bytes: a power of two and a multiple of the page size (default 4 MiB).
+    /// It absorbs bursts while the agent is busy; when it fills, events are lost and the source
+    /// asks for a rescan.
+    pub ring_buffer_bytes: u32,
+    /// Longest a record waits for a reader wake-up during a burst (default 2 ms). The first record
+    /// after a quiet spell wakes the reader at once; later ones are collected in batches, which is
+    /// what keeps the reader from waking per event under load.
+    pub batch_delay: Duration,
+    /// How many directories the tree may have (default 16384).
+    pub watched_capacity: u32,
+    /// How many distinct entry names the kernel remembers for matching removals (default 16384).
+    pub names_capacity: u32,
+}
+
+impl Default for EbpfOptions {
+    fn default() -> Self {
+        EbpfOptions {
+            ring_buffer_bytes: 4 << 20,
+            batch_delay: Duration::from_millis(2),
+            watched_capacity: 16384,
+            names_capacity: 16384,
+        }
+    }
+}
+
+impl EbpfOptions {
+    fn validate(&self) -> anyhow::Result<()> {
+        let page = 4096;
+        anyhow::ensure!(
+            self.ring_buffer_bytes.is_power_of_two() && self.ring_buffer_bytes >= page,
+            "eBPF ring buffer size {} is not a power of two of at least {page} bytes",
+            self.ring_buffer_bytes
+        );
+        anyhow::ensure!(
+            self.watched_capacity > 0 && self.names_capacity > 0,
+            "eBPF map capacities must be positive"
+        );
+        Ok(())
+    }
+}
+
+/// The running eBPF source. Dropping it detaches the programs and stops its reader.
+pub struct EbpfSource {
+    filters: Arc<Filters>,
+    description: String,
+    /// Owns the programs and their links; kept for its `Drop`.
+    _ebpf: Mutex<aya::Ebpf>,
+    /// Stops the reader when the source is dropped before the agent's token fires.
+    stop_reader: CancellationToken,
+}
+
+/// Loads and attaches the kernel programs and starts the reader task, which sends into `sink` until
+/// `cancel` fires. Must be called inside a tokio runtime.
+///
+/// Fails, in operator terms, when the agent was built without the kernel object, the kernel has no
+/// BTF or an unsupported layout, or the agent lacks the privileges (CAP_BPF, CAP_PERFMON, and
+/// CAP_SYS_ADMIN if tracefs has to be mounted); the caller then falls back to another source.
+pub fn open(
+    sink: Sender<FsEvent>,
+    cancel: CancellationToken,
+    options: EbpfOptions,
+) -> anyhow::Result<EbpfSource> {
+    options.validate()?;
+    let runtime = tokio::runtime::Handle::try_current()
+        .context("the eBPF event source must be opened inside the tokio runtime")?;
+    let params = LoadParams {
+        ring_buffer_bytes: options.ring_buffer_bytes,
+        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
+        batch_delay: options.batch_delay,
+        watched_capacity: options.watched_capacity,
+        names_capacity: options.names_capacity,
+    };
+    let mut loaded = loader::load(&params)?;
+    let ebpf = &mut loaded.ebpf;
+
+    let watched: BpfHashMap<MapData, DirKey, u8> = take_map(ebpf, names::WATCHED)?;
+    let name_map: BpfHashMap<MapData, NameKey, u8> = take_map(ebpf, names::NAMES)?;
+    let ring: RingBuf<MapData> = take_map(ebpf, names::EVENTS)?;
+    let losses: PerCpuArray<MapData, u64> = take_map(ebpf, names::LOSSES)?;
+    let filters = Arc::new(Filters::new(watched, name_map, options.watched_capacity));
+
+    let description = format!(
+        "eBPF: {} (ring buffer {} KiB, batch delay {:?}{})",
+        loaded.attached.join(", "),
+        options.ring_buffer_bytes / 1024,
+        options.batch_delay,
+        if loaded.mounted_tracefs {
+            "; mounted tracefs"
+        } else {
+            ""
+        }
+    );
+    let stop_reader = cancel.child_token();
+    runtime.spawn(
+        Reader {
+            ring,
+            losses,
+            filters: Arc::clone(&filters),
+            sink,
+            cancel: stop_reader.clone(),
+            batch_delay: options.batch_delay,
+            ring_buffer_bytes: options.ring_buffer_bytes,
+        }
+        .run(),
+    );
+    Ok(EbpfSource {
+        filters,
+        description,
+        _ebpf: Mutex::new(loaded.ebpf),
+        stop_reader,
+    })
+}
+
+fn take_map<T>(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<T>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .with_context(|| format!("the eBPF object has no map {name}"))?;
+    T::try_from(map).with_context(|| format!("eBPF map {name} has an unexpected type"))
+}
+
+impl Drop for EbpfSource {
+    fn drop(&mut self) {
+        self.stop_reader.cancel();
+    }
+}
+
+impl EventSource for EbpfSource {
+    fn kind(&self) -> SourceKind {
+        SourceKind::Ebpf
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}; {} directories watched",
+            self.description,
+            self.filters.watched_count()
+        )
+    }
+
+    fn watch(&self, dir: &WatchedDir) -> anyhow::Result<()> {
+        self.filters.watch(dir)
+    }
+
+    fn unwatch(&self, dir: &WatchedDir) {
+        self.filters.unwatch(dir);
+    }
+
+    fn entry_present(&self, _dir: &WatchedDir, name: &std::ffi::OsStr) {
+        if !self.filters.remember_name(name) {
+            tracing::warn!(
+                name = %name.to_string_lossy(),
+                "eBPF name table is full: clearing it and rescanning"
+            );
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! The admin API server: a read-mostly view of the agent's state, its event stream, and handler
+//! changes. Runs beside the data flow and never blocks it (state is read from the caches; events
+//! come from the broadcast bus).
+
+use super::MAX_MESSAGE_BYTES;
+use crate::agent::RunningAgent;
+use crate::backoff::Backoff;
+use crate::events::{AgentEvent, EventBus, EventKind};
+use crate::executor::OperationExecutor;
+use crate::handler::{self, HandlerRegistry, Plugin};
+use crate::state::actual::ActualState;
+use crate::state::desired::DesiredState;
+use crate::watcher::WatcherStats;
+use anyhow::Context;
+use plugin_agent_proto::pluginagent::v1 as api;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+use tokio_stream::{Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Response, Status};
+
+/// The service; cheap to clone.
+#[derive(Clone)]
+pub struct AdminService {
+    desired: Arc<DesiredState>,
+    actual: Arc<ActualState>,
+    executor: Arc<OperationExecutor>,
+    handlers: Arc<HandlerRegistry>,
+    events: EventBus,
+    stats: Arc<WatcherStats>,
+    status: StaticStatus,
+    allowed_uid: u32,
+}
+
+#[derive(Clone)]
+struct StaticStatus {
+    source: String,
+    source_description: String,
+    plugin_dir: String,
+    reconcile_mode: String,
+    started_at: SystemTime,
+}
+
+impl AdminService {
+    /// A view of `agent`. Callers other than root and the agent's own user are refused.
+    pub fn new(agent: &RunningAgent) -> Self {
+        AdminService {
+            desired: agent.desired.clone(),
+            actual: agent.actual.clone(),
+            executor: agent.executor.clone(),
+            handlers: agent.handlers.clone(),
+            events: agent.events.clone(),
+            stats: agent.watcher_stats.clone(),
+            status: StaticStatus {
+                source: agent.source.to_string(),
+                source_description: agent.source_description.clone(),
+                plugin_dir: agent.config.plugin_dir.display().to_string(),
+                reconcile_mode: format!("{:?}", agent.config.reconcile_mode).to_lowercase(),
+                started_at: agent.started_at,
+            },
+            allowed_uid: nix::unistd::geteuid().as_raw(),
+        }
+    }
+
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let uid = request
+            .extensions()
+            .get::<UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .map(|cred| cred.uid());
+        match uid {
+            Some(0) => Ok(()),
+            Some(uid) if uid == self.allowed_uid => Ok(()),
+            Some(uid) => Err(Status::permission_denied(format!(
+                "uid {uid} may not use the plugin-agent admin API (root or uid {} only)",
+                self.allowed_uid
+            ))),
+            None => Err(Status::permission_denied("caller credentials unknown")),
+        }
+    }
+
+    /// Every known socket, desired and registered, sorted by path.
+    pub fn list(&self) -> Vec<api::PluginEntry> {
+        let desired: Vec<_> = self.desired.snapshot();
+        let actual: Vec<_> = self.actual.snapshot();
+        let paths: BTreeSet<PathBuf> = desired
+            .iter()
+            .map(|(p, _)| p.clone())
+            .chain(actual.iter().map(|(p, _)| p.clone()))
+            .collect();
+        paths.into_iter().map(|path| self.entry(&path)).collect()
+    }
+
+    fn entry(&self, path: &Path) -> api::PluginEntry {
+        let desired = self.desired.get(path);
+        let registered = self.actual.get(path);
+        let backoff = desired
+            .as_ref()
+            .and_then(|d| self.executor.backoff_of(path, d));
+        let backing_off = backoff
+            .as_ref()
+            .is_some_and(|b| b.retry_at > tokio::time::Instant::now());
+        let state = match (&desired, &registered) {
+            (Some(d), Some(r)) if d.generation == r.generation => api::PluginState::Registered,
+            (_, Some(_)) => api::PluginState::Deregistering,
+            _ if backing_off => api::PluginState::BackingOff,
+            _ => api::PluginState::Pending,
+        };
+        let socket = registered
+            .as_ref()
+            .map(|r| r.socket)
+            .or(desired.as_ref().map(|d| d.socket));
+        api::PluginEntry {
+            socket_path: path.display().to_string(),
+            socket_dev: socket.map(|s| s.dev).unwrap_or_default(),
+            socket_ino: socket.map(|s| s.ino).unwrap_or_default(),
+            state: state as i32,
+            plugin: registered.as_ref().map(|r| to_api(&r.plugin)),
+            generation: desired
+                .as_ref()
+                .map(|d| d.generation.to_string())
+                .unwrap_or_default(),
+            discovered_unix_ms: desired
+                .as_ref()
+                .map(|d| unix_ms(d.seen_at))
+                .unwrap_or_default(),
+            registered_unix_ms: registered
+                .as_ref()
+                .map(|r| unix_ms(r.registered_at))
+                .unwrap_or_default(),
+            last_error: backoff
+                .as_ref()
+                .map(|b| b.last_error.clone())
+                .unwrap_or_default(),
+            next_retry_unix_ms: backoff
+                .as_ref()
+                .filter(|_| backing_off)
+                .map(next_retry_ms)
+                .unwrap_or_default(),
+            failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
+        }
+    }
+
+    /// The status report.
+    pub fn status(&self) -> api::AgentStatus {
+        use std::sync::atomic::Ordering::Relaxed;
+        api::AgentStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            source: self.status.source.clone(),
+            source_description: self.status.source_description.clone(),
+            events_lost: self.stats.loss_rescans.load(Relaxed),
+            rescans: self.stats.rescans.load(Relaxed),
+            plugins_desired: self.desired.len() as u64,
+            plugins_registered: self.actual.len() as u64,
+            handlers: self
+                .handlers
+                .list()
+                .into_iter()
+                .map(|(plugin_type, h)| api::HandlerStatus {
+                    plugin_type,
+                    target: h.describe(),
+                    healthy: h.health().map(|rx| *rx.borrow()).unwrap_or(true),
+                    last_error: h.last_error().unwrap_or_default(),
+                })
+                .collect(),
+            started_unix_ms: unix_ms(self.status.started_at),
+            plugin_dir: self.status.plugin_dir.clone(),
+            reconcile_mode: self.status.reconcile_mode.clone(),
+        }
+    }
+}
+
+fn unix_ms(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+fn unix_nanos(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or_default()
+}
+
+fn next_retry_ms(backoff: &Backoff) -> i64 {
+    let wait = backoff
+        .retry_at
+        .saturating_duration_since(tokio::time::Instant::now());
+    unix_ms(SystemTime::now() + wait)
+}
+
+/// The wire form of a plugin.
+pub fn to_api(plugin: &Plugin) -> api::Plugin {
+    api::Plugin {
+        r#type: plugin.plugin_type.clone(),
+        name: plugin.name.clone(),
+        endpoint: plugin.endpoint.clone(),
+        supported_versions: plugin.supported_versions.clone(),
+        socket_path: plugin.socket_path.clone(),
+    }
+}
+
+/// The wire form of an event.
+pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
+    let kind = match event.kind {
+        EventKind::SocketDiscovered => api::EventKind::SocketDiscovered,
+        EventKind::SocketRemoved => api::EventKind::SocketRemoved,
+        EventKind::Registered => api::EventKind::Registered,
+        EventKind::RegistrationFailed => api::EventKind::RegistrationFailed,
+        EventKind::Deregistered => api::EventKind::Deregistered,
+        EventKind::Rescan => api::EventKind::Rescan,
+    };
+    api::AgentEvent {
+        time_unix_nanos: unix_nanos(event.at),
+        kind: kind as i32,
+        socket_path: event.socket_path.display().to_string(),
+        plugin: event.plugin.as_ref().map(to_api),
+        error: event.error.clone().unwrap_or_default(),
+        latency_us: event
+            .latency
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or_default(),
+        detail: event.detail.clone().unwrap_or_default(),
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<api::AgentEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl api::agent_server::Agent for AdminService {
+    async fn list_plugins(
+        &self,
+        request: Request<api::ListPluginsRequest>,
+    ) -> Result<Response<api::ListPluginsResponse>, Status> {
+        self.authorize(&request)?;
+        Ok(Response::new(api::ListPluginsResponse {
+            plugins: self.list(),
+        }))
+    }
+
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(
+        &self,
+        request: Request<api::WatchEventsRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        self.authorize(&request)?;
+        let stream =
+            tokio_stream::wrappers::BroadcastStream::new(self.events.subscribe()).map(|item| {
+                Ok(match item {
+                    Ok(event) => event_to_api(&event),
+                    Err(BroadcastStreamRecvError::Lagged(missed)) => api::AgentEvent {
+                        time_unix_nanos: unix_nanos(SystemTime::now()),
+                        kind: api::EventKind::Lagged as i32,
+                        detail: format!("{missed} events dropped: this watcher fell behind"),
+                        ..Default::default()
+                    },
+                })
+            });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_status(
+        &self,
+        request: Request<api::GetStatusRequest>,
+    ) -> Result<Response<api::AgentStatus>, Status> {
+        self.authorize(&request)?;
+        Ok(Response::new(self.status()))
+    }
+
+    async fn add_handler(
+        &self,
+        request: Request<api::AddHandlerRequest>,
+    ) -> Result<Response<api::AddHandlerResponse>, Status> {
+        self.authorize(&request)?;
+        let request = request.into_inner();
+        validate_type(&request.plugin_type)?;
+        let handler = handler::from_target(&request.target).map_err(Status::invalid_argument)?;
+        tracing::info!(plugin_type = %request.plugin_type, target = %request.target, "handler added through the admin API");
+        self.handlers.insert(&request.plugin_type, handler);
+        Ok(Response::new(api::AddHandlerResponse {}))
+    }
+
+    async fn remove_handler(
+        &self,
+        request: Request<api::RemoveHandlerRequest>,
+    ) -> Result<Response<api::RemoveHandlerResponse>, Status> {
+        self.authorize(&request)?;
+        let request = request.into_inner();
+        validate_type(&request.plugin_type)?;
+        let removed = self.handlers.remove(&request.plugin_type);
+        tracing::info!(plugin_type = %request.plugin_type, removed, "handler removed through the admin API");
+        Ok(Response::new(api::RemoveHandlerResponse { removed }))
+    }
+}
+
+fn validate_type(plugin_type: &str) -> Result<(), Status> {
+    if plugin_type.is_empty() || plugin_type.len() > crate::registration::limits::NAME_BYTES {
+        return Err(Status::invalid_argument(
+            "plugin_type must be 1 to 256 bytes",
+        ));
+    }
+    Ok(())
+}
+
+/// Serves the admin API on `socket` until `cancel` fires. The socket's directory is created
+/// 0700 and the socket chmod 0600; a stale socket file from a previous run is replaced.
+pub async fn serve(
+    socket: &Path,
+    service: AdminService,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+    if let Some(dir) = socket.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create admin socket directory {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(socket)
+            .with_context(|| format!("cannot replace stale admin socket {}", socket.display()))?,
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket; refusing to replace it",
+            socket.display()
+        ),
+        Err(_) => {}
+    }
+    let listener = tokio::net::UnixListener::bind(socket)
+        .with_context(|| format!("cannot bind admin socket {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot chmod admin socket {}", socket.display()))?;
+    tracing::info!(admin_socket = %socket.display(), "admin API listening");
+    let server = api::agent_server::AgentServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(16 * 1024 * 1024);
+    let result = tonic::transport::Server::builder()
+        .add_service(server)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            cancel.cancelled_owned(),
+        )
+        .await;
+    let _ = std::fs::remove_file(socket);
+    result.context("admin API server failed")
+}

@@ -1,0 +1,168 @@
+//! Loads the kernel programs with this kernel's offsets and attaches them to their hooks.
+//!
+//! ```text
+//! embedded object + btf::resolve_offsets + EbpfOptions --EbpfLoader (CONFIG, map sizes)--> Ebpf
+//!   --tracefs::ensure_mounted, TracePoint::load/attach--> programs firing on syscalls/sys_*_{bind,unlink*}
+//! ```
+//!
+//! Failures are reported in operator terms: which hook, what the kernel said, what to grant.
+
+use std::io;
+use std::time::Duration;
+
+use agent_ebpf::{Config, names};
+use anyhow::{Context, bail};
+use aya::programs::{ProgramError, TracePoint};
+use aya::{Ebpf, EbpfLoader};
+
+use super::btf::{KernelBtf, resolve_offsets};
+use super::tracefs;
+
+/// The kernel object, when this agent was built with it (`cargo xtask build`).
+#[cfg(ebpf_object)]
+static OBJECT: Option<&[u8]> = Some(aya::include_bytes_aligned!(env!(
+    "PLUGIN_AGENT_EBPF_OBJ_PATH"
+)));
+#[cfg(not(ebpf_object))]
+static OBJECT: Option<&[u8]> = None;
+
+/// A syscall tracepoint program and the tracepoints it is attached to.
+struct Hook {
+    program: &'static str,
+    tracepoints: &'static [&'static str],
+}
+
+/// Every program in the object and where it goes. Exit programs are shared by the syscalls whose
+/// exits look the same.
+const HOOKS: &[Hook] = &[
+    Hook {
+        program: "bind_enter",
+        tracepoints: &["sys_enter_bind"],
+    },
+    Hook {
+        program: "bind_exit",
+        tracepoints: &["sys_exit_bind"],
+    },
+    Hook {
+        program: "unlink_enter",
+        tracepoints: &["sys_enter_unlink"],
+    },
+    Hook {
+        program: "unlinkat_enter",
+        tracepoints: &["sys_enter_unlinkat"],
+    },
+    Hook {
+        program: "removal_exit",
+        tracepoints: &["sys_exit_unlink", "sys_exit_unlinkat"],
+    },
+];
+
+/// What [`load`] sizes and tunes.
+pub struct LoadParams {
+    /// Ring buffer size in bytes (a power of two, multiple of the page size).
+    pub ring_buffer_bytes: u32,
+    /// Wake the reader when this many bytes are queued.
+    pub wakeup_bytes: u64,
+    /// Longest an event waits for a reader wake-up during a burst.
+    pub batch_delay: Duration,
+    /// Capacity of the watched-directory map.
+    pub watched_capacity: u32,
+    /// Capacity of the name map.
+    pub names_capacity: u32,
+}
+
+/// The loaded object with its programs attached.
+pub struct Loaded {
+    /// Owns the programs and their links: dropping it detaches everything.
+    pub ebpf: Ebpf,
+    /// `category/name` of every attached tracepoint, for [`describe`](super::EbpfSource).
+    pub attached: Vec<String>,
+    /// Whether the loader had to mount tracefs.
+    pub mounted_tracefs: bool,
+}
+
+/// Loads and attaches the kernel programs, or says in operator terms why it cannot.
+pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
+    let Some(object) = OBJECT else {
+        bail!(
+            "this plugin-agent was built without the eBPF event source (build with `cargo xtask build`)"
+        );
+    };
+    let btf = KernelBtf::running_kernel()?;
+    let offsets = resolve_offsets(&btf).context("the running kernel's layout is not supported")?;
+    let config = Config {
+        offsets,
+        agent_tgid: std::process::id(),
+        wakeup_bytes: params.wakeup_bytes,
+        batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
+        ..Config::UNSET
+    };
+    let mut ebpf = EbpfLoader::new()
+        .override_global(names::CONFIG, &config, true)
+        .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
+        .map_max_entries(names::WATCHED, params.watched_capacity)
+        .map_max_entries(names::NAMES, params.names_capacity)
+        .load(object)
+        .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+
+    let mounted_tracefs = tracefs::ensure_mounted()?;
+    let mut attached = Vec::new();
+    for hook in HOOKS {
+        let program: &mut TracePoint = ebpf
+            .program_mut(hook.program)
+            .with_context(|| format!("the eBPF object has no program {}", hook.program))?
+            .try_into()
+            .with_context(|| format!("eBPF program {} is not a tracepoint", hook.program))?;
+        program
+            .load()
+            .map_err(|err| load_error(hook.program, err))?;
+        for tracepoint in hook.tracepoints {
+            program.attach("syscalls", tracepoint).map_err(|err| {
+                with_hint(
+                    anyhow::Error::new(err),
+                    &format!("cannot attach tracepoint syscalls/{tracepoint}"),
+                )
+            })?;
+            attached.push(format!("tracepoint syscalls/{tracepoint}"));
+        }
+    }
+    Ok(Loaded {
+        ebpf,
+        attached,
+        mounted_tracefs,
+    })
+}
+
+/// A program the verifier refused: keep the end of its log, where the reason is.
+fn load_error(program: &str, err: ProgramError) -> anyhow::Error {
+    let what = format!("cannot load eBPF program {program}");
+    match err {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            with_hint(
+                anyhow::Error::new(io_error),
+                &format!("{what}; verifier log ends with:\n{}", tail.join("\n")),
+            )
+        }
+        other => with_hint(anyhow::Error::new(other), &what),
+    }
+}
+
+/// Adds `what` as context and, for a permission error, what the agent needs to be granted.
+fn with_hint(err: anyhow::Error, what: &str) -> anyhow::Error {
+    let errno = err
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<io::Error>())
+        .and_then(io::Error::raw_os_error);
+    match errno {
+        Some(libc::EPERM) | Some(libc::EACCES) => err.context(format!(
+            "{what}: permission denied; need CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN)"
+        )),
+        _ => err.context(what.to_string()),
+    }
+}

@@ -1,0 +1,239 @@
+//! The reader task: drains the ring buffer into the watcher's channel and turns losses into rescans.
+//!
+//! ```text
+//! EVENTS ring buffer --(epoll via AsyncFd)--> drain --record::translate--> FsEvent --> sink
+//! LOSSES per-CPU counters --read after every drain--> moved? --> FsEvent::Rescan
+//! ```
+//!
+//! Wake-ups are batched by the kernel side (see `wake_flags` in agent-ebpf): an event is announced
+//! at once only if the reader was last woken at least `batch_delay` ago, or when enough bytes are
+//! queued; otherwise it rides along. So after every drain that found work the reader drains once
+//! more `batch_delay` later, which bounds the latency of ridden-along events; a drain that finds
+//! nothing ends the burst and the reader sleeps until the next epoll wake-up (no idle timers).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_ebpf::loss;
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc::Sender;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::filters::Filters;
+use super::record;
+use crate::event_source::FsEvent;
+
+/// Most records handled between two sends to the channel, so one drain holds bounded memory.
+const MAX_BATCH: usize = 1024;
+
+/// Everything the reader task owns.
+pub struct Reader {
+    /// The ring buffer the programs write [`agent_ebpf::Event`]s into.
+    pub ring: RingBuf<MapData>,
+    /// The per-CPU loss counters the programs bump.
+    pub losses: PerCpuArray<MapData, u64>,
+    /// Filters, to map directory identities back to paths and to clear names after a loss.
+    pub filters: Arc<Filters>,
+    /// The watcher's channel.
+    pub sink: Sender<FsEvent>,
+    /// Fires when the agent (or the source) stops.
+    pub cancel: CancellationToken,
+    /// The kernel side's batching delay; the reader drains again this long after a busy drain.
+    pub batch_delay: Duration,
+    /// Ring size, for the rescan reason.
+    pub ring_buffer_bytes: u32,
+}
+
+impl Reader {
+    /// Runs until cancelled or the watcher's channel closes.
+    pub async fn run(self) {
+        let Reader {
+            ring,
+            losses,
+            filters,
+            sink,
+            cancel,
+            batch_delay,
+            ring_buffer_bytes,
+        } = self;
+        // SAFETY: the ring buffer owns its map fd, which stays open and refers to the same map for as
+        // long as the RingBuf lives, and the RingBuf lives inside the AsyncFd.
+        let registered = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) };
+        let mut ring = match registered.map_err(|err| err.into_parts().1) {
+            Ok(ring) => ring,
+            Err(err) => {
+                tracing::error!(error = %err, "cannot poll the eBPF ring buffer");
+                let _ = sink
+                    .send(FsEvent::Rescan {
+                        reason: format!(
+                            "eBPF event source stopped: cannot poll its ring buffer: {err}"
+                        ),
+                    })
+                    .await;
+                return;
+            }
+        };
+        let mut seen_losses = [0u64; loss::COUNT as usize];
+        let mut follow_up: Option<Instant> = None;
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        loop {
+            let woken = tokio::select! {
+                () = cancel.cancelled() => return,
+                ready = ring.readable_mut() => match ready {
+                    Ok(mut guard) => {
+                        // Cleared before draining: a record committed during the drain re-arms it.
+                        guard.clear_ready();
+                        true
+                    }
+                    Err(err) => {
+                        tracing::error!(error = %err, "polling the eBPF ring buffer failed");
+                        return;
+                    }
+                },
+                () = sleep_until(follow_up), if follow_up.is_some() => false,
+                () = filters.names_overflow() => false,
+            };
+            let mut drained = 0;
+            loop {
+                let full = drain(ring.get_mut(), &filters, &mut batch);
+                drained += full.1;
+                for event in batch.drain(..) {
+                    if !send(&sink, &cancel, event).await {
+                        return;
+                    }
+                }
+                if !full.0 {
+                    break;
+                }
+            }
+            let mut report = new_losses(&losses, &mut seen_losses, ring_buffer_bytes);
+            if filters.take_names_overflow() {
+                report = Some(LossReport::merge(
+                    report,
+                    "a name found by the watcher did not fit the eBPF name table",
+                ));
+            }
+            if let Some(reason) = report {
+                if reason.names_full {
+                    filters.forget_names();
+                }
+                tracing::warn!(reason = %reason.text, "eBPF event source lost events; rescanning");
+                if !send(
+                    &sink,
+                    &cancel,
+                    FsEvent::Rescan {
+                        reason: reason.text,
+                    },
+                )
+                .await
+                {
+                    return;
+                }
+            }
+            follow_up = (woken || drained > 0).then(|| Instant::now() + batch_delay);
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends with back-pressure; false when the agent is stopping.
+async fn send(sink: &Sender<FsEvent>, cancel: &CancellationToken, event: FsEvent) -> bool {
+    tokio::select! {
+        () = cancel.cancelled() => false,
+        sent = sink.send(event) => sent.is_ok(),
+    }
+}
+
+/// Moves up to [`MAX_BATCH`] records into `batch`. Returns whether it stopped at the cap (more may
+/// be queued) and how many records it consumed.
+fn drain(
+    ring: &mut RingBuf<MapData>,
+    filters: &Filters,
+    batch: &mut Vec<FsEvent>,
+) -> (bool, usize) {
+    let mut consumed = 0;
+    while consumed < MAX_BATCH {
+        let Some(item) = ring.next() else {
+            return (false, consumed);
+        };
+        consumed += 1;
+        let Some(event) = record::decode(&item) else {
+            tracing::warn!(len = item.len(), "ignoring a short eBPF ring-buffer record");
+            continue;
+        };
+        drop(item);
+        if let Some(fs_event) = record::translate(&event, |key| filters.path_of(key)) {
+            batch.push(fs_event);
+        }
+    }
+    (true, consumed)
+}
+
+/// Why a rescan is needed, if any loss counter moved since the last look.
+struct LossReport {
+    text: String,
+    names_full: bool,
+}
+
+impl LossReport {
+    /// Adds a name-table overflow seen in userspace to what the kernel counters said.
+    fn merge(report: Option<LossReport>, names_full: &str) -> LossReport {
+        match report {
+            Some(report) => LossReport {
+                text: format!("{}; {names_full}", report.text),
+                names_full: true,
+            },
+            None => LossReport {
+                text: names_full.to_string(),
+                names_full: true,
+            },
+        }
+    }
+}
+
+fn new_losses(
+    losses: &PerCpuArray<MapData, u64>,
+    seen: &mut [u64; loss::COUNT as usize],
+    ring_buffer_bytes: u32,
+) -> Option<LossReport> {
+    let mut parts = Vec::new();
+    let mut names_full = false;
+    for index in 0..loss::COUNT {
+        let total: u64 = match losses.get(&index, 0) {
+            Ok(per_cpu) => per_cpu.iter().copied().fold(0, u64::wrapping_add),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read the eBPF loss counters");
+                continue;
+            }
+        };
+        let slot = &mut seen[index as usize];
+        let lost = total.wrapping_sub(*slot);
+        *slot = total;
+        if lost == 0 {
+            continue;
+        }
+        parts.push(match index {
+            loss::RING_FULL => {
+                format!("{lost} events lost: eBPF ring buffer ({ring_buffer_bytes} bytes) was full")
+            }
+            loss::PENDING_FULL => format!("{lost} syscalls not tracked: per-thread table was full"),
+            _ => {
+                names_full = true;
+                format!("{lost} names not recorded: eBPF name table was full")
+            }
+        });
+    }
+    (!parts.is_empty()).then(|| LossReport {
+        text: parts.join("; "),
+        names_full,
+    })
+}

@@ -1,0 +1,149 @@
+//! Turns one ring-buffer record into the [`FsEvent`] the watcher understands.
+//!
+//! ```text
+//! ring buffer bytes --decode--> agent_ebpf::Event --translate(parent path)--> FsEvent
+//! ```
+//!
+//! An exact event names its directory by kernel identity, which the caller maps back to the path it
+//! watched; a name-only event becomes [`FsEvent::NameChanged`].
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use agent_ebpf::{DirKey, Event, NAME_LEN, kind, scope};
+
+use crate::event_source::{FsEvent, Observed};
+
+/// Reads an [`Event`] from a ring-buffer record, or `None` if the record is too short (an object
+/// and agent from different builds).
+pub fn decode(bytes: &[u8]) -> Option<Event> {
+    if bytes.len() < size_of::<Event>() {
+        return None;
+    }
+    // SAFETY: `bytes` holds at least size_of::<Event>() bytes, Event is `repr(C)` plain data for
+    // which every bit pattern is valid (aya::Pod), and read_unaligned copes with any alignment.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Event>()) })
+}
+
+/// The entry name an event carries.
+pub fn name(event: &Event) -> &OsStr {
+    let bytes = &event.name.bytes;
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_LEN);
+    OsStr::from_bytes(&bytes[..len])
+}
+
+/// What the watcher is told about `event`. `parent_path` maps a directory identity to the path the
+/// watcher watches it under; `None` from it means the directory was unwatched since, and the event
+/// is dropped (the watcher ignores paths outside its tree anyway).
+pub fn translate(
+    event: &Event,
+    parent_path: impl FnOnce(&DirKey) -> Option<PathBuf>,
+) -> Option<FsEvent> {
+    let name = name(event);
+    if name.is_empty() || name == "." || name == ".." || name.as_bytes().contains(&b'/') {
+        return None;
+    }
+    let observed = Observed {
+        kernel_ns: Some(event.ktime_ns),
+    };
+    match event.scope {
+        scope::EXACT => {
+            let path = parent_path(&event.parent)?.join(Path::new(name));
+            match event.kind {
+                kind::BIND => Some(FsEvent::Created { path, observed }),
+                kind::UNLINK => Some(FsEvent::Removed { path, observed }),
+                _ => None,
+            }
+        }
+        scope::NAME_ONLY => Some(FsEvent::NameChanged {
+            name: name.to_os_string(),
+            observed,
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agent_ebpf::NameKey;
+
+    use super::*;
+
+    fn event(kind: u32, scope: u32, name: &str) -> Event {
+        Event {
+            kind,
+            scope,
+            tgid: 42,
+            name_len: name.len() as u32,
+            ktime_ns: 7,
+            parent: DirKey { dev: 1, ino: 2 },
+            name: NameKey::new(name.as_bytes()).unwrap_or(NameKey {
+                bytes: [0; NAME_LEN],
+            }),
+        }
+    }
+
+    fn watched(key: &DirKey) -> Option<PathBuf> {
+        (*key == DirKey { dev: 1, ino: 2 }).then(|| PathBuf::from("/plugins"))
+    }
+
+    const AT_7: Observed = Observed { kernel_ns: Some(7) };
+
+    #[test]
+    fn exact_bind_becomes_created_under_the_watched_path() {
+        assert_eq!(
+            translate(&event(kind::BIND, scope::EXACT, "a.sock"), watched),
+            Some(FsEvent::Created {
+                path: "/plugins/a.sock".into(),
+                observed: AT_7
+            })
+        );
+    }
+
+    #[test]
+    fn exact_unlink_becomes_removed() {
+        assert_eq!(
+            translate(&event(kind::UNLINK, scope::EXACT, "a.sock"), watched),
+            Some(FsEvent::Removed {
+                path: "/plugins/a.sock".into(),
+                observed: AT_7
+            })
+        );
+    }
+
+    #[test]
+    fn name_only_unlink_becomes_name_changed() {
+        assert_eq!(
+            translate(&event(kind::UNLINK, scope::NAME_ONLY, "a.sock"), |_| None),
+            Some(FsEvent::NameChanged {
+                name: "a.sock".into(),
+                observed: AT_7
+            })
+        );
+    }
+
+    #[test]
+    fn event_in_a_directory_no_longer_watched_is_dropped() {
+        let mut e = event(kind::BIND, scope::EXACT, "a.sock");
+        e.parent.ino = 3;
+        assert_eq!(translate(&e, watched), None);
+    }
+
+    #[test]
+    fn names_that_cannot_be_entries_are_dropped() {
+        for bad in ["", ".", ".."] {
+            assert_eq!(
+                translate(&event(kind::BIND, scope::EXACT, bad), watched),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn short_record_is_not_decoded() {
+        assert!(decode(&[0u8; 8]).is_none());
+        let bytes = [0u8; size_of::<Event>()];
+        assert_eq!(decode(&bytes).map(|e| e.kind), Some(0));
+    }
+}

@@ -1,0 +1,90 @@
+//! Agent events: what the watcher and the executor did, published for whoever watches (the admin
+//! API's `WatchEvents` stream, `plugin-agent watch`, load generators measuring deregistration).
+//!
+//! A broadcast channel: publishing never blocks the data flow; a subscriber that falls behind
+//! loses the oldest events and is told how many (`Lagged`).
+
+use crate::handler::Plugin;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+use tokio::sync::broadcast;
+
+/// Events kept for slow subscribers before they lag.
+const CAPACITY: usize = 4096;
+
+/// What happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventKind {
+    /// A socket appeared under the tree (desired state add).
+    SocketDiscovered,
+    /// A socket left the tree (desired state remove).
+    SocketRemoved,
+    /// Registration completed: the plugin got Notify(true).
+    Registered,
+    /// A registration attempt failed; `error` says why.
+    RegistrationFailed,
+    /// The plugin was deregistered from its handler.
+    Deregistered,
+    /// The watcher walked the whole tree; `detail` says why.
+    Rescan,
+}
+
+/// One event.
+#[derive(Debug, Clone)]
+pub struct AgentEvent {
+    /// When it happened.
+    pub at: SystemTime,
+    /// What happened.
+    pub kind: EventKind,
+    /// The socket concerned (the root directory for rescans).
+    pub socket_path: PathBuf,
+    /// The plugin, once GetInfo has answered.
+    pub plugin: Option<Plugin>,
+    /// The error, for failures.
+    pub error: Option<String>,
+    /// For registrations: from the kernel event (or discovery) to Notify(true).
+    pub latency: Option<Duration>,
+    /// Free-form detail (rescan reason...).
+    pub detail: Option<String>,
+}
+
+impl AgentEvent {
+    /// An event about `socket_path`, now.
+    pub fn new(kind: EventKind, socket_path: impl Into<PathBuf>) -> Self {
+        AgentEvent {
+            at: SystemTime::now(),
+            kind,
+            socket_path: socket_path.into(),
+            plugin: None,
+            error: None,
+            latency: None,
+            detail: None,
+        }
+    }
+}
+
+/// The publishing side; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct EventBus {
+    tx: broadcast::Sender<AgentEvent>,
+}
+
+impl Default for EventBus {
+    fn default() -> Self {
+        EventBus {
+            tx: broadcast::channel(CAPACITY).0,
+        }
+    }
+}
+
+impl EventBus {
+    /// Publishes to current subscribers (none is fine).
+    pub fn publish(&self, event: AgentEvent) {
+        let _ = self.tx.send(event);
+    }
+
+    /// A new subscription, starting now.
+    pub fn subscribe(&self) -> broadcast::Receiver<AgentEvent> {
+        self.tx.subscribe()
+    }
+}
