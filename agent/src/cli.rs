@@ -367,7 +367,7 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
     let handlers = Arc::new(HandlerRegistry::default());
     for (plugin_type, target) in &settings.handlers {
         let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;
-        tracing::info!(plugin_type = %plugin_type, target = %target, "handler configured");
+        tracing::info!(plugin_type = %plugin_type, handler = %target, "handler configured");
         handlers.insert(plugin_type, handler);
     }
     let agent = RunningAgent::start(settings.agent, handlers).await?;

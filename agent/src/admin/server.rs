@@ -281,7 +281,7 @@ impl api::agent_server::Agent for AdminService {
         let request = request.into_inner();
         validate_type(&request.plugin_type)?;
         let handler = handler::from_target(&request.target).map_err(Status::invalid_argument)?;
-        tracing::info!(plugin_type = %request.plugin_type, target = %request.target, "handler added through the admin API");
+        tracing::info!(plugin_type = %request.plugin_type, handler = %request.target, "handler added through the admin API");
         self.handlers.insert(&request.plugin_type, handler);
         Ok(Response::new(api::AddHandlerResponse {}))
     }

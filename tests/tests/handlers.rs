@@ -1,0 +1,487 @@
+//! Issue 5 end to end: plugin <-> agent <-> handler over real sockets. The handler is the example
+//! DRA handler (`dra-handler`, a real `pluginagent.v1.PluginHandler` server in its own process);
+//! operators reach the agent through the admin socket with the `plugin-agent` CLI.
+//!
+//! Handlers do not depend on the event source, so these run on inotify only.
+
+use plugin_agent_tests::events::EventLog;
+use plugin_agent_tests::{
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, logs,
+    plugin,
+};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// A running `dra-handler`; killed on drop.
+struct Handler {
+    child: Child,
+    events: EventLog,
+    target: String,
+}
+
+impl Handler {
+    async fn start(socket: &Path, flags: &[&str]) -> Handler {
+        let target = format!("unix://{}", socket.display());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dra-handler"))
+            .args(["--listen", &target])
+            .args(flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start dra-handler");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let events = EventLog::read_from(stdout, format!("handler-{}", socket.display()));
+        let handler = Handler {
+            child,
+            events,
+            target,
+        };
+        handler
+            .wait(|l| l.field_is("event", "listening"), "the handler listens")
+            .await;
+        handler
+    }
+
+    async fn wait(&self, pred: impl Fn(&Line) -> bool, what: &str) -> Line {
+        self.wait_after(Mark(0), pred, what).await
+    }
+
+    async fn wait_after(&self, mark: Mark, pred: impl Fn(&Line) -> bool, what: &str) -> Line {
+        match self.events.wait_for(mark, EVENT_TIMEOUT, pred).await {
+            Ok(line) => line,
+            Err(e) => panic!(
+                "waiting for {what}: {e:?}; handler said:\n{}",
+                self.events.tail(30)
+            ),
+        }
+    }
+
+    fn calls(&self) -> Vec<(String, String)> {
+        self.events
+            .lines()
+            .into_iter()
+            .filter_map(|l| Some((l.field("call")?, l.field("name")?)))
+            .collect()
+    }
+}
+
+impl Drop for Handler {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn call(kind: &'static str, name: &'static str) -> impl Fn(&Line) -> bool {
+    move |l| l.field_is("call", kind) && l.field_is("name", name)
+}
+
+fn dra_plugin(dir: &PluginDir, socket: &str, name: &str) -> PluginProcess {
+    plugin!(dir.path(socket))
+        .plugin_type("DRAPlugin")
+        .name(name)
+        .arg("--versions")
+        .arg("v1beta1.DRAPlugin,v1.DRAPlugin")
+        .spawn()
+}
+
+struct Setup {
+    dir: PluginDir,
+    agent: AgentProcess,
+    admin: PathBuf,
+}
+
+async fn start_agent(test: &str, handlers: &[String], extra: &[&str]) -> Setup {
+    let dir = PluginDir::new();
+    let admin = dir.outside("admin/agent.sock");
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    options.handlers = handlers.to_vec();
+    options.extra = vec!["--admin-socket".into(), admin.display().to_string()];
+    options.extra.extend(extra.iter().map(|s| s.to_string()));
+    let agent = AgentProcess::start(test, options)
+        .await
+        .expect("inotify needs no privileges");
+    agent
+        .wait_for_log("the admin API", EVENT_TIMEOUT, |l| {
+            l.message() == "admin API listening"
+        })
+        .await;
+    Setup { dir, agent, admin }
+}
+
+/// Runs `plugin-agent --admin-socket A <args>`; returns (success, stdout, stderr).
+fn cli(admin: &Path, args: &[&str]) -> (bool, String, String) {
+    cli_as(admin, args, None)
+}
+
+fn cli_as(admin: &Path, args: &[&str], uid: Option<u32>) -> (bool, String, String) {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(plugin_agent_tests::env::agent_bin());
+    command.arg("--admin-socket").arg(admin).args(args);
+    if let Some(uid) = uid {
+        command.uid(uid).gid(uid);
+    }
+    let out = command.output().expect("run plugin-agent CLI");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_handler_accepts_plugin_with_highest_dra_service() {
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &[]).await;
+    let s = start_agent(
+        "grpc_handler_accepts",
+        &[format!("DRAPlugin={}", handler.target)],
+        &[],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let notify = plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    assert_eq!(notify.field("error").as_deref(), Some(""));
+    let validate = handler.wait(call("validate", "gpu"), "validate").await;
+    assert_eq!(validate.field("service").as_deref(), Some("v1.DRAPlugin"));
+    assert_eq!(
+        handler.calls(),
+        vec![
+            ("validate".into(), "gpu".into()),
+            ("register".into(), "gpu".into())
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejection_at_validate_reaches_the_plugin() {
+    let base = PluginDir::new();
+    let handler = Handler::start(
+        &base.outside("h.sock"),
+        &["--reject-validate", "quota exceeded on this node"],
+    )
+    .await;
+    let s = start_agent(
+        "reject_validate",
+        &[format!("DRAPlugin={}", handler.target)],
+        &[],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let notify = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    let error = notify.field("error").unwrap_or_default();
+    assert!(
+        error.contains("quota exceeded on this node"),
+        "plugin was told {error:?}"
+    );
+    assert!(
+        !handler.calls().iter().any(|(c, _)| c == "register"),
+        "register must not follow a failed validate"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejection_at_register_reaches_the_plugin_and_is_rolled_back() {
+    let base = PluginDir::new();
+    let handler = Handler::start(
+        &base.outside("h.sock"),
+        &["--reject-register", "no capacity"],
+    )
+    .await;
+    let s = start_agent(
+        "reject_register",
+        &[format!("DRAPlugin={}", handler.target)],
+        &[],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let notify = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    assert!(
+        notify
+            .field("error")
+            .unwrap_or_default()
+            .contains("no capacity"),
+        "{notify}"
+    );
+    handler
+        .wait(call("deregister", "gpu"), "the rollback deregistration")
+        .await;
+    let (ok, out, err) = cli(&s.admin, &["list", "-o", "json"]);
+    assert!(ok, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_ne!(list[0]["state"], "registered", "{out}");
+    assert!(
+        list[0]["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no capacity"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_wait_for_a_handler_that_is_down_and_register_when_it_is_back() {
+    let base = PluginDir::new();
+    let socket = base.outside("h.sock");
+    let target = format!("unix://{}", socket.display());
+    let s = start_agent(
+        "handler_down_then_up",
+        &[format!("DRAPlugin={target}"), "CSIPlugin=accept-all".into()],
+        &[],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let refused = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    assert!(
+        refused
+            .field("error")
+            .unwrap_or_default()
+            .contains("unavailable"),
+        "{refused}"
+    );
+    // Other types are unaffected meanwhile.
+    let csi = plugin!(s.dir.path("csi.sock")).name("csi").spawn();
+    csi.wait_for_notify(true, EVENT_TIMEOUT).await;
+
+    let handler = Handler::start(&socket, &[]).await;
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    handler
+        .wait(call("register", "gpu"), "register once the handler is back")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_slower_than_its_deadline_fails_the_plugin_and_delays_no_other_type() {
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &["--delay", "5s"]).await;
+    let s = start_agent(
+        "slow_handler",
+        &[
+            format!("DRAPlugin={}", handler.target),
+            "CSIPlugin=accept-all".into(),
+        ],
+        &["--handler-timeout", "500ms"],
+    )
+    .await;
+    let slow = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let csi = plugin!(s.dir.path("csi.sock")).name("csi").spawn();
+    csi.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let refused = slow.wait_for_notify(false, EVENT_TIMEOUT).await;
+    assert!(
+        refused
+            .field("error")
+            .unwrap_or_default()
+            .contains("did not answer within 500ms"),
+        "{refused}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_added_through_the_cli_registers_waiting_plugins() {
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &[]).await;
+    let s = start_agent("handler_added_later", &["CSIPlugin=accept-all".into()], &[]).await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let refused = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    assert!(
+        refused
+            .field("error")
+            .unwrap_or_default()
+            .starts_with("no handler registered for plugin type: DRAPlugin")
+    );
+
+    let mark = plugin.mark();
+    let (ok, out, err) = cli(&s.admin, &["handler", "add", "DRAPlugin", &handler.target]);
+    assert!(ok, "handler add failed: {out} {err}");
+    plugin
+        .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
+        .await;
+    let (ok, out, _) = cli(&s.admin, &["status", "-o", "json"]);
+    assert!(ok);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let types: Vec<&str> = status["handlers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|h| h["plugin_type"].as_str())
+        .collect();
+    assert_eq!(types, vec!["CSIPlugin", "DRAPlugin"]);
+    assert_eq!(status["plugins_registered"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn re_registration_replaces_the_older_instance_and_only_the_newest_socket_deregisters() {
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &[]).await;
+    let s = start_agent(
+        "re_registration",
+        &[format!("DRAPlugin={}", handler.target)],
+        &[],
+    )
+    .await;
+    let old = dra_plugin(&s.dir, "gpu-v1.sock", "gpu");
+    old.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let new = dra_plugin(&s.dir, "gpu-v2.sock", "gpu");
+    new.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let second = handler
+        .events
+        .matching_since(Mark(0), call("register", "gpu"));
+    assert_eq!(second.len(), 2);
+    assert_eq!(
+        second[1].field("replaced"),
+        Some(s.dir.path("gpu-v1.sock").display().to_string())
+    );
+
+    let old_socket = old.socket().to_path_buf();
+    old.stop().await;
+    let superseded = |l: &Line| {
+        l.message().contains("re-registered from a newer socket") && logs::mentions(&old_socket)(l)
+    };
+    s.agent
+        .wait_for_log(
+            "the old socket's removal, superseded",
+            EVENT_TIMEOUT,
+            superseded,
+        )
+        .await;
+    let new_socket = new.socket().to_path_buf();
+    new.stop().await;
+    let removed = handler
+        .wait(
+            call("deregister", "gpu"),
+            "the newest socket's deregistration",
+        )
+        .await;
+    assert_eq!(
+        removed.field("endpoint"),
+        Some(new_socket.display().to_string())
+    );
+    let deregisters = handler
+        .calls()
+        .iter()
+        .filter(|(c, _)| c == "deregister")
+        .count();
+    assert_eq!(
+        deregisters,
+        1,
+        "only the newest socket's removal reaches the handler: {:?}",
+        handler.calls()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistration_follows_registration_in_contract_order() {
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &[]).await;
+    let s = start_agent(
+        "deregistration_order",
+        &[format!("DRAPlugin={}", handler.target)],
+        &[],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    plugin.stop().await;
+    handler.wait(call("deregister", "gpu"), "deregister").await;
+    let order: Vec<String> = handler.calls().into_iter().map(|(c, _)| c).collect();
+    assert_eq!(order, vec!["validate", "register", "deregister"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_lists_plugins_and_streams_events() {
+    let s = start_agent("admin_list_watch", &["CSIPlugin=accept-all".into()], &[]).await;
+    let mut watch = Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(&s.admin)
+        .args(["watch", "-o", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("plugin-agent watch");
+    let events = EventLog::read_from(watch.stdout.take().expect("piped"), "watch".into());
+    // The stream has no history: `watch` subscribes while the plugin registers, and the test
+    // awaits the deregistration, which comes well after.
+    let plugin = plugin!(s.dir.path("a.sock")).name("a").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let (ok, out, err) = cli(&s.admin, &["list", "-o", "json"]);
+    assert!(ok, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(list[0]["state"], "registered", "{out}");
+    assert_eq!(list[0]["name"], "a");
+    assert_eq!(list[0]["supported_versions"][0], "1.0.0");
+    assert!(list[0]["socket_ino"].as_u64().unwrap_or(0) > 0);
+    let (ok, table, _) = cli(&s.admin, &["list"]);
+    assert!(
+        ok && table.starts_with("SOCKET") && table.contains("registered"),
+        "{table}"
+    );
+
+    plugin.stop().await;
+    let removed = events
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| {
+            l.field_is("kind", "deregistered")
+        })
+        .await;
+    let _ = watch.kill();
+    let removed =
+        removed.unwrap_or_else(|e| panic!("no deregistered event: {e:?}\n{}", events.tail(20)));
+    assert_eq!(
+        removed.field("socket_path"),
+        Some(s.dir.path("a.sock").display().to_string())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_is_refused_to_non_root_peers() {
+    if !plugin_agent_tests::env::privileged("admin_api_is_refused_to_non_root_peers") {
+        return;
+    }
+    let s = start_agent("admin_non_root", &["CSIPlugin=accept-all".into()], &[]).await;
+    // As installed (socket 0600 in a 0700 directory), another user cannot even connect.
+    let (ok, _, err) = cli_as(&s.admin, &["status"], Some(65534));
+    assert!(!ok && err.contains("cannot reach"), "{err}");
+    // Even if an operator loosens the permissions, the peer credential check refuses.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = s.admin.parent().expect("admin dir");
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+    std::fs::set_permissions(&s.admin, std::fs::Permissions::from_mode(0o777))
+        .expect("chmod socket");
+    let (ok, _, err) = cli_as(&s.admin, &["status"], Some(65534));
+    assert!(
+        !ok && err.contains("may not use the plugin-agent admin API"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(&s.admin, &["status"]);
+    assert!(ok, "root is allowed: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_admin_requests_are_refused_and_the_agent_carries_on() {
+    use std::io::Write;
+    let s = start_agent("admin_malformed", &["CSIPlugin=accept-all".into()], &[]).await;
+    // Not HTTP/2 at all.
+    let mut raw = std::os::unix::net::UnixStream::connect(&s.admin).expect("connect");
+    let _ = raw.write_all(b"GET / HTTP/1.1\r\n\r\n\x00\xff garbage");
+    drop(raw);
+    // A target that is not a handler address.
+    let (ok, _, err) = cli(&s.admin, &["handler", "add", "DRAPlugin", "ftp://nope"]);
+    assert!(
+        !ok && err.contains("expected unix:///path.sock or http://host:port"),
+        "{err}"
+    );
+    // A request over the 64 KiB limit.
+    let huge = "x".repeat(100 * 1024);
+    let (ok, _, err) = cli(&s.admin, &["handler", "add", &huge, "accept-all"]);
+    assert!(!ok, "an oversized request must be refused");
+    assert!(
+        err.len() < 8 * 1024,
+        "the error should not echo the request"
+    );
+    // The agent still serves and still registers plugins.
+    let plugin = plugin!(s.dir.path("a.sock")).name("a").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let (ok, out, err) = cli(&s.admin, &["status", "-o", "json"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("\"plugins_registered\": 1"), "{out}");
+}
