@@ -424,6 +424,7 @@ async fn admin_api_lists_plugins_and_streams_events() {
         })
         .await;
     let _ = watch.kill();
+    let _ = watch.wait();
     let removed =
         removed.unwrap_or_else(|e| panic!("no deregistered event: {e:?}\n{}", events.tail(20)));
     assert_eq!(
