@@ -193,7 +193,7 @@ pub async fn open(
     };
     let mut refusals = Vec::new();
     for &kind in kinds {
-        match open_kind(kind, sink.clone(), cancel.clone(), options).await {
+        match open_kind(kind, sink.clone(), cancel.clone(), options) {
             Ok(source) => {
                 if choice == SourceChoice::Auto {
                     tracing::info!(source = %kind, passed_over = ?refusals, "event source chosen automatically");
@@ -211,17 +211,20 @@ pub async fn open(
     anyhow::bail!("no event source could be opened: {}", refusals.join("; "))
 }
 
-async fn open_kind(
+fn open_kind(
     kind: SourceKind,
     sink: tokio::sync::mpsc::Sender<FsEvent>,
     cancel: tokio_util::sync::CancellationToken,
     options: &SourceOptions,
 ) -> anyhow::Result<std::sync::Arc<dyn EventSource>> {
     Ok(match kind {
-        // WIRING: replaced by the eBPF source's constructor when it lands.
         SourceKind::Ebpf => {
-            let _ = (sink, cancel, options);
-            anyhow::bail!("the eBPF source is not wired in yet")
+            let mut ebpf_options = ebpf::EbpfOptions::default();
+            if options.ring_buffer_bytes != 0 {
+                ebpf_options.ring_buffer_bytes = u32::try_from(options.ring_buffer_bytes)
+                    .map_err(|_| anyhow::anyhow!("eBPF ring buffer size {} is too large", options.ring_buffer_bytes))?;
+            }
+            std::sync::Arc::new(ebpf::open(sink, cancel, ebpf_options)?)
         }
         SourceKind::Fanotify => std::sync::Arc::new(fanotify::open(sink, cancel)?),
         SourceKind::Inotify => std::sync::Arc::new(inotify::open(sink, cancel)?),
