@@ -486,3 +486,43 @@ async fn malformed_and_oversized_admin_requests_are_refused_and_the_agent_carrie
     assert!(ok, "{err}");
     assert!(out.contains("\"plugins_registered\": 1"), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_handler_configured_in_a_toml_file_registers_plugins() {
+    let base = PluginDir::new();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dra-handler"))
+        .args(["--listen", "http://127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start dra-handler on loopback");
+    let events = EventLog::read_from(child.stdout.take().expect("piped"), "http-handler".into());
+    let listening = events
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| l.field_is("event", "listening"))
+        .await
+        .expect("listening");
+    let address = listening.field("address").expect("address");
+    let config = base.outside("plugin-agent.toml");
+    std::fs::write(
+        &config,
+        format!("[handlers]\nDRAPlugin = \"{address}\"\n\n[timeouts]\nvalidate = \"5s\"\n"),
+    )
+    .expect("write config");
+
+    let s = start_agent(
+        "http_handler_from_config",
+        &[],
+        &["--config", &config.display().to_string()],
+    )
+    .await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    events
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| {
+            l.field_is("call", "register") && l.field_is("name", "gpu")
+        })
+        .await
+        .expect("the http handler registered the plugin");
+    let _ = child.kill();
+    let _ = child.wait();
+}
