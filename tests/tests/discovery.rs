@@ -19,9 +19,9 @@ per_source!(
     registers_a_socket_whose_path_is_107_bytes_long,
     retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once,
     registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path,
-    #[ignore = "agent bug: GetInfo's gRPC deadline ends as Code::Cancelled (\"Timeout expired\"), which registration.rs does not treat as 'not serving yet', so the plugin is counted as failed and backs off"]
     registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves,
     loses_no_plugin_under_a_create_delete_storm,
+    deregisters_a_plugin_whose_socket_is_deleted_during_registration,
 );
 
 /// Starts a well-behaved plugin at `socket` and waits until the agent has registered it: proof
@@ -521,4 +521,49 @@ async fn loses_no_plugin_under_a_create_delete_storm(source: Source) {
         l.message() == "scanned plugin directory" && !l.field_is("reason", "start")
     });
     eprintln!("{test}: {} rescans during the storms", rescans.len());
+}
+
+async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source: Source) {
+    let test = test_name(
+        "deregisters_a_plugin_whose_socket_is_deleted_during_registration",
+        source,
+    );
+    let dir = PluginDir::new();
+    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+        return;
+    };
+    let socket = dir.path("short-lived.sock");
+    let plugin = plugin!(&socket)
+        .arg("--get-info-delay")
+        .arg("500ms")
+        .spawn();
+    plugin.wait_for_event("get_info", EVENT_TIMEOUT).await;
+    // The plugin still serves (on the unlinked socket) and answers GetInfo after the deletion.
+    std::fs::remove_file(&socket).expect("delete the socket during registration");
+    agent
+        .wait_for_log("the deletion seen", EVENT_TIMEOUT, logs::removed(&socket))
+        .await;
+    // Whatever the agent did meanwhile, it must end with the plugin not registered: every
+    // handler registration is followed by a deregistration.
+    let last_register = agent.wait_for_log("the registration attempt ended", EVENT_TIMEOUT, |l| {
+        logs::registered(&socket)(l)
+            || logs::registration_failed(&socket)(l)
+            || l.message() == "socket vanished during registration"
+    });
+    last_register.await;
+    let registered = agent
+        .logs_since(Mark(0), logs::handler_registered(&socket))
+        .len();
+    if registered > 0 {
+        agent
+            .wait_for_logs(
+                Mark(0),
+                registered,
+                "a deregistration per registration",
+                EVENT_TIMEOUT,
+                logs::handler_deregistered(&socket),
+            )
+            .await;
+    }
+    eprintln!("{test}: {registered} handler registrations before the deletion took effect");
 }
