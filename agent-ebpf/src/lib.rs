@@ -1,3 +1,266 @@
 //! Types shared by the kernel programs and the agent: the ring-buffer event record, map keys and the
 //! kernel struct offsets that userspace resolves from BTF at load time.
+//!
+//! ```text
+//! agent (userspace)                               kernel programs (main.rs)
+//!   resolve KernelOffsets from BTF  --CONFIG-->   read task/file/dentry fields at those offsets
+//!   WATCHED[DirKey] / NAMES[NameKey] --maps-->    filter by parent identity, or by entry name
+//!   reader  <--EVENTS ring buffer-- Event <--     successful bind / unlink under a watched dir
+//!   reader  <--LOSSES per-CPU counters--          any event that could not be recorded
+//! ```
+//!
+//! Everything here is `#[repr(C)]`, `Copy`, and free of padding the two sides could disagree on, so
+//! the agent reads the kernel's bytes as these types directly. The `user` feature adds `aya::Pod`.
 #![no_std]
+
+/// Bytes of an entry name, including the terminating NUL (`NAME_MAX + 1`).
+pub const NAME_LEN: usize = 256;
+
+/// Bytes of the per-CPU buffer a syscall's path argument is copied into (`PATH_MAX`).
+pub const PATH_BUF_LEN: usize = 4096;
+
+/// Names of the maps and the global in the kernel object; the loader looks them up by these.
+pub mod names {
+    /// Ring buffer of [`crate::Event`]s.
+    pub const EVENTS: &str = "EVENTS";
+    /// Hash of watched directories, [`crate::DirKey`] -> `u8` (unused).
+    pub const WATCHED: &str = "WATCHED";
+    /// Hash of entry names present under the watched tree, [`crate::NameKey`] -> `u8` (unused).
+    pub const NAMES: &str = "NAMES";
+    /// Per-CPU array of `u64` loss counters, indexed by [`crate::loss`].
+    pub const LOSSES: &str = "LOSSES";
+    /// The [`crate::Config`] global.
+    pub const CONFIG: &str = "CONFIG";
+}
+
+/// Indexes into the `LOSSES` per-CPU counter array: why an event could not be recorded.
+pub mod loss {
+    /// `bpf_ringbuf_reserve` failed: the ring buffer was full.
+    pub const RING_FULL: u32 = 0;
+    /// The per-thread table that carries a syscall's arguments from entry to exit was full.
+    pub const PENDING_FULL: u32 = 1;
+    /// The table of names under the watched tree was full, so a later removal may go unmatched.
+    pub const NAMES_FULL: u32 = 2;
+    /// Number of counters.
+    pub const COUNT: u32 = 3;
+}
+
+/// What happened, in [`Event::kind`].
+pub mod kind {
+    /// An `AF_UNIX` socket was bound to a filesystem path (`bind` returned 0).
+    pub const BIND: u32 = 1;
+    /// A directory entry was removed (`unlink`/`unlinkat` returned 0).
+    pub const UNLINK: u32 = 2;
+}
+
+/// How precisely the event locates the entry, in [`Event::scope`].
+pub mod scope {
+    /// [`crate::Event::parent`] is the identity of the directory holding the entry.
+    pub const EXACT: u32 = 1;
+    /// Only the name is known (the path had several components and cannot be resolved in BPF); the
+    /// entry was matched by name against `NAMES`, so it may be in any watched directory, or none.
+    pub const NAME_ONLY: u32 = 2;
+}
+
+/// Identity of a directory as the kernel sees it: `super_block.s_dev` and `inode.i_ino`.
+///
+/// `dev` is in the kernel's internal encoding (`major << 20 | minor`), not userspace `st_dev`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DirKey {
+    /// `s_dev` of the directory's super block.
+    pub dev: u64,
+    /// Inode number of the directory.
+    pub ino: u64,
+}
+
+impl DirKey {
+    /// Converts a userspace `st_dev` (glibc `makedev` encoding) to the kernel's `s_dev` encoding.
+    pub const fn kernel_dev(st_dev: u64) -> u64 {
+        let major = ((st_dev >> 8) & 0xfff) | ((st_dev >> 32) & !0xfff);
+        let minor = (st_dev & 0xff) | ((st_dev >> 12) & !0xff);
+        ((major & 0xfff) << 20) | (minor & 0xf_ffff)
+    }
+}
+
+/// An entry name, NUL-padded to [`NAME_LEN`] bytes so it can key a BPF hash map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NameKey {
+    /// The name's bytes followed by NULs.
+    pub bytes: [u8; NAME_LEN],
+}
+
+impl NameKey {
+    /// The key for `name`, or `None` if it is empty or longer than `NAME_MAX` (no such entry can
+    /// exist, so nothing needs matching).
+    pub fn new(name: &[u8]) -> Option<Self> {
+        if name.is_empty() || name.len() >= NAME_LEN || name.contains(&0) {
+            return None;
+        }
+        let mut bytes = [0; NAME_LEN];
+        bytes[..name.len()].copy_from_slice(name);
+        Some(NameKey { bytes })
+    }
+}
+
+/// One record in the ring buffer: a successful syscall that changed an entry under the tree.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Event {
+    /// One of [`kind`].
+    pub kind: u32,
+    /// One of [`scope`].
+    pub scope: u32,
+    /// Thread-group id (the process id) that made the call.
+    pub tgid: u32,
+    /// Bytes of `name` before the first NUL.
+    pub name_len: u32,
+    /// `bpf_ktime_get_ns()` (`CLOCK_MONOTONIC`) when the syscall returned.
+    pub ktime_ns: u64,
+    /// The directory holding the entry, valid when `scope` is [`scope::EXACT`].
+    pub parent: DirKey,
+    /// The entry's name.
+    pub name: NameKey,
+}
+
+/// Where one kernel struct member lives: its byte offset in the struct that holds it.
+///
+/// Offsets of members reached through embedded structs (`file.f_path.dentry`) are summed, so every
+/// field here is one `bpf_probe_read_kernel` away from the pointer named before the dot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    /// `task_struct.files` (`struct files_struct *`).
+    pub task_files: u32,
+    /// `task_struct.fs` (`struct fs_struct *`).
+    pub task_fs: u32,
+    /// `files_struct.fdt` (`struct fdtable *`).
+    pub files_fdt: u32,
+    /// `fdtable.max_fds` (`unsigned int`).
+    pub fdtable_max_fds: u32,
+    /// `fdtable.fd` (`struct file **`).
+    pub fdtable_fd: u32,
+    /// `file.private_data` (`struct socket *` for a socket).
+    pub file_private_data: u32,
+    /// `file.f_path.dentry`.
+    pub file_dentry: u32,
+    /// `socket.sk` (`struct sock *`).
+    pub socket_sk: u32,
+    /// `sock.__sk_common.skc_family` (`unsigned short`).
+    pub sock_family: u32,
+    /// `unix_sock.path.dentry`: the dentry a bound `AF_UNIX` socket lives at.
+    pub unix_sock_dentry: u32,
+    /// `fs_struct.pwd.dentry`.
+    pub fs_pwd_dentry: u32,
+    /// `dentry.d_parent`.
+    pub dentry_parent: u32,
+    /// `dentry.d_name.len` (`u32`).
+    pub dentry_name_len: u32,
+    /// `dentry.d_name.name` (`const unsigned char *`).
+    pub dentry_name: u32,
+    /// `dentry.d_inode`.
+    pub dentry_inode: u32,
+    /// `dentry.d_sb`.
+    pub dentry_sb: u32,
+    /// `inode.i_ino` (`unsigned long`).
+    pub inode_ino: u32,
+    /// `super_block.s_dev` (`dev_t`, `u32`).
+    pub sb_dev: u32,
+}
+
+impl KernelOffsets {
+    /// All zero: what the object carries until the loader sets the resolved offsets.
+    pub const UNSET: KernelOffsets = KernelOffsets {
+        task_files: 0,
+        task_fs: 0,
+        files_fdt: 0,
+        fdtable_max_fds: 0,
+        fdtable_fd: 0,
+        file_private_data: 0,
+        file_dentry: 0,
+        socket_sk: 0,
+        sock_family: 0,
+        unix_sock_dentry: 0,
+        fs_pwd_dentry: 0,
+        dentry_parent: 0,
+        dentry_name_len: 0,
+        dentry_name: 0,
+        dentry_inode: 0,
+        dentry_sb: 0,
+        inode_ino: 0,
+        sb_dev: 0,
+    };
+}
+
+/// Everything the programs need from userspace at load time, set as one read-only global.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Where to find kernel struct members on the running kernel.
+    pub offsets: KernelOffsets,
+    /// The agent's own tgid: its filesystem activity is not reported back (0 reports everyone).
+    pub agent_tgid: u32,
+    /// Padding, zero (keeps the layout explicit).
+    pub _pad: u32,
+    /// Wake the reader as soon as this many bytes are queued.
+    pub wakeup_bytes: u64,
+    /// Wake the reader for an event if it was last woken this many nanoseconds ago or earlier; events
+    /// closer together ride along and the reader collects them after at most this delay.
+    pub batch_ns: u64,
+}
+
+impl Config {
+    /// What the object carries until the loader sets it; the programs report nothing with it
+    /// (`batch_ns` 0 wakes the reader for every event, which is the safe default).
+    pub const UNSET: Config = Config {
+        offsets: KernelOffsets::UNSET,
+        agent_tgid: 0,
+        _pad: 0,
+        wakeup_bytes: 0,
+        batch_ns: 0,
+    };
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all of these are `#[repr(C)]`, `Copy`, contain only integers and byte arrays, and have
+    // no implicit padding, so every bit pattern is a valid value.
+    unsafe impl aya::Pod for super::DirKey {}
+    unsafe impl aya::Pod for super::NameKey {}
+    unsafe impl aya::Pod for super::Event {}
+    unsafe impl aya::Pod for super::KernelOffsets {}
+    unsafe impl aya::Pod for super::Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_dev_moves_minor_below_bit_20() {
+        // 254:0 (virtio disk) is st_dev 0xfe00, s_dev 0xfe00000.
+        assert_eq!(DirKey::kernel_dev(0xfe00), 0xfe0_0000);
+        // 8:17 is st_dev 0x811.
+        assert_eq!(DirKey::kernel_dev(0x811), (8 << 20) | 17);
+        // Minors above 255 keep their low byte at bit 0 and the rest from bit 20: 18:300.
+        let st_dev = (0x12u64 << 8) | (0x2c) | ((0x1u64) << 12 << 8);
+        assert_eq!(DirKey::kernel_dev(st_dev), (0x12 << 20) | 0x12c);
+    }
+
+    #[test]
+    fn layout_has_no_implicit_padding() {
+        assert_eq!(core::mem::size_of::<Event>(), 4 * 4 + 8 + 16 + NAME_LEN);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 18 * 4);
+        assert_eq!(core::mem::size_of::<Config>(), 18 * 4 + 8 + 16);
+    }
+
+    #[test]
+    fn name_key_rejects_what_no_entry_can_be_called() {
+        assert!(NameKey::new(b"").is_none());
+        assert!(NameKey::new(&[b'a'; NAME_LEN]).is_none());
+        assert!(NameKey::new(b"a\0b").is_none());
+        let key = NameKey::new(b"x.sock").map(|k| k.bytes);
+        assert_eq!(key.map(|b| &b[..7] == b"x.sock\0"), Some(true));
+    }
+}

@@ -1,7 +1,470 @@
-//! plugin-agent's kernel programs (see lib.rs for the shared types).
+//! plugin-agent's kernel programs: the first stage of the data flow (see lib.rs for the shared types).
+//!
+//! ```text
+//! sys_enter_bind  --AF_UNIX, path--> PENDING_BINDS[thread] = fd
+//! sys_exit_bind   --ret 0--> fd -> file -> socket -> unix_sock.path.dentry -> parent in WATCHED?
+//!                        --> EVENTS (exact: parent identity + name); NAMES += name
+//! sys_enter_unlink[at] --> path "name" relative to a WATCHED dir: exact; "a/b/name": name in NAMES?
+//!                        --> PENDING[thread] = event
+//! sys_exit_unlink[at]  --ret 0--> EVENTS
+//! ```
+//!
+//! Syscall tracepoints are used because they exist on every kernel and need no kernel symbol; the
+//! price is that a path argument cannot be resolved in BPF. `bind` does not need it (the bound
+//! socket's own dentry is reachable from its fd at exit); `unlink` does, so a single-component path
+//! is located exactly by its start directory and any other path is matched by its last component
+//! against the names present under the tree (the agent turns those into "check this name" hints).
+//!
+//! Every kernel struct member is read at an offset the agent resolved from the running kernel's BTF
+//! and set in [`CONFIG`](agent_ebpf::Config): Rust eBPF has no CO-RE relocations. Every event that
+//! cannot be recorded bumps a `LOSSES` counter, which the agent turns into a rescan.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {
     eprintln!("agent-ebpf is a kernel program: build it with `cargo xtask build-ebpf`");
+}
+
+#[cfg(target_arch = "bpf")]
+mod programs {
+    use core::ptr::{addr_of, addr_of_mut, read_volatile};
+
+    use agent_ebpf::{Config, DirKey, Event, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope};
+    use aya_ebpf::helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+    };
+    use aya_ebpf::macros::{map, tracepoint};
+    use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
+    use aya_ebpf::programs::TracePointContext;
+
+    /// Kernels refuse `bpf_probe_read_kernel` to programs without a GPL-compatible license.
+    #[unsafe(no_mangle)]
+    #[unsafe(link_section = "license")]
+    static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+    /// Offsets, own tgid and wake-up policy; set by the loader (see [`Config`]).
+    #[unsafe(no_mangle)]
+    static CONFIG: Config = Config::UNSET;
+
+    #[map]
+    static EVENTS: RingBuf = RingBuf::with_byte_size(4 << 20, 0);
+
+    #[map]
+    static WATCHED: HashMap<DirKey, u8> = HashMap::with_max_entries(16384, 0);
+
+    #[map]
+    static NAMES: HashMap<NameKey, u8> = HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
+
+    #[map]
+    static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
+
+    /// `bind` arguments between entry and exit, keyed by `pid_tgid` (the thread).
+    #[map]
+    static PENDING_BINDS: HashMap<u64, u32> = HashMap::with_max_entries(4096, 0);
+
+    /// A removal that passed the filter at entry, reported at exit if the call succeeded.
+    #[map]
+    static PENDING: HashMap<u64, Event> = HashMap::with_max_entries(4096, 0);
+
+    /// When the reader was last woken (`bpf_ktime_get_ns`), shared by all CPUs.
+    #[map]
+    static LAST_WAKE: Array<u64> = Array::with_max_entries(1, 0);
+
+    /// Per-CPU working memory too big for the 512-byte BPF stack.
+    #[map]
+    static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+    #[repr(C)]
+    struct Scratch {
+        path: [u8; PATH_BUF_LEN],
+        event: Event,
+        start: u64,
+        len: u64,
+    }
+
+    const BPF_F_NO_PREALLOC: u32 = 1;
+    const BPF_NOEXIST: u64 = 1;
+    const BPF_RB_NO_WAKEUP: u64 = 1;
+    const BPF_RB_FORCE_WAKEUP: u64 = 2;
+    const BPF_RB_AVAIL_DATA: u64 = 0;
+    const EEXIST: i32 = 17;
+    const AF_UNIX: u16 = 1;
+    const AT_FDCWD: i64 = -100;
+    /// Masks an index into `Scratch::path` so the verifier sees it in bounds.
+    const PATH_MASK: usize = PATH_BUF_LEN - 1;
+
+    /// Byte offset of syscall argument `n` in a `sys_enter_*` record (`struct syscall_trace_enter`:
+    /// an 8-byte common header, `int nr`, then `unsigned long args[6]`).
+    const fn arg(n: usize) -> usize {
+        16 + 8 * n
+    }
+    /// Byte offset of the return value in a `sys_exit_*` record (`struct syscall_trace_exit`).
+    const RET: usize = 16;
+
+    macro_rules! offset {
+        ($field:ident) => {
+            // SAFETY: CONFIG is a plain static; the volatile read stops the compiler from folding
+            // the zero it is initialised with, since the loader rewrites it.
+            unsafe { read_volatile(addr_of!(CONFIG.offsets.$field)) as usize }
+        };
+    }
+
+    fn config_u64(field: *const u64) -> u64 {
+        // SAFETY: `field` points into CONFIG; see `offset!`.
+        unsafe { read_volatile(field) }
+    }
+
+    /// Reads a `T` at `base + offset` in kernel memory.
+    #[inline(always)]
+    fn kread<T>(base: usize, offset: usize) -> Option<T> {
+        // SAFETY: bpf_probe_read_kernel checks the address and fails instead of faulting.
+        unsafe { bpf_probe_read_kernel((base + offset) as *const T) }.ok()
+    }
+
+    /// Reads a non-null kernel pointer at `base + offset`.
+    #[inline(always)]
+    fn kptr(base: usize, offset: usize) -> Option<usize> {
+        kread::<usize>(base, offset).filter(|&p| p != 0)
+    }
+
+    fn count_loss(index: u32) {
+        if let Some(counter) = LOSSES.get_ptr_mut(index) {
+            // SAFETY: per-CPU slot, and a tracepoint program is not re-entered on one CPU.
+            unsafe { *counter += 1 };
+        }
+    }
+
+    /// The current task (`struct task_struct *`).
+    fn current_task() -> usize {
+        // SAFETY: a helper without arguments, valid in every tracing program.
+        unsafe { bpf_get_current_task() as usize }
+    }
+
+    /// `CLOCK_MONOTONIC` now, in nanoseconds.
+    fn now_ns() -> u64 {
+        // SAFETY: a helper without arguments.
+        unsafe { bpf_ktime_get_ns() }
+    }
+
+    fn current_tgid() -> u32 {
+        (bpf_get_current_pid_tgid() >> 32) as u32
+    }
+
+    /// The agent's own filesystem activity is not reported back.
+    fn is_agent() -> bool {
+        // SAFETY: see `offset!`.
+        let agent = unsafe { read_volatile(addr_of!(CONFIG.agent_tgid)) };
+        agent != 0 && current_tgid() == agent
+    }
+
+    /// The kernel identity of the directory `dentry` names.
+    fn dir_key(dentry: usize) -> Option<DirKey> {
+        let inode = kptr(dentry, offset!(dentry_inode))?;
+        let ino = kread::<u64>(inode, offset!(inode_ino))?;
+        let sb = kptr(dentry, offset!(dentry_sb))?;
+        let dev = kread::<u32>(sb, offset!(sb_dev))?;
+        Some(DirKey {
+            dev: u64::from(dev),
+            ino,
+        })
+    }
+
+    /// The current task's `struct file *` for descriptor `fd`.
+    fn fd_file(fd: u64) -> Option<usize> {
+        let task = current_task();
+        let files = kptr(task, offset!(task_files))?;
+        let fdt = kptr(files, offset!(files_fdt))?;
+        let max_fds = kread::<u32>(fdt, offset!(fdtable_max_fds))?;
+        if fd >= u64::from(max_fds) {
+            return None;
+        }
+        let table = kptr(fdt, offset!(fdtable_fd))?;
+        kptr(table, fd as usize * 8)
+    }
+
+    /// The current task's working directory.
+    fn cwd_dentry() -> Option<usize> {
+        let task = current_task();
+        let fs = kptr(task, offset!(task_fs))?;
+        kptr(fs, offset!(fs_pwd_dentry))
+    }
+
+    /// Ring-buffer wake-up policy: wake the reader at once when it was idle (last woken at least
+    /// `batch_ns` ago) or when `wakeup_bytes` are queued; otherwise let the event ride along with the
+    /// previous wake-up, which the reader follows with one more drain `batch_ns` later. Bursts cost
+    /// one wake-up per `batch_ns`, a lone event none of its latency, and an idle agent nothing.
+    fn wake_flags() -> u64 {
+        let now = now_ns();
+        let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
+            return 0;
+        };
+        let queued = EVENTS.query(BPF_RB_AVAIL_DATA);
+        // SAFETY: the slot is shared between CPUs; a racy read or write only costs an extra or a
+        // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
+        let elapsed = now.wrapping_sub(unsafe { *last });
+        if queued >= config_u64(addr_of!(CONFIG.wakeup_bytes))
+            || elapsed >= config_u64(addr_of!(CONFIG.batch_ns))
+        {
+            unsafe { *last = now };
+            BPF_RB_FORCE_WAKEUP
+        } else {
+            BPF_RB_NO_WAKEUP
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // bind
+
+    #[tracepoint]
+    pub fn bind_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_bind_enter(&ctx);
+        0
+    }
+
+    fn try_bind_enter(ctx: &TracePointContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        // SAFETY: offsets within the sys_enter_bind record.
+        let fd = unsafe { ctx.read_at::<u64>(arg(0)) }.ok()?;
+        let addr = unsafe { ctx.read_at::<u64>(arg(1)) }.ok()?;
+        let addrlen = unsafe { ctx.read_at::<u64>(arg(2)) }.ok()?;
+        // sa_family (2 bytes) and at least the first byte of sun_path.
+        if addrlen < 3 {
+            return None;
+        }
+        // SAFETY: bpf_probe_read_user fails instead of faulting on a bad address.
+        let head = unsafe { bpf_probe_read_user(addr as *const [u8; 3]) }.ok()?;
+        // sun_path[0] == 0 is an abstract socket: no filesystem entry.
+        if u16::from_ne_bytes([head[0], head[1]]) != AF_UNIX || head[2] == 0 {
+            return None;
+        }
+        if PENDING_BINDS
+            .insert(bpf_get_current_pid_tgid(), fd as u32, 0)
+            .is_err()
+        {
+            count_loss(loss::PENDING_FULL);
+        }
+        Some(())
+    }
+
+    #[tracepoint]
+    pub fn bind_exit(ctx: TracePointContext) -> u32 {
+        let _ = try_bind_exit(&ctx);
+        0
+    }
+
+    fn try_bind_exit(ctx: &TracePointContext) -> Option<()> {
+        let thread = bpf_get_current_pid_tgid();
+        // SAFETY: the value is copied out before the entry is removed.
+        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
+        let _ = PENDING_BINDS.remove(&thread);
+        // SAFETY: offset within the sys_exit_bind record.
+        let ret = unsafe { ctx.read_at::<i64>(RET) }.ok()?;
+        if ret != 0 {
+            return None;
+        }
+        // The socket's own dentry: relative paths, chroots and other mount namespaces all resolve
+        // to the same directory identity the agent watches.
+        let file = fd_file(u64::from(fd))?;
+        let socket = kptr(file, offset!(file_private_data))?;
+        let sk = kptr(socket, offset!(socket_sk))?;
+        if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX {
+            return None;
+        }
+        let dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        let name = kptr(dentry, offset!(dentry_name))?;
+        let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
+
+        let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+            count_loss(loss::RING_FULL);
+            return None;
+        };
+        let event = entry.as_mut_ptr();
+        // SAFETY: `event` points at a reserved, exclusively owned ring-buffer record.
+        unsafe {
+            (*event).kind = kind::BIND;
+            (*event).scope = scope::EXACT;
+            (*event).tgid = current_tgid();
+            (*event).name_len = name_len;
+            (*event).ktime_ns = now_ns();
+            (*event).parent = parent;
+            (*event).name.bytes = [0; NAME_LEN];
+            let _ = bpf_probe_read_kernel_str_bytes(
+                name as *const u8,
+                &mut *addr_of_mut!((*event).name.bytes),
+            );
+            remember_name(&(*event).name);
+        }
+        entry.submit(wake_flags());
+        Some(())
+    }
+
+    /// Adds a name reported under the tree to NAMES, so its later removal by a multi-component path
+    /// is recognised.
+    fn remember_name(name: &NameKey) {
+        match NAMES.insert(name, 0, BPF_NOEXIST) {
+            Ok(()) => {}
+            Err(err) if err == -EEXIST => {}
+            Err(_) => count_loss(loss::NAMES_FULL),
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // unlink, unlinkat
+
+    #[tracepoint]
+    pub fn unlink_enter(ctx: TracePointContext) -> u32 {
+        // SAFETY: offset within the sys_enter_unlink record.
+        if let Ok(path) = unsafe { ctx.read_at::<u64>(arg(0)) } {
+            let _ = removal_enter(AT_FDCWD, path);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn unlinkat_enter(ctx: TracePointContext) -> u32 {
+        // SAFETY: offsets within the sys_enter_unlinkat record.
+        let dfd = unsafe { ctx.read_at::<i64>(arg(0)) };
+        let path = unsafe { ctx.read_at::<u64>(arg(1)) };
+        if let (Ok(dfd), Ok(path)) = (dfd, path) {
+            // The dfd argument is an int: sign-extend its low half.
+            let _ = removal_enter(i64::from(dfd as i32), path);
+        }
+        0
+    }
+
+    /// Decides at syscall entry whether a removal of `path` (relative to `dfd`) concerns the tree,
+    /// and if so parks the event until the exit says whether the call succeeded.
+    fn removal_enter(dfd: i64, path: u64) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
+        let scratch = unsafe { &mut *scratch };
+        let single = last_component(scratch, path)?;
+        let event = &mut scratch.event;
+        if single {
+            // "name": its parent is the start directory, which the kernel can name exactly.
+            let start = if dfd == AT_FDCWD {
+                cwd_dentry()?
+            } else {
+                kptr(fd_file(dfd as u64)?, offset!(file_dentry))?
+            };
+            let parent = dir_key(start)?;
+            // SAFETY: presence check only.
+            unsafe { WATCHED.get(&parent) }?;
+            event.scope = scope::EXACT;
+            event.parent = parent;
+        } else {
+            // "dir/name" or "/abs/name": only the name can be checked.
+            // SAFETY: presence check only.
+            unsafe { NAMES.get(&event.name) }?;
+            event.scope = scope::NAME_ONLY;
+            event.parent = DirKey { dev: 0, ino: 0 };
+        }
+        event.kind = kind::UNLINK;
+        event.tgid = current_tgid();
+        if PENDING
+            .insert(bpf_get_current_pid_tgid(), &*event, 0)
+            .is_err()
+        {
+            count_loss(loss::PENDING_FULL);
+        }
+        Some(())
+    }
+
+    /// Copies the last component of the user string at `path` into `scratch.event.name` (NUL
+    /// padded) and its length into `name_len`. Returns whether the path is that single component.
+    ///
+    /// Written for the verifier: loops are bounded by constants, indexes are masked, and positions
+    /// found by one loop go through memory before the next loop so their ranges do not multiply
+    /// the states the verifier explores.
+    #[inline(always)]
+    fn last_component(scratch: &mut Scratch, path: u64) -> Option<bool> {
+        // SAFETY: bpf_probe_read_user_str fails instead of faulting on a bad address.
+        let mut end =
+            unsafe { bpf_probe_read_user_str_bytes(path as *const u8, &mut scratch.path) }
+                .ok()?
+                .len();
+        // Trailing slashes ("dir/") do not belong to the name.
+        for _ in 0..8 {
+            if end > 1 && scratch.path[(end - 1) & PATH_MASK] == b'/' {
+                end -= 1;
+            }
+        }
+        let mut start = 0;
+        let mut single = true;
+        for back in 1..=NAME_LEN {
+            if back > end {
+                break;
+            }
+            if scratch.path[(end - back) & PATH_MASK] == b'/' {
+                start = end - back + 1;
+                single = false;
+                break;
+            }
+        }
+        if single && end >= NAME_LEN {
+            return None;
+        }
+        scratch.start = start as u64;
+        scratch.len = end.saturating_sub(start) as u64;
+        // SAFETY: plain fields of the scratch slot; see the doc comment for why they are reloaded.
+        let (start, len) = unsafe {
+            (
+                read_volatile(addr_of!(scratch.start)) as usize,
+                read_volatile(addr_of!(scratch.len)) as usize,
+            )
+        };
+        if len == 0 || len >= NAME_LEN {
+            return None;
+        }
+        let name = &mut scratch.event.name.bytes;
+        for i in 0..NAME_LEN {
+            name[i] = if i < len {
+                scratch.path[(start + i) & PATH_MASK]
+            } else {
+                0
+            };
+        }
+        scratch.event.name_len = len as u32;
+        Some(single)
+    }
+
+    #[tracepoint]
+    pub fn removal_exit(ctx: TracePointContext) -> u32 {
+        let thread = bpf_get_current_pid_tgid();
+        let Some(pending) = PENDING.get_ptr(&thread) else {
+            return 0;
+        };
+        // SAFETY: offset within the sys_exit_* record.
+        if let Ok(0) = unsafe { ctx.read_at::<i64>(RET) } {
+            match EVENTS.reserve::<Event>(0) {
+                Some(mut entry) => {
+                    // SAFETY: `pending` is a live map value of this thread; `entry` is reserved.
+                    unsafe {
+                        let mut event = *pending;
+                        event.ktime_ns = now_ns();
+                        entry.write(event);
+                    }
+                    entry.submit(wake_flags());
+                }
+                None => count_loss(loss::RING_FULL),
+            }
+        }
+        let _ = PENDING.remove(&thread);
+        0
+    }
+
+    #[panic_handler]
+    fn panic(_info: &core::panic::PanicInfo) -> ! {
+        // SAFETY: the verifier rejects any program with a reachable panic path.
+        unsafe { core::hint::unreachable_unchecked() }
+    }
 }

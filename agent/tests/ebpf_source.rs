@@ -1,0 +1,500 @@
+//! The eBPF event source against the running kernel: real programs, real syscalls, exact event lists.
+//!
+//! The source filters the agent's own process in the kernel, and the test process is the agent
+//! here, so every filesystem action runs in a helper process (this test binary re-executed, see
+//! [`helper_process_performs_actions`]), which also gives relative paths their own working
+//! directory. Each script ends with the helper binding a sentinel socket in the watched directory;
+//! events are collected until the sentinel's arrives (the ring buffer keeps one thread's records
+//! in order), so a test asserts exactly what was reported, without sleeping.
+//!
+//! Needs root (CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN for tracefs) and an agent built with the kernel
+//! object (`PLUGIN_AGENT_EBPF_OBJ`, see `cargo xtask build`). Without either, the tests print why
+//! and pass, or fail when `CI=true`.
+
+use std::ffi::OsString;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use plugin_agent::event_source::ebpf::{self, EbpfOptions, EbpfSource};
+use plugin_agent::event_source::{EventSource, FsEvent, WatchedDir};
+use tempfile::TempDir;
+use tokio::sync::mpsc;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+/// Environment variable carrying the helper's script, one action per line.
+const SCRIPT_ENV: &str = "EBPF_SOURCE_SCRIPT";
+
+/// How long a step may take before the test gives up (a guard against hangs, not a wait).
+const STEP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Why these tests cannot run here, if they cannot.
+fn skip_reason() -> Option<&'static str> {
+    if !cfg!(ebpf_object) {
+        return Some(
+            "plugin-agent was built without the eBPF object (set PLUGIN_AGENT_EBPF_OBJ, see `cargo xtask build`)",
+        );
+    }
+    if !nix::unistd::geteuid().is_root() {
+        return Some("the eBPF source needs root (CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN)");
+    }
+    None
+}
+
+/// True when the test can run; prints why not and returns false, or panics under `CI=true`.
+fn can_run() -> bool {
+    match skip_reason() {
+        None => true,
+        Some(reason) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("cannot run the eBPF source tests under CI: {reason}")
+        }
+        Some(reason) => {
+            eprintln!("skipping: {reason}");
+            false
+        }
+    }
+}
+
+/// One filesystem action for the helper process.
+#[derive(Debug, Clone)]
+enum Action {
+    /// `bind` an `AF_UNIX` socket at a path (relative paths resolve against the helper's cwd).
+    Bind(PathBuf),
+    /// `bind` expecting `EADDRINUSE`.
+    BindFails(PathBuf),
+    /// `bind` an abstract socket (no filesystem entry).
+    BindAbstract(String),
+    /// `chdir`.
+    Chdir(PathBuf),
+    /// `unlink(path)`.
+    Unlink(PathBuf),
+    /// `unlink(path)` expecting `ENOENT`.
+    UnlinkFails(PathBuf),
+    /// `unlinkat(open(dir), name, 0)`.
+    UnlinkAt(PathBuf, String),
+    /// Bind `dir/name` and `unlinkat` it again, as fast as possible for this many milliseconds,
+    /// then print `syscalls=<count>`.
+    BindUnlinkFor(PathBuf, String, u64),
+}
+
+impl Action {
+    fn encode(&self) -> String {
+        let p = |p: &Path| p.to_str().expect("test paths are UTF-8").to_owned();
+        match self {
+            Action::Bind(path) => format!("bind\t{}", p(path)),
+            Action::BindFails(path) => format!("bind_fails\t{}", p(path)),
+            Action::BindAbstract(name) => format!("bind_abstract\t{name}"),
+            Action::Chdir(path) => format!("chdir\t{}", p(path)),
+            Action::Unlink(path) => format!("unlink\t{}", p(path)),
+            Action::UnlinkFails(path) => format!("unlink_fails\t{}", p(path)),
+            Action::UnlinkAt(dir, name) => format!("unlinkat\t{}\t{name}", p(dir)),
+            Action::BindUnlinkFor(dir, name, ms) => {
+                format!("bind_unlink_for\t{}\t{name}\t{ms}", p(dir))
+            }
+        }
+    }
+
+    /// Runs one encoded action in the helper; panics (failing the helper) if it misbehaves. Sockets
+    /// are closed at once: a bound path stays until it is unlinked.
+    fn perform(line: &str) {
+        let fields: Vec<&str> = line.split('\t').collect();
+        match fields[..] {
+            ["bind", path] => drop(UnixListener::bind(path).expect(path)),
+            ["bind_fails", path] => {
+                let err = UnixListener::bind(path).expect_err(path);
+                assert_eq!(err.raw_os_error(), Some(libc::EADDRINUSE), "{path}");
+            }
+            ["bind_abstract", name] => {
+                let addr = SocketAddr::from_abstract_name(name.as_bytes()).expect(name);
+                drop(UnixListener::bind_addr(&addr).expect(name));
+            }
+            ["chdir", path] => std::env::set_current_dir(path).expect(path),
+            ["unlink", path] => std::fs::remove_file(path).expect(path),
+            ["unlink_fails", path] => {
+                let err = std::fs::remove_file(path).expect_err(path);
+                assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{path}");
+            }
+            ["unlinkat", dir, name] => {
+                let dir = std::fs::File::open(dir).expect(dir);
+                nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+                    .expect(name);
+            }
+            ["bind_unlink_for", dir, name, ms] => {
+                let path = Path::new(dir).join(name);
+                let dir = std::fs::File::open(dir).expect(dir);
+                let until = Instant::now() + Duration::from_millis(ms.parse().expect(ms));
+                let mut syscalls = 0u64;
+                while Instant::now() < until {
+                    drop(UnixListener::bind(&path).expect(name));
+                    nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+                        .expect(name);
+                    syscalls += 2;
+                }
+                println!("syscalls={syscalls}");
+            }
+            _ => panic!("unknown helper action {line:?}"),
+        }
+    }
+}
+
+/// Not a test of its own: the helper process entry point. It does nothing unless re-executed by
+/// [`run_helper`] with a script.
+#[test]
+fn helper_process_performs_actions() {
+    let Ok(script) = std::env::var(SCRIPT_ENV) else {
+        return;
+    };
+    for line in script.lines() {
+        Action::perform(line);
+    }
+}
+
+/// Runs `actions` in a helper process, waits for it to finish successfully, returns its stdout.
+fn run_helper(actions: &[Action]) -> String {
+    let script: Vec<String> = actions.iter().map(Action::encode).collect();
+    let exe = std::env::current_exe().expect("test executable");
+    let output = Command::new(exe)
+        .args(["--exact", "helper_process_performs_actions", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(SCRIPT_ENV, script.join("\n"))
+        .output()
+        .expect("spawn helper process");
+    assert!(
+        output.status.success(),
+        "helper failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// An event without its timestamp, for comparing lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    Created(PathBuf),
+    Removed(PathBuf),
+    NameChanged(OsString),
+    Rescan,
+}
+
+impl From<FsEvent> for Seen {
+    fn from(event: FsEvent) -> Self {
+        match event {
+            FsEvent::Created { path, observed } => {
+                assert!(
+                    observed.kernel_ns.is_some(),
+                    "eBPF events carry kernel time"
+                );
+                Seen::Created(path)
+            }
+            FsEvent::Removed { path, .. } => Seen::Removed(path),
+            FsEvent::NameChanged { name, .. } => Seen::NameChanged(name),
+            FsEvent::Rescan { .. } => Seen::Rescan,
+        }
+    }
+}
+
+/// A loaded source watching `<tmp>/watched`, with `<tmp>/elsewhere` left unwatched. Names are
+/// prefixed with the test's name: every test's programs see every process's syscalls, and a
+/// removal is matched by name.
+struct Fixture {
+    source: EbpfSource,
+    events: mpsc::Receiver<FsEvent>,
+    _stop: DropGuard,
+    _tmp: TempDir,
+    watched: PathBuf,
+    elsewhere: PathBuf,
+    prefix: String,
+}
+
+impl Fixture {
+    fn open(test: &str, options: EbpfOptions, channel: usize) -> Fixture {
+        let tmp = tempfile::Builder::new()
+            .prefix("ebpf-source-")
+            .tempdir()
+            .expect("tempdir");
+        let watched = tmp.path().join("watched");
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&watched).expect("mkdir watched");
+        std::fs::create_dir(&elsewhere).expect("mkdir elsewhere");
+        let (sink, events) = mpsc::channel(channel);
+        let cancel = CancellationToken::new();
+        let source = ebpf::open(sink, cancel.clone(), options)
+            .unwrap_or_else(|err| panic!("open the eBPF source: {err:#}"));
+        source
+            .watch(&WatchedDir::stat(&watched).expect("stat watched"))
+            .expect("watch");
+        Fixture {
+            source,
+            events,
+            _stop: cancel.drop_guard(),
+            _tmp: tmp,
+            watched,
+            elsewhere,
+            prefix: test.to_owned(),
+        }
+    }
+
+    fn name(&self, name: &str) -> String {
+        format!("{}-{name}", self.prefix)
+    }
+
+    fn in_watched(&self, name: &str) -> PathBuf {
+        self.watched.join(self.name(name))
+    }
+
+    fn in_elsewhere(&self, name: &str) -> PathBuf {
+        self.elsewhere.join(self.name(name))
+    }
+
+    /// Runs `actions` then binds a sentinel in the watched directory, and returns every event
+    /// reported before the sentinel's.
+    async fn events_of(&mut self, actions: &[Action], sentinel: &str) -> Vec<Seen> {
+        let sentinel = self.in_watched(sentinel);
+        let mut actions = actions.to_vec();
+        actions.push(Action::Bind(sentinel.clone()));
+        run_helper(&actions);
+        self.collect_until(&Seen::Created(sentinel)).await
+    }
+
+    async fn collect_until(&mut self, last: &Seen) -> Vec<Seen> {
+        let mut seen = Vec::new();
+        loop {
+            let event = tokio::time::timeout(STEP_TIMEOUT, self.events.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no {last:?} after {seen:?}"))
+                .expect("source closed its channel");
+            let event = Seen::from(event);
+            if &event == last {
+                return seen;
+            }
+            seen.push(event);
+        }
+    }
+}
+
+#[tokio::test]
+async fn binds_into_the_watched_directory_are_reported_and_nothing_else() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("binds", EbpfOptions::default(), 1024);
+    let parent = f.watched.parent().expect("parent").to_path_buf();
+    let actions = [
+        Action::Bind(f.in_watched("absolute.sock")),
+        Action::Chdir(f.watched.clone()),
+        Action::Bind(f.name("relative.sock").into()),
+        Action::Chdir(parent.clone()),
+        Action::Bind(Path::new("watched").join(f.name("multi.sock"))),
+        Action::Bind(f.in_elsewhere("elsewhere.sock")),
+        Action::BindAbstract(f.name("abstract")),
+        Action::BindFails(f.in_watched("absolute.sock")),
+    ];
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(f.in_watched("absolute.sock")),
+            Seen::Created(f.in_watched("relative.sock")),
+            Seen::Created(f.in_watched("multi.sock")),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn removals_are_exact_from_the_directory_and_by_name_from_anywhere_else() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("removals", EbpfOptions::default(), 1024);
+    let setup = [
+        Action::Bind(f.in_watched("at.sock")),
+        Action::Bind(f.in_watched("cwd.sock")),
+        Action::Bind(f.in_watched("absolute.sock")),
+        Action::Bind(f.in_elsewhere("elsewhere.sock")),
+        Action::Bind(f.in_elsewhere("at.sock")),
+    ];
+    let seen = f.events_of(&setup, "setup.sock").await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(f.in_watched("at.sock")),
+            Seen::Created(f.in_watched("cwd.sock")),
+            Seen::Created(f.in_watched("absolute.sock")),
+        ]
+    );
+
+    let removals = [
+        Action::UnlinkAt(f.watched.clone(), f.name("at.sock")),
+        Action::Chdir(f.watched.clone()),
+        Action::Unlink(f.name("cwd.sock").into()),
+        Action::Unlink(f.in_watched("absolute.sock")),
+        Action::UnlinkFails(f.name("never-existed.sock").into()),
+        Action::Unlink(f.in_elsewhere("elsewhere.sock")),
+        // Same name as a watched entry, in an unwatched directory: a hint the watcher checks.
+        Action::UnlinkAt(f.elsewhere.clone(), f.name("at.sock")),
+    ];
+    let seen = f.events_of(&removals, "done.sock").await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Removed(f.in_watched("at.sock")),
+            Seen::Removed(f.in_watched("cwd.sock")),
+            Seen::NameChanged(f.name("absolute.sock").into()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_name_the_watcher_found_matches_its_removal_by_full_path() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("found", EbpfOptions::default(), 1024);
+    // The agent's own bind is not reported (the test process is the agent here)...
+    let own = f.in_watched("own.sock");
+    let _listener = UnixListener::bind(&own).expect("bind own socket");
+    let watched = WatchedDir::stat(&f.watched).expect("stat");
+    // ...so the name becomes known the way the watcher's walk makes it known.
+    f.source
+        .entry_present(&watched, own.file_name().expect("name"));
+    let seen = f
+        .events_of(&[Action::Unlink(own.clone())], "sentinel.sock")
+        .await;
+    assert_eq!(seen, vec![Seen::NameChanged(f.name("own.sock").into())]);
+}
+
+#[tokio::test]
+async fn an_unwatched_directory_is_no_longer_reported() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("unwatch", EbpfOptions::default(), 1024);
+    let elsewhere = WatchedDir::stat(&f.elsewhere).expect("stat");
+    f.source.watch(&elsewhere).expect("watch elsewhere");
+    let seen = f
+        .events_of(&[Action::Bind(f.in_elsewhere("first.sock"))], "s1.sock")
+        .await;
+    assert_eq!(seen, vec![Seen::Created(f.in_elsewhere("first.sock"))]);
+
+    f.source.unwatch(&elsewhere);
+    let seen = f
+        .events_of(&[Action::Bind(f.in_elsewhere("second.sock"))], "s2.sock")
+        .await;
+    assert_eq!(seen, vec![]);
+}
+
+#[tokio::test]
+async fn describe_names_the_attached_hooks_and_ring_size() {
+    if !can_run() {
+        return;
+    }
+    let f = Fixture::open("describe", EbpfOptions::default(), 16);
+    let description = f.source.describe();
+    eprintln!("{description}");
+    for hook in [
+        "sys_exit_bind",
+        "sys_enter_unlink",
+        "sys_exit_unlinkat",
+        "4096 KiB",
+    ] {
+        assert!(description.contains(hook), "{description}");
+    }
+}
+
+#[tokio::test]
+async fn a_full_ring_buffer_becomes_a_rescan() {
+    if !can_run() {
+        return;
+    }
+    // One page of ring (13 records) and a channel of one, not read until the helper is done: the
+    // reader blocks on the channel, the ring fills, and reservations fail.
+    let options = EbpfOptions {
+        ring_buffer_bytes: 4096,
+        ..EbpfOptions::default()
+    };
+    let mut f = Fixture::open("overflow", options, 1);
+    let actions: Vec<Action> = (0..64)
+        .map(|i| Action::Bind(f.in_watched(&format!("{i}.sock"))))
+        .collect();
+    run_helper(&actions);
+    // What fitted arrives in order, then the rescan that covers the rest.
+    let seen = f.collect_until(&Seen::Rescan).await;
+    let fitted: Vec<Seen> = (0..seen.len())
+        .map(|i| Seen::Created(f.in_watched(&format!("{i}.sock"))))
+        .collect();
+    assert_eq!(seen, fitted);
+    assert!(
+        seen.len() < 64,
+        "{} events for 64 binds in a 4 KiB ring",
+        seen.len()
+    );
+
+    // The source keeps working after the loss.
+    let seen = f.events_of(&[], "after.sock").await;
+    assert_eq!(seen, vec![]);
+}
+
+/// Binds and unlinks as fast as one helper process can for a few seconds and prints how many
+/// events per second the agent received, and whether any were lost. Run with
+/// `cargo test --test ebpf_source -- --ignored --nocapture bench`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[ignore = "benchmark: prints events/s"]
+async fn bench_bind_unlink_throughput() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("bench", EbpfOptions::default(), 4096);
+    let seconds = std::env::var("EBPF_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3u64);
+    let dir = f.watched.clone();
+    let name = f.name("b.sock");
+    let helper =
+        std::thread::spawn(move || bind_unlink_loop(&dir, &name, Duration::from_secs(seconds)));
+    let start = Instant::now();
+    let mut last_event = start;
+    let (mut events, mut rescans) = (0u64, 0u64);
+    loop {
+        match tokio::time::timeout(Duration::from_millis(500), f.events.recv()).await {
+            Ok(Some(FsEvent::Rescan { reason })) => {
+                rescans += 1;
+                eprintln!("rescan: {reason}");
+            }
+            Ok(Some(_)) => {
+                events += 1;
+                last_event = Instant::now();
+            }
+            Ok(None) => break,
+            Err(_) if helper.is_finished() => break,
+            Err(_) => {}
+        }
+    }
+    let elapsed = last_event.duration_since(start).as_secs_f64();
+    let syscalls = helper.join().expect("helper thread");
+    eprintln!(
+        "eBPF source: {syscalls} binds+unlinks, {events} events received in {elapsed:.2} s = {:.0} events/s; {rescans} rescans (losses)",
+        events as f64 / elapsed
+    );
+    assert_eq!(rescans, 0, "events were lost");
+    assert_eq!(events, syscalls, "every bind and unlink is reported");
+}
+
+/// Runs a helper process that binds and unlinks (by dirfd) one name in `dir` for `duration`, and
+/// returns how many syscalls it made.
+fn bind_unlink_loop(dir: &Path, name: &str, duration: Duration) -> u64 {
+    let millis = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    let stdout = run_helper(&[Action::BindUnlinkFor(
+        dir.to_path_buf(),
+        name.to_owned(),
+        millis,
+    )]);
+    stdout
+        .lines()
+        .find_map(|line| line.split("syscalls=").nth(1))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("helper printed no syscall count: {stdout}"))
+}
