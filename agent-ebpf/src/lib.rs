@@ -49,8 +49,11 @@ pub mod loss {
 pub mod kind {
     /// An `AF_UNIX` socket was bound to a filesystem path (`bind` returned 0).
     pub const BIND: u32 = 1;
-    /// A directory entry was removed (`unlink`/`unlinkat` returned 0).
-    pub const UNLINK: u32 = 2;
+    /// A directory entry was removed (`unlink`, `unlinkat`, `rmdir` returned 0).
+    pub const REMOVE: u32 = 2;
+    /// A socket inode or a directory was created (`mknod`/`mknodat` of `S_IFSOCK`, `mkdir`,
+    /// `mkdirat` returned 0).
+    pub const CREATE: u32 = 3;
 }
 
 /// How precisely the event locates the entry, in [`Event::scope`].

@@ -91,6 +91,10 @@ mod programs {
     const EEXIST: i32 = 17;
     const AF_UNIX: u16 = 1;
     const AT_FDCWD: i64 = -100;
+    /// Directories walked up from a bound socket looking for a watched one.
+    const MAX_DEPTH: usize = 4;
+    const S_IFMT: u64 = 0o170000;
+    const S_IFSOCK: u64 = 0o140000;
     /// Masks an index into `Scratch::path` so the verifier sees it in bounds.
     const PATH_MASK: usize = PATH_BUF_LEN - 1;
 
@@ -273,13 +277,27 @@ mod programs {
         if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX {
             return None;
         }
-        let dentry = kptr(sk, offset!(unix_sock_dentry))?;
-        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
-        // SAFETY: presence check only.
-        unsafe { WATCHED.get(&parent) }?;
-        let name = kptr(dentry, offset!(dentry_name))?;
-        let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
-
+        // Walk up from the socket to the first watched directory: the socket itself when its
+        // directory is watched, otherwise the sub-directory (created but not yet watched) that
+        // holds it, which the watcher then watches and walks.
+        let mut entry_dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        let mut watched = None;
+        for _ in 0..MAX_DEPTH {
+            let parent_dentry = kptr(entry_dentry, offset!(dentry_parent))?;
+            if parent_dentry == entry_dentry {
+                break; // the root of its filesystem
+            }
+            let key = dir_key(parent_dentry)?;
+            // SAFETY: presence check only.
+            if unsafe { WATCHED.get(&key) }.is_some() {
+                watched = Some(key);
+                break;
+            }
+            entry_dentry = parent_dentry;
+        }
+        let parent = watched?;
+        let name = kptr(entry_dentry, offset!(dentry_name))?;
+        let name_len = kread::<u32>(entry_dentry, offset!(dentry_name_len))?;
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
             count_loss(loss::RING_FULL);
             return None;
@@ -315,32 +333,88 @@ mod programs {
     }
 
     // ---------------------------------------------------------------------------------------------
-    // unlink, unlinkat
+    // unlink, unlinkat, rmdir, mknod(at) of sockets, mkdir(at): one path argument
+
+    /// What a path syscall does to the tree, and so how a path that cannot be resolved is handled.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum PathOp {
+        /// An entry goes (`unlink`, `rmdir`): a multi-component path is matched by name in NAMES.
+        Remove,
+        /// A socket inode appears (`mknod S_IFSOCK`): rare enough to report any path by name.
+        CreateSocket,
+        /// A directory appears (`mkdir`): common system-wide, so only a path relative to a watched
+        /// directory is reported. A socket later bound inside the new directory is still found by
+        /// the bind programs' walk up to the watched ancestor.
+        CreateDir,
+    }
+
+    /// Reads syscall argument `n`.
+    fn arg_u64(ctx: &TracePointContext, n: usize) -> Option<u64> {
+        // SAFETY: offsets within a sys_enter_* record.
+        unsafe { ctx.read_at::<u64>(arg(n)) }.ok()
+    }
+
+    /// Reads a `dfd` argument (an `int`, sign-extended).
+    fn arg_dfd(ctx: &TracePointContext, n: usize) -> Option<i64> {
+        arg_u64(ctx, n).map(|v| i64::from(v as i32))
+    }
 
     #[tracepoint]
-    pub fn unlink_enter(ctx: TracePointContext) -> u32 {
-        // SAFETY: offset within the sys_enter_unlink record.
-        if let Ok(path) = unsafe { ctx.read_at::<u64>(arg(0)) } {
-            let _ = removal_enter(AT_FDCWD, path);
+    pub fn remove_enter(ctx: TracePointContext) -> u32 {
+        if let Some(path) = arg_u64(&ctx, 0) {
+            let _ = path_enter(AT_FDCWD, path, PathOp::Remove);
         }
         0
     }
 
     #[tracepoint]
     pub fn unlinkat_enter(ctx: TracePointContext) -> u32 {
-        // SAFETY: offsets within the sys_enter_unlinkat record.
-        let dfd = unsafe { ctx.read_at::<i64>(arg(0)) };
-        let path = unsafe { ctx.read_at::<u64>(arg(1)) };
-        if let (Ok(dfd), Ok(path)) = (dfd, path) {
-            // The dfd argument is an int: sign-extend its low half.
-            let _ = removal_enter(i64::from(dfd as i32), path);
+        if let (Some(dfd), Some(path)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
+            let _ = path_enter(dfd, path, PathOp::Remove);
         }
         0
     }
 
-    /// Decides at syscall entry whether a removal of `path` (relative to `dfd`) concerns the tree,
-    /// and if so parks the event until the exit says whether the call succeeded.
-    fn removal_enter(dfd: i64, path: u64) -> Option<()> {
+    #[tracepoint]
+    pub fn mknod_enter(ctx: TracePointContext) -> u32 {
+        if let (Some(path), Some(mode)) = (arg_u64(&ctx, 0), arg_u64(&ctx, 1))
+            && mode & S_IFMT == S_IFSOCK
+        {
+            let _ = path_enter(AT_FDCWD, path, PathOp::CreateSocket);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn mknodat_enter(ctx: TracePointContext) -> u32 {
+        if let (Some(dfd), Some(path), Some(mode)) =
+            (arg_dfd(&ctx, 0), arg_u64(&ctx, 1), arg_u64(&ctx, 2))
+            && mode & S_IFMT == S_IFSOCK
+        {
+            let _ = path_enter(dfd, path, PathOp::CreateSocket);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn mkdir_enter(ctx: TracePointContext) -> u32 {
+        if let Some(path) = arg_u64(&ctx, 0) {
+            let _ = path_enter(AT_FDCWD, path, PathOp::CreateDir);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn mkdirat_enter(ctx: TracePointContext) -> u32 {
+        if let (Some(dfd), Some(path)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
+            let _ = path_enter(dfd, path, PathOp::CreateDir);
+        }
+        0
+    }
+
+    /// Decides at syscall entry whether `op` on `path` (relative to `dfd`) concerns the tree, and
+    /// if so parks the event until the exit says whether the call succeeded.
+    fn path_enter(dfd: i64, path: u64, op: PathOp) -> Option<()> {
         if is_agent() {
             return None;
         }
@@ -363,12 +437,20 @@ mod programs {
             event.parent = parent;
         } else {
             // "dir/name" or "/abs/name": only the name can be checked.
-            // SAFETY: presence check only.
-            unsafe { NAMES.get(&event.name) }?;
+            match op {
+                // SAFETY: presence check only.
+                PathOp::Remove => unsafe { NAMES.get(&event.name) }.map(|_| ())?,
+                PathOp::CreateSocket => {}
+                PathOp::CreateDir => return None,
+            }
             event.scope = scope::NAME_ONLY;
             event.parent = DirKey { dev: 0, ino: 0 };
         }
-        event.kind = kind::UNLINK;
+        event.kind = if op == PathOp::Remove {
+            kind::REMOVE
+        } else {
+            kind::CREATE
+        };
         event.tgid = current_tgid();
         if PENDING
             .insert(bpf_get_current_pid_tgid(), &*event, 0)
@@ -437,8 +519,9 @@ mod programs {
         Some(single)
     }
 
+    /// Reports a parked path event if its syscall succeeded.
     #[tracepoint]
-    pub fn removal_exit(ctx: TracePointContext) -> u32 {
+    pub fn path_exit(ctx: TracePointContext) -> u32 {
         let thread = bpf_get_current_pid_tgid();
         let Some(pending) = PENDING.get_ptr(&thread) else {
             return 0;
@@ -451,6 +534,9 @@ mod programs {
                     unsafe {
                         let mut event = *pending;
                         event.ktime_ns = now_ns();
+                        if event.kind == kind::CREATE && event.scope == scope::EXACT {
+                            remember_name(&(*pending).name);
+                        }
                         entry.write(event);
                     }
                     entry.submit(wake_flags());

@@ -74,6 +74,15 @@ enum Action {
     UnlinkFails(PathBuf),
     /// `unlinkat(open(dir), name, 0)`.
     UnlinkAt(PathBuf, String),
+    /// `mkdir`.
+    Mkdir(PathBuf),
+    /// `rmdir`.
+    Rmdir(PathBuf),
+    /// `mknod(path, S_IFSOCK | 0600)`: a socket inode without a listening socket.
+    MknodSocket(PathBuf),
+    /// Enter a new mount namespace (private propagation) and bind-mount the first directory onto
+    /// the second there, as a container runtime does for a plugin's registration directory.
+    UnshareBindMount(PathBuf, PathBuf),
     /// Bind `dir/name` and `unlinkat` it again, as fast as possible for this many milliseconds,
     /// then print `syscalls=<count>`.
     BindUnlinkFor(PathBuf, String, u64),
@@ -90,6 +99,12 @@ impl Action {
             Action::Unlink(path) => format!("unlink\t{}", p(path)),
             Action::UnlinkFails(path) => format!("unlink_fails\t{}", p(path)),
             Action::UnlinkAt(dir, name) => format!("unlinkat\t{}\t{name}", p(dir)),
+            Action::Mkdir(path) => format!("mkdir\t{}", p(path)),
+            Action::Rmdir(path) => format!("rmdir\t{}", p(path)),
+            Action::MknodSocket(path) => format!("mknod_socket\t{}", p(path)),
+            Action::UnshareBindMount(from, onto) => {
+                format!("unshare_bind_mount\t{}\t{}", p(from), p(onto))
+            }
             Action::BindUnlinkFor(dir, name, ms) => {
                 format!("bind_unlink_for\t{}\t{name}\t{ms}", p(dir))
             }
@@ -120,6 +135,26 @@ impl Action {
                 let dir = std::fs::File::open(dir).expect(dir);
                 nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
                     .expect(name);
+            }
+            ["mkdir", path] => std::fs::create_dir(path).expect(path),
+            ["rmdir", path] => std::fs::remove_dir(path).expect(path),
+            ["mknod_socket", path] => {
+                use nix::sys::stat::{Mode, SFlag, mknod};
+                mknod(path, SFlag::S_IFSOCK, Mode::from_bits_truncate(0o600), 0).expect(path);
+            }
+            ["unshare_bind_mount", from, onto] => {
+                use nix::mount::{MsFlags, mount};
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare");
+                let private = MsFlags::MS_REC | MsFlags::MS_PRIVATE;
+                mount(None::<&str>, "/", None::<&str>, private, None::<&str>).expect("private");
+                mount(
+                    Some(from),
+                    onto,
+                    None::<&str>,
+                    MsFlags::MS_BIND,
+                    None::<&str>,
+                )
+                .expect("bind mount");
             }
             ["bind_unlink_for", dir, name, ms] => {
                 let path = Path::new(dir).join(name);
@@ -387,6 +422,82 @@ async fn an_unwatched_directory_is_no_longer_reported() {
 }
 
 #[tokio::test]
+async fn socket_inodes_and_directories_made_next_to_a_watched_cwd_are_reported() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("mk", EbpfOptions::default(), 1024);
+    let actions = [
+        Action::Chdir(f.watched.clone()),
+        Action::Mkdir(f.name("sub").into()),
+        Action::MknodSocket(f.name("relative.sock").into()),
+        // By a multi-component path: a socket inode is reported by name; a directory is not
+        // (mkdir is common system-wide), see the sub-directory test for how that is covered.
+        Action::MknodSocket(f.in_watched("absolute.sock")),
+        Action::Mkdir(f.in_watched("absolute-dir")),
+        Action::Rmdir(f.name("sub").into()),
+        // Its name was learnt when its creation was reported.
+        Action::Unlink(f.in_watched("relative.sock")),
+        Action::MknodSocket(f.in_elsewhere("elsewhere.sock")),
+        Action::Mkdir(f.in_elsewhere("elsewhere-dir")),
+    ];
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(f.in_watched("sub")),
+            Seen::Created(f.in_watched("relative.sock")),
+            Seen::NameChanged(f.name("absolute.sock").into()),
+            Seen::Removed(f.in_watched("sub")),
+            Seen::NameChanged(f.name("relative.sock").into()),
+            Seen::NameChanged(f.name("elsewhere.sock").into()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_bind_in_a_sub_directory_not_yet_watched_reports_that_sub_directory() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("subdir", EbpfOptions::default(), 1024);
+    let new = f.in_watched("new");
+    let actions = [
+        Action::Mkdir(new.clone()),
+        Action::Mkdir(new.join("deeper")),
+        Action::Bind(new.join("deeper").join("x.sock")),
+        Action::Bind(f.in_elsewhere("x.sock")),
+    ];
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    // The watcher stats it, watches it, and walks it: that is where x.sock is found.
+    assert_eq!(seen, vec![Seen::Created(new)]);
+}
+
+#[tokio::test]
+async fn a_plugin_in_its_own_mount_namespace_is_seen_by_directory_identity() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("mntns", EbpfOptions::default(), 1024);
+    // The plugin sees the watched directory at <tmp>/elsewhere/registration, in its namespace only.
+    let registration = f.elsewhere.join("registration");
+    std::fs::create_dir(&registration).expect("mkdir mount point");
+    let actions = [
+        Action::UnshareBindMount(f.watched.clone(), registration.clone()),
+        Action::Bind(registration.join(f.name("plugin.sock"))),
+        Action::Unlink(registration.join(f.name("plugin.sock"))),
+    ];
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(f.in_watched("plugin.sock")),
+            Seen::NameChanged(f.name("plugin.sock").into()),
+        ]
+    );
+}
+
+#[tokio::test]
 async fn describe_names_the_attached_hooks_and_ring_size() {
     if !can_run() {
         return;
@@ -398,6 +509,8 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
         "sys_exit_bind",
         "sys_enter_unlink",
         "sys_exit_unlinkat",
+        "sys_enter_mknodat",
+        "sys_exit_rmdir",
         "4096 KiB",
     ] {
         assert!(description.contains(hook), "{description}");

@@ -44,16 +44,40 @@ const HOOKS: &[Hook] = &[
         tracepoints: &["sys_exit_bind"],
     },
     Hook {
-        program: "unlink_enter",
-        tracepoints: &["sys_enter_unlink"],
+        program: "remove_enter",
+        tracepoints: &["sys_enter_unlink", "sys_enter_rmdir"],
     },
     Hook {
         program: "unlinkat_enter",
         tracepoints: &["sys_enter_unlinkat"],
     },
     Hook {
-        program: "removal_exit",
-        tracepoints: &["sys_exit_unlink", "sys_exit_unlinkat"],
+        program: "mknod_enter",
+        tracepoints: &["sys_enter_mknod"],
+    },
+    Hook {
+        program: "mknodat_enter",
+        tracepoints: &["sys_enter_mknodat"],
+    },
+    Hook {
+        program: "mkdir_enter",
+        tracepoints: &["sys_enter_mkdir"],
+    },
+    Hook {
+        program: "mkdirat_enter",
+        tracepoints: &["sys_enter_mkdirat"],
+    },
+    Hook {
+        program: "path_exit",
+        tracepoints: &[
+            "sys_exit_unlink",
+            "sys_exit_unlinkat",
+            "sys_exit_rmdir",
+            "sys_exit_mknod",
+            "sys_exit_mknodat",
+            "sys_exit_mkdir",
+            "sys_exit_mkdirat",
+        ],
     },
 ];
 

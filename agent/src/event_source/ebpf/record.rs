@@ -51,8 +51,8 @@ pub fn translate(
         scope::EXACT => {
             let path = parent_path(&event.parent)?.join(Path::new(name));
             match event.kind {
-                kind::BIND => Some(FsEvent::Created { path, observed }),
-                kind::UNLINK => Some(FsEvent::Removed { path, observed }),
+                kind::BIND | kind::CREATE => Some(FsEvent::Created { path, observed }),
+                kind::REMOVE => Some(FsEvent::Removed { path, observed }),
                 _ => None,
             }
         }
@@ -104,7 +104,7 @@ mod tests {
     #[test]
     fn exact_unlink_becomes_removed() {
         assert_eq!(
-            translate(&event(kind::UNLINK, scope::EXACT, "a.sock"), watched),
+            translate(&event(kind::REMOVE, scope::EXACT, "a.sock"), watched),
             Some(FsEvent::Removed {
                 path: "/plugins/a.sock".into(),
                 observed: AT_7
@@ -115,7 +115,7 @@ mod tests {
     #[test]
     fn name_only_unlink_becomes_name_changed() {
         assert_eq!(
-            translate(&event(kind::UNLINK, scope::NAME_ONLY, "a.sock"), |_| None),
+            translate(&event(kind::REMOVE, scope::NAME_ONLY, "a.sock"), |_| None),
             Some(FsEvent::NameChanged {
                 name: "a.sock".into(),
                 observed: AT_7
