@@ -4,9 +4,10 @@
 //! sys_enter_bind  --AF_UNIX, path--> PENDING_BINDS[thread] = fd
 //! sys_exit_bind   --ret 0--> fd -> file -> socket -> unix_sock.path.dentry -> parent in WATCHED?
 //!                        --> EVENTS (exact: parent identity + name); NAMES += name
-//! sys_enter_unlink[at] --> path "name" relative to a WATCHED dir: exact; "a/b/name": name in NAMES?
-//!                        --> PENDING[thread] = event
-//! sys_exit_unlink[at]  --ret 0--> EVENTS
+//! sys_enter_{unlink,unlinkat,rmdir,mknod,mknodat,mkdir,mkdirat,rename,renameat,renameat2}
+//!                      --> path "name" relative to a WATCHED dir: exact; "a/b/name": name in NAMES?
+//!                      --> PENDING*[thread] = event
+//! sys_exit_*           --ret 0--> EVENTS
 //! ```
 //!
 //! Syscall tracepoints are used because they exist on every kernel and need no kernel symbol; the
@@ -67,6 +68,15 @@ mod programs {
     #[map]
     static PENDING: HashMap<u64, Event> = HashMap::with_max_entries(4096, 0);
 
+    /// The target of a rename parked like PENDING (the source goes in PENDING).
+    #[map]
+    static PENDING_TARGET: HashMap<u64, Event> = HashMap::with_max_entries(4096, 0);
+
+    /// The target of a rename by a multi-component path to a new name: reported only if the
+    /// source was in the tree (a move within it).
+    #[map]
+    static PENDING_IF_SOURCE: HashMap<u64, Event> = HashMap::with_max_entries(4096, 0);
+
     /// When the reader was last woken (`bpf_ktime_get_ns`), shared by all CPUs.
     #[map]
     static LAST_WAKE: Array<u64> = Array::with_max_entries(1, 0);
@@ -93,6 +103,10 @@ mod programs {
     const AT_FDCWD: i64 = -100;
     /// Directories walked up from a bound socket looking for a watched one.
     const MAX_DEPTH: usize = 4;
+    const RENAME_EXCHANGE: u64 = 2;
+    /// x86_64 syscall number of renameat2 (the only arch this object is built for, see
+    /// `bpf_target_arch`).
+    const SYS_RENAMEAT2: i32 = 316;
     const S_IFMT: u64 = 0o170000;
     const S_IFSOCK: u64 = 0o140000;
     /// Masks an index into `Scratch::path` so the verifier sees it in bounds.
@@ -346,6 +360,9 @@ mod programs {
         /// directory is reported. A socket later bound inside the new directory is still found by
         /// the bind programs' walk up to the watched ancestor.
         CreateDir,
+        /// The target of a rename: any path is classified, and the caller decides whether a
+        /// name-only target is reported (see `target_enter`).
+        MoveTo,
     }
 
     /// Reads syscall argument `n`.
@@ -421,6 +438,14 @@ mod programs {
         let scratch = SCRATCH.get_ptr_mut(0)?;
         // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
         let scratch = unsafe { &mut *scratch };
+        classify(scratch, dfd, path, op)?;
+        park(&PENDING, &scratch.event);
+        Some(())
+    }
+
+    /// Fills `scratch.event` for `op` on `path` if it concerns the tree.
+    #[inline(always)]
+    fn classify(scratch: &mut Scratch, dfd: i64, path: u64, op: PathOp) -> Option<()> {
         let single = last_component(scratch, path)?;
         let event = &mut scratch.event;
         if single {
@@ -437,10 +462,13 @@ mod programs {
             event.parent = parent;
         } else {
             // "dir/name" or "/abs/name": only the name can be checked.
-            match op {
+            let known = || {
                 // SAFETY: presence check only.
-                PathOp::Remove => unsafe { NAMES.get(&event.name) }.map(|_| ())?,
-                PathOp::CreateSocket => {}
+                unsafe { NAMES.get(&event.name) }.map(|_| ())
+            };
+            match op {
+                PathOp::Remove => known()?,
+                PathOp::CreateSocket | PathOp::MoveTo => {}
                 PathOp::CreateDir => return None,
             }
             event.scope = scope::NAME_ONLY;
@@ -452,11 +480,103 @@ mod programs {
             kind::CREATE
         };
         event.tgid = current_tgid();
-        if PENDING
-            .insert(bpf_get_current_pid_tgid(), &*event, 0)
-            .is_err()
-        {
+        Some(())
+    }
+
+    /// Parks `event` for this thread until its syscall returns.
+    fn park(map: &HashMap<u64, Event>, event: &Event) {
+        if map.insert(bpf_get_current_pid_tgid(), event, 0).is_err() {
             count_loss(loss::PENDING_FULL);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // rename, renameat, renameat2: two paths
+
+    // Each side of a rename is classified by its own program on the same tracepoint: one path per
+    // program keeps the verifier's work that of a single-path syscall. The sides meet at exit,
+    // where a target reported only because its source was in the tree is emitted if the source was.
+
+    #[tracepoint]
+    pub fn rename_source_enter(ctx: TracePointContext) -> u32 {
+        if let Some(old) = arg_u64(&ctx, 0) {
+            let _ = source_enter(AT_FDCWD, old, 0);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn rename_target_enter(ctx: TracePointContext) -> u32 {
+        if let Some(new) = arg_u64(&ctx, 1) {
+            let _ = target_enter(AT_FDCWD, new);
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn renameat_source_enter(ctx: TracePointContext) -> u32 {
+        if let (Some(dfd), Some(old)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
+            let flags = if renameat2(&ctx) {
+                arg_u64(&ctx, 4)
+            } else {
+                Some(0)
+            };
+            if let Some(flags) = flags {
+                let _ = source_enter(dfd, old, flags);
+            }
+        }
+        0
+    }
+
+    #[tracepoint]
+    pub fn renameat_target_enter(ctx: TracePointContext) -> u32 {
+        if let (Some(dfd), Some(new)) = (arg_dfd(&ctx, 2), arg_u64(&ctx, 3)) {
+            let _ = target_enter(dfd, new);
+        }
+        0
+    }
+
+    /// Whether this `sys_enter_renameat*` record is renameat2's (which has a flags argument):
+    /// `__syscall_nr` sits at offset 8 of every `sys_enter_*` record.
+    fn renameat2(ctx: &TracePointContext) -> bool {
+        // SAFETY: offset within the sys_enter_* record.
+        matches!(unsafe { ctx.read_at::<i32>(8) }, Ok(SYS_RENAMEAT2))
+    }
+
+    /// The source of a rename goes; with `RENAME_EXCHANGE` it is replaced, which is reported as a
+    /// creation (the watcher stats what is there now). Either way it is matched like a removal.
+    fn source_enter(dfd: i64, old: u64, flags: u64) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
+        let scratch = unsafe { &mut *scratch };
+        classify(scratch, dfd, old, PathOp::Remove)?;
+        if flags & RENAME_EXCHANGE != 0 {
+            scratch.event.kind = kind::CREATE;
+        }
+        park(&PENDING, &scratch.event);
+        Some(())
+    }
+
+    /// The target of a rename appears (with `RENAME_EXCHANGE` too: the source's entry lands there).
+    /// A multi-component target is reported by name if the name is known (it replaces an entry) or,
+    /// decided at exit, if the source was in the tree (a move within it).
+    fn target_enter(dfd: i64, new: u64) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
+        let scratch = unsafe { &mut *scratch };
+        classify(scratch, dfd, new, PathOp::MoveTo)?;
+        // SAFETY: presence check only.
+        let known = unsafe { NAMES.get(&scratch.event.name) }.is_some();
+        if scratch.event.scope == scope::EXACT || known {
+            park(&PENDING_TARGET, &scratch.event);
+        } else {
+            park(&PENDING_IF_SOURCE, &scratch.event);
         }
         Some(())
     }
@@ -519,33 +639,45 @@ mod programs {
         Some(single)
     }
 
-    /// Reports a parked path event if its syscall succeeded.
+    /// Reports the parked path events of this thread if its syscall succeeded.
     #[tracepoint]
     pub fn path_exit(ctx: TracePointContext) -> u32 {
-        let thread = bpf_get_current_pid_tgid();
-        let Some(pending) = PENDING.get_ptr(&thread) else {
-            return 0;
-        };
         // SAFETY: offset within the sys_exit_* record.
-        if let Ok(0) = unsafe { ctx.read_at::<i64>(RET) } {
+        let succeeded = matches!(unsafe { ctx.read_at::<i64>(RET) }, Ok(0));
+        let thread = bpf_get_current_pid_tgid();
+        let source_in_tree = report_parked(&PENDING, thread, succeeded);
+        report_parked(&PENDING_TARGET, thread, succeeded);
+        report_parked(&PENDING_IF_SOURCE, thread, succeeded && source_in_tree);
+        0
+    }
+
+    /// Reports (if `succeeded`) and forgets this thread's event parked in `map`; returns whether
+    /// there was one.
+    #[inline(always)]
+    fn report_parked(map: &HashMap<u64, Event>, thread: u64, succeeded: bool) -> bool {
+        let Some(pending) = map.get_ptr(&thread) else {
+            return false;
+        };
+        if succeeded {
             match EVENTS.reserve::<Event>(0) {
                 Some(mut entry) => {
-                    // SAFETY: `pending` is a live map value of this thread; `entry` is reserved.
+                    // SAFETY: `pending` is a live map value of this thread; `entry` is reserved
+                    // and exclusively ours. Copied in place: two Events do not fit the BPF stack.
                     unsafe {
-                        let mut event = *pending;
-                        event.ktime_ns = now_ns();
-                        if event.kind == kind::CREATE && event.scope == scope::EXACT {
+                        let event = entry.as_mut_ptr();
+                        core::ptr::copy_nonoverlapping(pending, event, 1);
+                        (*event).ktime_ns = now_ns();
+                        if (*event).kind == kind::CREATE && (*event).scope == scope::EXACT {
                             remember_name(&(*pending).name);
                         }
-                        entry.write(event);
                     }
                     entry.submit(wake_flags());
                 }
                 None => count_loss(loss::RING_FULL),
             }
         }
-        let _ = PENDING.remove(&thread);
-        0
+        let _ = map.remove(&thread);
+        true
     }
 
     #[panic_handler]

@@ -80,6 +80,16 @@ enum Action {
     Rmdir(PathBuf),
     /// `mknod(path, S_IFSOCK | 0600)`: a socket inode without a listening socket.
     MknodSocket(PathBuf),
+    /// `rename(old, new)`.
+    Rename(PathBuf, PathBuf),
+    /// `renameat2(open(old dir), old name, open(new dir), new name, flags)`, expecting this errno
+    /// (0 for success).
+    RenameAt2 {
+        from: (PathBuf, String),
+        to: (PathBuf, String),
+        flags: u32,
+        errno: i32,
+    },
     /// Enter a new mount namespace (private propagation) and bind-mount the first directory onto
     /// the second there, as a container runtime does for a plugin's registration directory.
     UnshareBindMount(PathBuf, PathBuf),
@@ -102,6 +112,19 @@ impl Action {
             Action::Mkdir(path) => format!("mkdir\t{}", p(path)),
             Action::Rmdir(path) => format!("rmdir\t{}", p(path)),
             Action::MknodSocket(path) => format!("mknod_socket\t{}", p(path)),
+            Action::Rename(from, to) => format!("rename\t{}\t{}", p(from), p(to)),
+            Action::RenameAt2 {
+                from,
+                to,
+                flags,
+                errno,
+            } => format!(
+                "renameat2\t{}\t{}\t{}\t{}\t{flags}\t{errno}",
+                p(&from.0),
+                from.1,
+                p(&to.0),
+                to.1
+            ),
             Action::UnshareBindMount(from, onto) => {
                 format!("unshare_bind_mount\t{}\t{}", p(from), p(onto))
             }
@@ -141,6 +164,24 @@ impl Action {
             ["mknod_socket", path] => {
                 use nix::sys::stat::{Mode, SFlag, mknod};
                 mknod(path, SFlag::S_IFSOCK, Mode::from_bits_truncate(0o600), 0).expect(path);
+            }
+            ["rename", from, to] => std::fs::rename(from, to).expect(from),
+            ["renameat2", from_dir, from, to_dir, to, flags, errno] => {
+                let from_dir = std::fs::File::open(from_dir).expect(from_dir);
+                let to_dir = std::fs::File::open(to_dir).expect(to_dir);
+                let result = nix::fcntl::renameat2(
+                    &from_dir,
+                    from,
+                    &to_dir,
+                    to,
+                    nix::fcntl::RenameFlags::from_bits_truncate(flags.parse().expect(flags)),
+                );
+                let got = result.err().map_or(0, |e| e as i32);
+                assert_eq!(
+                    got,
+                    errno.parse::<i32>().expect(errno),
+                    "renameat2 {from} {to}"
+                );
             }
             ["unshare_bind_mount", from, onto] => {
                 use nix::mount::{MsFlags, mount};
@@ -456,6 +497,77 @@ async fn socket_inodes_and_directories_made_next_to_a_watched_cwd_are_reported()
 }
 
 #[tokio::test]
+async fn renames_into_out_of_and_within_the_tree_are_reported() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("rename", EbpfOptions::default(), 1024);
+    let names = ["a", "b", "c", "x1", "x2"].map(|n| f.name(&format!("{n}.sock")));
+    let mut setup: Vec<Action> = names
+        .iter()
+        .map(|n| Action::Bind(f.watched.join(n)))
+        .collect();
+    setup.push(Action::Bind(f.in_elsewhere("out.sock")));
+    let seen = f.events_of(&setup, "setup.sock").await;
+    assert_eq!(seen.len(), names.len(), "{seen:?}");
+
+    let at = |dir: &Path, name: &str| (dir.to_path_buf(), f.name(name));
+    let (watched, elsewhere) = (f.watched.clone(), f.elsewhere.clone());
+    let actions = [
+        // Within the tree, relative to a watched cwd: exact on both sides.
+        Action::Chdir(watched.clone()),
+        Action::Rename(f.name("a.sock").into(), f.name("a2.sock").into()),
+        // Within the tree by full paths: by name on both sides.
+        Action::Rename(f.in_watched("b.sock"), f.in_watched("b2.sock")),
+        // Out of the tree by full paths: the source by name (the target's name too, as a move).
+        Action::Rename(f.in_watched("c.sock"), f.in_elsewhere("c.sock")),
+        // Into the tree by dirfds: the target exactly; the source was never in the tree.
+        Action::RenameAt2 {
+            from: at(&elsewhere, "out.sock"),
+            to: at(&watched, "in.sock"),
+            flags: 0,
+            errno: 0,
+        },
+        Action::RenameAt2 {
+            from: at(&watched, "x1.sock"),
+            to: at(&watched, "x2.sock"),
+            flags: libc::RENAME_EXCHANGE,
+            errno: 0,
+        },
+        Action::RenameAt2 {
+            from: at(&watched, "x1.sock"),
+            to: at(&watched, "x2.sock"),
+            flags: libc::RENAME_NOREPLACE,
+            errno: libc::EEXIST,
+        },
+        Action::RenameAt2 {
+            from: at(&watched, "x1.sock"),
+            to: at(&watched, "x3.sock"),
+            flags: libc::RENAME_NOREPLACE,
+            errno: 0,
+        },
+    ];
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    let name = |n: &str| Seen::NameChanged(f.name(n).into());
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Removed(f.in_watched("a.sock")),
+            Seen::Created(f.in_watched("a2.sock")),
+            name("b.sock"),
+            name("b2.sock"),
+            name("c.sock"),
+            name("c.sock"),
+            Seen::Created(f.in_watched("in.sock")),
+            Seen::Created(f.in_watched("x1.sock")),
+            Seen::Created(f.in_watched("x2.sock")),
+            Seen::Removed(f.in_watched("x1.sock")),
+            Seen::Created(f.in_watched("x3.sock")),
+        ]
+    );
+}
+
+#[tokio::test]
 async fn a_bind_in_a_sub_directory_not_yet_watched_reports_that_sub_directory() {
     if !can_run() {
         return;
@@ -511,6 +623,7 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
         "sys_exit_unlinkat",
         "sys_enter_mknodat",
         "sys_exit_rmdir",
+        "sys_enter_renameat2",
         "4096 KiB",
     ] {
         assert!(description.contains(hook), "{description}");

@@ -68,6 +68,22 @@ const HOOKS: &[Hook] = &[
         tracepoints: &["sys_enter_mkdirat"],
     },
     Hook {
+        program: "rename_source_enter",
+        tracepoints: &["sys_enter_rename"],
+    },
+    Hook {
+        program: "rename_target_enter",
+        tracepoints: &["sys_enter_rename"],
+    },
+    Hook {
+        program: "renameat_source_enter",
+        tracepoints: &["sys_enter_renameat", "sys_enter_renameat2"],
+    },
+    Hook {
+        program: "renameat_target_enter",
+        tracepoints: &["sys_enter_renameat", "sys_enter_renameat2"],
+    },
+    Hook {
         program: "path_exit",
         tracepoints: &[
             "sys_exit_unlink",
@@ -77,6 +93,9 @@ const HOOKS: &[Hook] = &[
             "sys_exit_mknodat",
             "sys_exit_mkdir",
             "sys_exit_mkdirat",
+            "sys_exit_rename",
+            "sys_exit_renameat",
+            "sys_exit_renameat2",
         ],
     },
 ];
@@ -147,7 +166,10 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
                     &format!("cannot attach tracepoint syscalls/{tracepoint}"),
                 )
             })?;
-            attached.push(format!("tracepoint syscalls/{tracepoint}"));
+            let hook = format!("tracepoint syscalls/{tracepoint}");
+            if !attached.contains(&hook) {
+                attached.push(hook);
+            }
         }
     }
     Ok(Loaded {

@@ -3,20 +3,26 @@
 //!
 //! ```text
 //! open: btf (offsets) -> loader (load, mount tracefs, attach) -> filters + reader task
-//! kernel: bind / unlink / unlinkat --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
+//! kernel: bind, unlink, mkdir, rename... --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
 //!                                                       LOSSES ---reader--> FsEvent::Rescan
 //! watcher --watch / unwatch / entry_present--> filters (BPF maps)
 //! ```
 //!
-//! What it reports, and how exactly:
-//! - a successful `bind` of an `AF_UNIX` socket to a path, by the socket's own dentry, so relative
-//!   paths, chroots and other mount namespaces all land on the directory identity that is watched:
-//!   [`FsEvent::Created`];
-//! - a successful `unlink`/`unlinkat` of a single-component path relative to a watched directory
-//!   (cwd or dirfd): [`FsEvent::Removed`];
-//! - a successful removal by any other path (`/registration/x.sock` from a container): the path
-//!   cannot be resolved in BPF, so it is matched by its last component against the names present
-//!   under the tree, and reported as [`FsEvent::NameChanged`];
+//! What it reports, and how exactly (only calls that succeeded):
+//! - `bind` of an `AF_UNIX` socket to a path, by the socket's own dentry, so relative paths, chroots
+//!   and other mount namespaces all land on the directory identity that is watched:
+//!   [`FsEvent::Created`]; a socket in a sub-directory not yet watched (up to 4 levels down) reports
+//!   that sub-directory instead, which the watcher then watches and walks;
+//! - `unlink`, `unlinkat`, `rmdir`, `mknod(at)` of `S_IFSOCK`, `mkdir(at)`, `rename`, `renameat`,
+//!   `renameat2` (incl. `RENAME_EXCHANGE`) with a single-component path relative to a watched
+//!   directory (cwd or dirfd): [`FsEvent::Created`] / [`FsEvent::Removed`];
+//! - the same calls by any other path (`/registration/x.sock` from a container): the path cannot be
+//!   resolved in BPF, so a removal (or rename source) is matched by its last component against the
+//!   names present under the tree, a socket `mknod` is always reported, a rename target is reported
+//!   when its name is known or its source was in the tree, and all become
+//!   [`FsEvent::NameChanged`]. Not reported: `mkdir` by such a path (a socket bound in it later is
+//!   caught by the bind walk) and a rename into the tree from outside it by such a path to a new
+//!   name (the watcher's safety pass finds it);
 //! - any record the kernel could not queue: [`FsEvent::Rescan`].
 //!
 //! The agent's own process is filtered out in the kernel.
