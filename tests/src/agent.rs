@@ -31,6 +31,9 @@ pub struct AgentOptions {
     pub plugin_dir: PathBuf,
     /// `--handler TYPE=HANDLER` values.
     pub handlers: Vec<String>,
+    /// The agent's admin API socket: private to the test, so parallel agents do not contend for
+    /// the default `/run/plugin-agent/agent.sock` (passed as `PLUGIN_AGENT_ADMIN_SOCKET`).
+    pub admin_socket: PathBuf,
     /// Anything else for `run` (`--safety-period 1s`, say).
     pub extra: Vec<String>,
 }
@@ -42,6 +45,7 @@ impl AgentOptions {
             source,
             plugin_dir: plugin_dir.to_path_buf(),
             handlers: vec!["CSIPlugin=accept-all".into()],
+            admin_socket: plugin_dir.with_file_name("admin.sock"),
             extra: Vec::new(),
         }
     }
@@ -85,6 +89,7 @@ impl AgentProcess {
             command.args(["--handler", handler]);
         }
         command
+            .env("PLUGIN_AGENT_ADMIN_SOCKET", &options.admin_socket)
             .args(&options.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

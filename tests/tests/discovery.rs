@@ -10,17 +10,17 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 per_source!(
-    follows_a_socket_renamed_into_within_and_out_of_the_directory,
-    registers_sockets_placed_at_once_in_trees_made_with_mkdir_p,
-    deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created,
-    re_creates_a_removed_root_directory_and_registers_plugins_in_it_again,
+    follows_a_socket_renamed_into_within_and_out_of_the_directory [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
+    registers_sockets_placed_at_once_in_trees_made_with_mkdir_p [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
+    deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
+    re_creates_a_removed_root_directory_and_registers_plugins_in_it_again [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     ignores_regular_files_and_fifos,
     ignores_symlinks_to_sockets_and_to_directories,
     registers_a_socket_whose_path_is_107_bytes_long,
     retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once,
     registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path,
     registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves,
-    loses_no_plugin_under_a_create_delete_storm,
+    loses_no_plugin_under_a_create_delete_storm [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     deregisters_a_plugin_whose_socket_is_deleted_during_registration,
 );
 
@@ -545,12 +545,13 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
         .await;
     // Whatever the agent did meanwhile, it must end with the plugin not registered: every
     // handler registration is followed by a deregistration.
-    let last_register = agent.wait_for_log("the registration attempt ended", EVENT_TIMEOUT, |l| {
-        logs::registered(&socket)(l)
-            || logs::registration_failed(&socket)(l)
-            || l.message() == "socket vanished during registration"
-    });
-    last_register.await;
+    agent
+        .wait_for_log("the registration attempt ended", EVENT_TIMEOUT, |l| {
+            logs::registered(&socket)(l)
+                || logs::registration_failed(&socket)(l)
+                || l.message() == "socket vanished during registration"
+        })
+        .await;
     let registered = agent
         .logs_since(Mark(0), logs::handler_registered(&socket))
         .len();

@@ -8,7 +8,7 @@ use plugin_agent_tests::{
 use std::path::{Path, PathBuf};
 
 per_source!(
-    registers_plugins_at_depth_0_1_and_2,
+    registers_plugins_at_depth_0_1_and_2 [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     registers_and_deregisters_a_plugin_over_10_serve_stop_rounds,
     tracks_10_plugins_with_the_same_name_on_different_sockets,
     re_registers_one_socket_path_10_times_with_a_new_name_each_time,
