@@ -15,6 +15,7 @@ per_source!(
     deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     re_creates_a_removed_root_directory_and_registers_plugins_in_it_again [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     ignores_regular_files_and_fifos,
+    ignores_names_starting_with_a_dot,
     ignores_symlinks_to_sockets_and_to_directories,
     registers_a_socket_whose_path_is_107_bytes_long,
     retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once,
@@ -567,4 +568,37 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
             .await;
     }
     eprintln!("{test}: {registered} handler registrations before the deletion took effect");
+}
+
+async fn ignores_names_starting_with_a_dot(source: Source) {
+    let test = test_name("ignores_names_starting_with_a_dot", source);
+    let dir = PluginDir::new();
+    std::fs::create_dir(dir.path(".hidden-before")).expect("mkdir .hidden-before");
+    let before = [
+        plugin!(dir.path(".before.sock")).spawn(),
+        plugin!(dir.path(".hidden-before/p.sock")).spawn(),
+    ];
+    for plugin in &before {
+        plugin.wait_for_event("listening", EVENT_TIMEOUT).await;
+    }
+    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+        return;
+    };
+    std::fs::create_dir(dir.path(".hidden-after")).expect("mkdir .hidden-after");
+    let after = [
+        plugin!(dir.path(".after.sock")).spawn(),
+        plugin!(dir.path(".hidden-after/p.sock")).spawn(),
+    ];
+    for plugin in &after {
+        plugin.wait_for_event("listening", EVENT_TIMEOUT).await;
+    }
+    let _sentinel = sentinel(&agent, &dir.path("sentinel.sock")).await;
+    for plugin in before.iter().chain(&after) {
+        assert_never_mentioned(&agent, plugin.socket(), "a name starting with a dot");
+        assert!(
+            plugin.events_since(Mark(0), "get_info").is_empty(),
+            "{test}: the agent called {}",
+            plugin.socket().display()
+        );
+    }
 }

@@ -11,6 +11,7 @@ per_source!(
     registers_plugins_at_depth_0_1_and_2 [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
     registers_and_deregisters_a_plugin_over_10_serve_stop_rounds,
     tracks_10_plugins_with_the_same_name_on_different_sockets,
+    deregisters_a_re_registered_name_only_when_its_newest_socket_goes,
     re_registers_one_socket_path_10_times_with_a_new_name_each_time,
     registers_10_sockets_that_exist_before_the_agent_starts,
     registers_again_after_the_agent_restarts,
@@ -407,4 +408,67 @@ async fn recovers_after_get_info_errors_are_cleared(source: Source) {
         3,
         "{test}: want 2 failed GetInfo calls and 1 good one"
     );
+}
+
+async fn deregisters_a_re_registered_name_only_when_its_newest_socket_goes(source: Source) {
+    let test = test_name(
+        "deregisters_a_re_registered_name_only_when_its_newest_socket_goes",
+        source,
+    );
+    let dir = PluginDir::new();
+    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+        return;
+    };
+    let (old_socket, new_socket) = (dir.path("old.sock"), dir.path("new.sock"));
+    let old = plugin!(&old_socket).name("moving.example.com").spawn();
+    old.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log(
+            "the old socket registered",
+            EVENT_TIMEOUT,
+            logs::registered(&old_socket),
+        )
+        .await;
+    let new = plugin!(&new_socket).name("moving.example.com").spawn();
+    new.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log(
+            "the new socket registered",
+            EVENT_TIMEOUT,
+            logs::registered(&new_socket),
+        )
+        .await;
+
+    // Deleting the old socket leaves the name registered (handler contract)...
+    let mark = agent.mark();
+    old.stop().await;
+    agent
+        .wait_for_log_after(
+            mark,
+            "the old socket's removal handled",
+            EVENT_TIMEOUT,
+            |l| {
+                logs::mentions(&old_socket)(l)
+                    && l.message().contains("re-registered from a newer socket")
+            },
+        )
+        .await;
+    if let Some(line) = agent
+        .logs_since(mark, |l| l.message().starts_with("plugin deregistered"))
+        .first()
+    {
+        agent.fail(&format!(
+            "deleting the superseded socket deregistered the plugin: {line}"
+        ));
+    }
+    // ...and deleting the new one deregisters it.
+    new.stop().await;
+    agent
+        .wait_for_log_after(
+            mark,
+            "the new socket's removal deregistered",
+            EVENT_TIMEOUT,
+            logs::deregistered(&new_socket),
+        )
+        .await;
 }
