@@ -12,13 +12,15 @@ use crate::handler::HandlerRegistry;
 use crate::reconciler::{ReconcileMode, ReconcileQueue, Reconciler};
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
+use crate::telemetry::Telemetry;
 use crate::watcher::{Watcher, WatcherStats};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 /// Events buffered between the source and the watcher. When full, the source waits and the
 /// kernel-side queue absorbs the burst (and reports loss if it overflows).
@@ -39,6 +41,8 @@ pub struct AgentConfig {
     pub safety_period: Duration,
     /// Timeouts and concurrency of operations.
     pub executor: ExecutorConfig,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz`; none: not served.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl AgentConfig {
@@ -51,6 +55,7 @@ impl AgentConfig {
             reconcile_mode: ReconcileMode::Event,
             safety_period: Duration::from_secs(30),
             executor: ExecutorConfig::default(),
+            metrics_addr: None,
         }
     }
 }
@@ -75,6 +80,10 @@ pub struct RunningAgent {
     pub events: EventBus,
     /// Watcher counters (rescans, loss, watched directories).
     pub watcher_stats: Arc<WatcherStats>,
+    /// Metrics and trace roots the watcher and executor record into.
+    pub telemetry: Arc<Telemetry>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (the bound address: port 0 resolved).
+    pub metrics_addr: Option<SocketAddr>,
     /// The configuration it runs with.
     pub config: AgentConfig,
     /// When it started.
@@ -108,12 +117,14 @@ impl RunningAgent {
         let queue = Arc::new(ReconcileQueue::default());
         let events = EventBus::default();
         let watcher_stats = Arc::new(WatcherStats::default());
+        let telemetry = Telemetry::new(source_kind);
         let executor = OperationExecutor::new(
             actual.clone(),
             handlers.clone(),
             queue.clone(),
             config.executor,
             events.clone(),
+            telemetry.clone(),
             cancel.child_token(),
         );
         let reconciler = Reconciler::new(
@@ -127,15 +138,46 @@ impl RunningAgent {
         );
         let watcher = Watcher::new(
             config.plugin_dir.clone(),
-            source,
+            source.clone(),
             desired.clone(),
             queue,
             events.clone(),
             watcher_stats.clone(),
+            telemetry.clone(),
         );
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();
+        let mut metrics_addr = None;
+        if let Some(addr) = config.metrics_addr {
+            // Metrics are never a reason not to register plugins: an address in use is reported
+            // and the agent runs without them.
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(listener) => {
+                    let bound = listener.local_addr()?;
+                    let registry =
+                        telemetry
+                            .metrics
+                            .registry(crate::telemetry::metrics::StateCollector {
+                                desired: desired.clone(),
+                                actual: actual.clone(),
+                                handlers: handlers.clone(),
+                                executor: executor.clone(),
+                                watcher: watcher_stats.clone(),
+                                source,
+                            });
+                    info!(addr = %bound, "serving /metrics, /healthz and /readyz");
+                    let (ready, http_cancel) = (ready.clone(), cancel.clone());
+                    tasks.spawn(async move {
+                        crate::telemetry::http::serve(listener, registry, ready, http_cancel).await
+                    });
+                    metrics_addr = Some(bound);
+                }
+                Err(e) => {
+                    warn!(addr = %addr, error = %e, "cannot serve metrics and health; running without them")
+                }
+            }
+        }
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
             reconciler.run(reconciler_cancel).await;
@@ -159,6 +201,8 @@ impl RunningAgent {
             ready,
             events,
             watcher_stats,
+            telemetry,
+            metrics_addr,
             config,
             started_at: std::time::SystemTime::now(),
             cancel,

@@ -10,6 +10,7 @@ use crate::executor::{ExecutorConfig, HandlerTimeouts};
 use crate::handler::{self, HandlerRegistry};
 use crate::reconciler::ReconcileMode;
 use crate::registration::Timeouts;
+use crate::telemetry;
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use plugin_agent_proto::pluginagent::v1 as api;
@@ -183,6 +184,20 @@ pub struct RunArgs {
     /// Do not serve the admin API.
     #[arg(long)]
     pub no_admin: bool,
+
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` on this address
+    /// [default: 127.0.0.1:9464].
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
+    /// Do not serve metrics and health endpoints.
+    #[arg(long, conflicts_with = "metrics_addr")]
+    pub no_metrics: bool,
+
+    /// Export traces over OTLP/gRPC to this collector, e.g. `http://127.0.0.1:4317`. Off by
+    /// default; `OTEL_EXPORTER_OTLP_ENDPOINT` (and the other `OTEL_*` variables) work too.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 fn parse_handler(value: &str) -> Result<(String, String), String> {
@@ -278,6 +293,8 @@ impl RunArgs {
                 .or(file.max_concurrent)
                 .unwrap_or(ExecutorConfig::default().max_concurrent),
         };
+        agent.metrics_addr =
+            (!self.no_metrics).then(|| self.metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
         let mut handlers = file.handlers;
         for (plugin_type, target) in &handlers {
             parse_handler(&format!("{plugin_type}={target}"))

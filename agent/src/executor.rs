@@ -23,6 +23,7 @@ use crate::reconciler::ReconcileQueue;
 use crate::registration::{PluginConnection, RegistrationError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::desired::DesiredPlugin;
+use crate::telemetry::Telemetry;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -31,7 +32,9 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::field::Empty;
 use tracing::{Instrument, debug, info, info_span, warn};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 /// Deadlines for handler calls.
 #[derive(Debug, Clone, Copy)]
@@ -107,7 +110,71 @@ enum RegisterError {
         message: String,
         unavailable: bool,
         plugin_type: String,
+        outcome: &'static str,
     },
+}
+
+impl RegisterError {
+    /// The failure's reason class: the bounded `outcome` of metrics and spans (error text, which
+    /// a plugin or handler controls, never becomes a label).
+    fn outcome(&self) -> &'static str {
+        match self {
+            RegisterError::Plugin(RegistrationError::SocketGone(_)) => "socket_gone",
+            RegisterError::Plugin(RegistrationError::Dial { .. }) => "dial_error",
+            RegisterError::Plugin(RegistrationError::GetInfo(_)) => "get_info_error",
+            RegisterError::Plugin(RegistrationError::InvalidInfo(_)) => "invalid_info",
+            RegisterError::Plugin(RegistrationError::Notify(_)) => "notify_error",
+            RegisterError::NoHandler { .. } => "no_handler",
+            RegisterError::Handler { outcome, .. } => outcome,
+        }
+    }
+}
+
+/// A handler call, for span names, metric labels and error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HandlerCall {
+    Validate,
+    Register,
+    Deregister,
+}
+
+impl HandlerCall {
+    fn label(self) -> &'static str {
+        match self {
+            HandlerCall::Validate => "validate",
+            HandlerCall::Register => "register",
+            HandlerCall::Deregister => "deregister",
+        }
+    }
+
+    fn span(self, plugin_type: &str) -> tracing::Span {
+        match self {
+            HandlerCall::Validate => {
+                info_span!(
+                    "ValidatePlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+            HandlerCall::Register => {
+                info_span!(
+                    "RegisterPlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+            HandlerCall::Deregister => {
+                info_span!(
+                    "DeRegisterPlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+        }
+    }
 }
 
 /// See the module docs.
@@ -122,6 +189,7 @@ pub struct OperationExecutor {
     name_locks: NameLocks,
     tasks: TaskTracker,
     events: EventBus,
+    telemetry: Arc<Telemetry>,
     cancel: CancellationToken,
 }
 
@@ -131,6 +199,8 @@ impl OperationExecutor {
     ///   that were waiting for it (subscribed here);
     /// - `queue`: told about every finished operation and expired backoff, to wake the reconciler;
     /// - `events`: where registrations, failures and deregistrations are published;
+    /// - `telemetry`: operation outcomes, latencies and handler calls are recorded there, and
+    ///   each operation's span is made a child of its socket's discovery;
     /// - `cancel`: stops backoff timers; running operations finish (see [`Self::drain`]).
     pub fn new(
         actual: Arc<ActualState>,
@@ -138,6 +208,7 @@ impl OperationExecutor {
         queue: Arc<ReconcileQueue>,
         config: ExecutorConfig,
         events: EventBus,
+        telemetry: Arc<Telemetry>,
         cancel: CancellationToken,
     ) -> Arc<Self> {
         let executor = Arc::new(OperationExecutor {
@@ -151,6 +222,7 @@ impl OperationExecutor {
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             events,
+            telemetry,
             cancel,
         });
         let weak = Arc::downgrade(&executor);
@@ -180,13 +252,29 @@ impl OperationExecutor {
         }
         let this = self.clone();
         let path = path.to_path_buf();
-        let span =
-            info_span!("register", socket_path = %path.display(), generation = %desired.generation);
+        let attempt = self
+            .backoff
+            .get(&path, desired.socket)
+            .map_or(1, |b| b.failures + 1);
+        if attempt > 1 {
+            self.telemetry.metrics.retry();
+        }
+        let source = self.telemetry.discovery.source_of(&path);
+        let span = info_span!(
+            "register", socket_path = %path.display(), generation = %desired.generation,
+            plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
+            outcome = Empty, error = Empty, otel.status_code = Empty
+        );
+        if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
+            let _ = span.set_parent(parent);
+        }
         self.tasks.spawn(
             async move {
                 let Ok(_slot) = this.slots.clone().acquire_owned().await else { return };
                 let started = Instant::now();
-                match this.run_register(&path, &desired).await {
+                let result = this.run_register(&path, &desired).await;
+                this.observe_register(source, &desired, &result);
+                match result {
                     Ok(plugin) => {
                         this.backoff.reset(&path, desired.socket);
                         let since_event = desired.kernel_ns.map(|ns| {
@@ -220,8 +308,12 @@ impl OperationExecutor {
         let path = path.to_path_buf();
         let span = info_span!(
             "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
-            plugin_type = %registered.plugin.plugin_type
+            plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
+            otel.status_code = Empty
         );
+        if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
+            let _ = span.set_parent(parent);
+        }
         self.tasks.spawn(
             async move {
                 let Ok(_slot) = this.slots.clone().acquire_owned().await else {
@@ -238,6 +330,7 @@ impl OperationExecutor {
     /// The socket at `path` left the tree: forget its backoff.
     pub fn forget(&self, path: &Path) {
         self.backoff.forget_path(path);
+        self.telemetry.discovery.forget(path);
     }
 
     /// The backoff of a socket, for status reporting.
@@ -279,6 +372,9 @@ impl OperationExecutor {
             supported_versions: info.supported_versions,
             socket_path,
         };
+        let span = tracing::Span::current();
+        span.record("plugin_name", plugin.name.as_str());
+        span.record("plugin_type", plugin.plugin_type.as_str());
         debug!(plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, "GetInfo answered");
 
         let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
@@ -295,8 +391,16 @@ impl OperationExecutor {
             .await;
         let timeouts = self.config.handler_timeouts;
 
-        if let Err(e) = call_handler(handler.validate(&plugin), timeouts.validate).await {
-            let error = handler_error("plugin validation failed", e, &plugin);
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Validate,
+                &plugin.plugin_type,
+                handler.validate(&plugin),
+                timeouts.validate,
+            )
+            .await
+        {
+            let error = handler_error(HandlerCall::Validate, e, &plugin);
             notify_failure(&mut connection, &error.to_string()).await;
             return Err(error);
         }
@@ -307,13 +411,25 @@ impl OperationExecutor {
             plugin.clone(),
             handler.clone(),
         );
-        if let Err(e) = call_handler(handler.register(&plugin), timeouts.register).await {
-            let error = handler_error("plugin registration failed", e, &plugin);
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Register,
+                &plugin.plugin_type,
+                handler.register(&plugin),
+                timeouts.register,
+            )
+            .await
+        {
+            let error = handler_error(HandlerCall::Register, e, &plugin);
             notify_failure(&mut connection, &error.to_string()).await;
             self.roll_back(path, &entry).await;
             return Err(error);
         }
-        if let Err(e) = connection.notify(true, "").await {
+        if let Err(e) = connection
+            .notify(true, "")
+            .instrument(info_span!("NotifyRegistrationStatus", registered = true))
+            .await
+        {
             self.roll_back(path, &entry).await;
             return Err(e.into());
         }
@@ -326,11 +442,14 @@ impl OperationExecutor {
         if self.actual.remove(path, entry.generation).is_none() {
             return;
         }
-        if let Err(e) = call_handler(
-            entry.handler.deregister(&entry.plugin),
-            self.config.handler_timeouts.deregister,
-        )
-        .await
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Deregister,
+                &entry.plugin.plugin_type,
+                entry.handler.deregister(&entry.plugin),
+                self.config.handler_timeouts.deregister,
+            )
+            .await
         {
             warn!(plugin_name = %entry.plugin.name, error = %e, "rollback: handler deregistration failed");
         }
@@ -339,6 +458,7 @@ impl OperationExecutor {
     async fn run_deregister(&self, path: &Path, registered: RegisteredPlugin) {
         // Take the current entry: it may have been marked superseded since the reconciler looked.
         let Some(entry) = self.actual.remove(path, registered.generation) else {
+            self.observe_deregister("not_registered", None);
             return;
         };
         let mut event = AgentEvent::new(EventKind::Deregistered, path);
@@ -349,21 +469,29 @@ impl OperationExecutor {
             );
             event.detail = Some("superseded by a newer socket: handler not called".into());
             self.events.publish(event);
+            self.observe_deregister("superseded", None);
             return;
         }
         let _name = self
             .name_locks
             .lock(&entry.plugin.plugin_type, &entry.plugin.name)
             .await;
-        match call_handler(
-            entry.handler.deregister(&entry.plugin),
-            self.config.handler_timeouts.deregister,
-        )
-        .await
+        match self
+            .call_handler(
+                HandlerCall::Deregister,
+                &entry.plugin.plugin_type,
+                entry.handler.deregister(&entry.plugin),
+                self.config.handler_timeouts.deregister,
+            )
+            .await
         {
-            Ok(()) => info!("plugin deregistered"),
+            Ok(()) => {
+                info!("plugin deregistered");
+                self.observe_deregister("success", None);
+            }
             Err(e) => {
                 warn!(error = %e, "handler failed to deregister plugin");
+                self.observe_deregister("handler_error", Some(&e.message));
                 event.error = Some(e.message);
             }
         }
@@ -399,6 +527,7 @@ impl OperationExecutor {
             kind,
             Instant::now(),
         );
+        self.telemetry.metrics.backoff(backoff.delay);
         warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
         let queue = self.queue.clone();
         let cancel = self.cancel.clone();
@@ -409,6 +538,82 @@ impl OperationExecutor {
                 _ = cancel.cancelled() => {}
             }
         });
+    }
+
+    /// Records a finished registration attempt: operation outcome, latency since the socket's
+    /// discovery (its kernel event when timestamped), and the outcome on the `register` span.
+    fn observe_register(
+        &self,
+        source: &'static str,
+        desired: &DesiredPlugin,
+        result: &Result<Plugin, RegisterError>,
+    ) {
+        let outcome = result
+            .as_ref()
+            .map_or_else(RegisterError::outcome, |_| "success");
+        let metrics = &self.telemetry.metrics;
+        metrics.operation("register", outcome);
+        let span = tracing::Span::current();
+        span.record("outcome", outcome);
+        if let Err(error) = result {
+            span.record("error", error.to_string());
+            span.record("otel.status_code", "error");
+        }
+        // A socket that vanished mid-attempt is not a registration that failed: no latency.
+        if outcome != "socket_gone" {
+            let latency = desired
+                .kernel_ns
+                .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)))
+                .or_else(|| desired.seen_at.elapsed().ok())
+                .unwrap_or_default();
+            metrics.registration(source, result.is_ok(), latency);
+        }
+    }
+
+    /// Records a finished deregistration on the metrics and the `deregister` span.
+    fn observe_deregister(&self, outcome: &'static str, error: Option<&str>) {
+        self.telemetry.metrics.operation("deregister", outcome);
+        let span = tracing::Span::current();
+        span.record("outcome", outcome);
+        if let Some(error) = error {
+            span.record("error", error);
+            span.record("otel.status_code", "error");
+        }
+    }
+
+    /// Calls a handler with a deadline, in a span named for the call, recording its latency by
+    /// plugin type (a handler's type: bounded), call and outcome.
+    async fn call_handler(
+        &self,
+        call: HandlerCall,
+        plugin_type: &str,
+        future: impl std::future::Future<Output = Result<(), HandlerError>>,
+        deadline: Duration,
+    ) -> Result<(), HandlerError> {
+        let span = call.span(plugin_type);
+        let started = Instant::now();
+        let answer = tokio::time::timeout(deadline, future)
+            .instrument(span.clone())
+            .await;
+        let (outcome, result) = match answer {
+            Ok(Ok(())) => ("ok", Ok(())),
+            Ok(Err(e)) if e.unavailable => ("unavailable", Err(e)),
+            Ok(Err(e)) => ("rejected", Err(e)),
+            Err(_) => (
+                "timeout",
+                Err(HandlerError::rejected(format!(
+                    "handler did not answer within {deadline:?}"
+                ))),
+            ),
+        };
+        self.telemetry
+            .metrics
+            .handler_call(plugin_type, call.label(), outcome, started.elapsed());
+        if let Err(e) = &result {
+            span.record("error", e.message.as_str());
+            span.record("otel.status_code", "error");
+        }
+        result
     }
 
     fn claim(&self, path: &Path, kind: OperationKind) -> Result<(), OperationKind> {
@@ -432,29 +637,30 @@ impl OperationExecutor {
     }
 }
 
-fn handler_error(what: &str, error: HandlerError, plugin: &Plugin) -> RegisterError {
+fn handler_error(call: HandlerCall, error: HandlerError, plugin: &Plugin) -> RegisterError {
+    let (what, rejected) = match call {
+        HandlerCall::Validate => ("plugin validation failed", "validation_rejected"),
+        _ => ("plugin registration failed", "registration_rejected"),
+    };
     RegisterError::Handler {
         message: format!("{what}: {}", error.message),
         unavailable: error.unavailable,
         plugin_type: plugin.plugin_type.clone(),
+        outcome: if error.unavailable {
+            "handler_unavailable"
+        } else {
+            rejected
+        },
     }
 }
 
 async fn notify_failure(connection: &mut PluginConnection, reason: &str) {
-    if let Err(e) = connection.notify(false, reason).await {
+    let notified = connection
+        .notify(false, reason)
+        .instrument(info_span!("NotifyRegistrationStatus", registered = false))
+        .await;
+    if let Err(e) = notified {
         debug!(error = %e, "could not tell the plugin it was not registered");
-    }
-}
-
-async fn call_handler(
-    call: impl std::future::Future<Output = Result<(), HandlerError>>,
-    deadline: Duration,
-) -> Result<(), HandlerError> {
-    match tokio::time::timeout(deadline, call).await {
-        Ok(result) => result,
-        Err(_) => Err(HandlerError::rejected(format!(
-            "handler did not answer within {deadline:?}"
-        ))),
     }
 }
 

@@ -20,4 +20,5 @@ pub mod handler;
 pub mod reconciler;
 pub mod registration;
 pub mod state;
+pub mod telemetry;
 pub mod watcher;

@@ -1,12 +1,12 @@
-//! The `plugin-agent` binary: parses the command line, sets up logging, runs the command.
+//! The `plugin-agent` binary: parses the command line, sets up logging (and, for `run`, trace
+//! export), runs the command.
 
 use clap::Parser;
-use plugin_agent::cli::{self, Cli, LogFormat};
-use tracing_subscriber::EnvFilter;
+use plugin_agent::cli::{self, Cli, Command, LogFormat};
+use plugin_agent::telemetry::logging;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format, cli.log_level.as_deref());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -17,31 +17,35 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    // The trace exporter's batch task lives on the runtime: set up logging inside it.
+    let traces = {
+        let _runtime = runtime.enter();
+        let format = match cli.log_format {
+            LogFormat::Text => logging::Format::Text,
+            LogFormat::Json => logging::Format::Json,
+        };
+        let otlp_endpoint = match &cli.command {
+            Command::Run(args) => args.otlp_endpoint.clone(),
+            _ => None,
+        };
+        // Only `run` exports traces; the operator commands just log.
+        let traces_wanted = matches!(cli.command, Command::Run(_));
+        logging::init(
+            format,
+            cli.log_level.as_deref(),
+            otlp_endpoint.as_deref().filter(|_| traces_wanted),
+            traces_wanted,
+        )
+    };
     let result = runtime.block_on(cli::execute(cli));
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "plugin-agent failed");
             std::process::ExitCode::FAILURE
         }
-    }
-}
-
-fn init_logging(format: LogFormat, level: Option<&str>) {
-    let filter = match level {
-        Some(level) => EnvFilter::new(level),
-        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .init(),
     }
 }

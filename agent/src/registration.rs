@@ -34,6 +34,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
+use tracing::{Instrument as _, info_span};
 
 /// Deadlines for the calls to a plugin.
 #[derive(Debug, Clone, Copy)]
@@ -119,8 +120,9 @@ impl PluginConnection {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
-            let (stream, heard) =
-                connect_when_listening(socket, expected, budget_end, started).await?;
+            let (stream, heard) = connect_when_listening(socket, expected, budget_end, started)
+                .instrument(info_span!("dial"))
+                .await?;
             let remaining = budget_end.saturating_duration_since(Instant::now());
             let channel = match tokio::time::timeout(remaining, channel_over(stream)).await {
                 Ok(Ok(channel)) => channel,
@@ -144,16 +146,18 @@ impl PluginConnection {
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
             let mut request = tonic::Request::new(InfoRequest {});
             request.set_timeout(timeouts.get_info);
-            let answer =
-                match tokio::time::timeout(timeouts.get_info, client.get_info(request)).await {
-                    Ok(Ok(response)) => {
-                        let info = response.into_inner();
-                        validate_info(&info)?;
-                        return Ok((PluginConnection { client, timeouts }, info));
-                    }
-                    Ok(Err(status)) => status_text(&status),
-                    Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
-                };
+            let answer = match tokio::time::timeout(timeouts.get_info, client.get_info(request))
+                .instrument(info_span!("GetInfo"))
+                .await
+            {
+                Ok(Ok(response)) => {
+                    let info = response.into_inner();
+                    validate_info(&info)?;
+                    return Ok((PluginConnection { client, timeouts }, info));
+                }
+                Ok(Err(status)) => status_text(&status),
+                Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
+            };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
             // ask again on a fresh connection, within the dial budget.
             if !heard.load(Ordering::Relaxed) && Instant::now() + NOT_SERVING_PAUSE < budget_end {

@@ -26,6 +26,8 @@ use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::reconciler::ReconcileQueue;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
+use crate::telemetry::Telemetry;
+use crate::telemetry::discovery::{Found, Via};
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -53,6 +55,7 @@ pub struct Watcher {
     dirs: HashMap<PathBuf, WatchedDir>,
     events: EventBus,
     stats: Arc<WatcherStats>,
+    telemetry: Arc<Telemetry>,
 }
 
 /// Watcher counters, shared with status reporting and metrics.
@@ -74,7 +77,9 @@ impl Watcher {
     /// - `desired`: filled here;
     /// - `queue`: told about every path whose desired state changed;
     /// - `events`: discoveries, removals and rescans are published there;
-    /// - `stats`: counters read by status and metrics.
+    /// - `stats`: counters read by status and metrics;
+    /// - `telemetry`: each discovery and removal is recorded there (the root of the operation's
+    ///   trace), and each rescan counted.
     pub fn new(
         root: PathBuf,
         source: Arc<dyn EventSource>,
@@ -82,6 +87,7 @@ impl Watcher {
         queue: Arc<ReconcileQueue>,
         events: EventBus,
         stats: Arc<WatcherStats>,
+        telemetry: Arc<Telemetry>,
     ) -> Self {
         Watcher {
             root,
@@ -91,6 +97,7 @@ impl Watcher {
             dirs: HashMap::new(),
             events,
             stats,
+            telemetry,
         }
     }
 
@@ -139,19 +146,21 @@ impl Watcher {
             return;
         }
         match EntryKind::of(path) {
-            Ok(EntryKind::Socket(socket)) => self.socket_present(path, socket, observed),
+            Ok(EntryKind::Socket(socket)) => {
+                self.socket_present(path, socket, observed, Via::Event)
+            }
             Ok(EntryKind::Directory { .. }) => {
-                self.forget_socket(path, observed);
+                self.forget_socket(path, observed, Via::Event);
                 if !self.dirs.contains_key(path) {
                     self.add_tree(path);
                 }
             }
             Ok(EntryKind::Other) => {
-                self.forget_socket(path, observed);
+                self.forget_socket(path, observed, Via::Event);
                 self.forget_dir(path);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.forget_socket(path, observed);
+                self.forget_socket(path, observed, Via::Event);
                 self.forget_dir(path);
                 if path == self.root {
                     self.rescan("the root directory was removed");
@@ -174,10 +183,23 @@ impl Watcher {
         }
     }
 
-    fn socket_present(&mut self, path: &Path, socket: crate::state::SocketId, observed: Observed) {
+    fn socket_present(
+        &mut self,
+        path: &Path,
+        socket: crate::state::SocketId,
+        observed: Observed,
+        via: Via,
+    ) {
         match self.desired.add_or_update(path, socket, observed.kernel_ns) {
             Ok(Change::Unchanged) => {}
             Ok(change) => {
+                let found = match change {
+                    Change::Replaced => Found::Replaced,
+                    _ => Found::Created,
+                };
+                self.telemetry
+                    .discovery
+                    .record(path, found, via, observed.kernel_ns);
                 let since_event = observed
                     .kernel_ns
                     .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
@@ -196,8 +218,11 @@ impl Watcher {
         }
     }
 
-    fn forget_socket(&mut self, path: &Path, observed: Observed) {
+    fn forget_socket(&mut self, path: &Path, observed: Observed, via: Via) {
         if self.desired.remove(path) {
+            self.telemetry
+                .discovery
+                .record(path, Found::Removed, via, observed.kernel_ns);
             let since_event = observed
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
@@ -214,7 +239,7 @@ impl Watcher {
         let mut seen_dirs = HashSet::new();
         self.walk(dir, &mut found, &mut seen_dirs);
         for (path, socket) in found {
-            self.socket_present(&path, socket, Observed::default());
+            self.socket_present(&path, socket, Observed::default(), Via::Event);
         }
     }
 
@@ -284,6 +309,9 @@ impl Watcher {
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
         for path in self.desired.remove_under(dir) {
+            self.telemetry
+                .discovery
+                .record(&path, Found::Removed, Via::Event, None);
             info!(socket_path = %path.display(), "socket removed with its directory");
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
@@ -294,6 +322,7 @@ impl Watcher {
     /// Walks the whole tree and makes desired state and the watched set equal to it.
     fn rescan(&mut self, reason: &str) {
         self.stats.rescans.fetch_add(1, Ordering::Relaxed);
+        self.telemetry.metrics.rescan(reason);
         if reason != "start" && reason != PERIODIC_RESCAN {
             self.stats.loss_rescans.fetch_add(1, Ordering::Relaxed);
         }
@@ -324,13 +353,13 @@ impl Watcher {
         let mut removed = 0;
         for (path, _) in self.desired.snapshot() {
             if !present.contains(&path) {
-                self.forget_socket(&path, Observed::default());
+                self.forget_socket(&path, Observed::default(), Via::Scan);
                 removed += 1;
             }
         }
         let before = self.desired.len();
         for (path, socket) in found {
-            self.socket_present(&path, socket, Observed::default());
+            self.socket_present(&path, socket, Observed::default(), Via::Scan);
         }
         let level_info = reason == "start" || removed > 0 || self.desired.len() != before;
         if level_info {

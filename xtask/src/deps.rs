@@ -2,7 +2,9 @@
 //!
 //! - apt: `rustc-web`, `cargo-web` (rustc/cargo 1.96 at /usr/bin with LLVM 22),
 //!   `libstd-rust-web-dev-bpf` (prebuilt core for bpfel-unknown-none: no `-Z build-std` needed),
-//!   `llvm-22-dev` (the LLVM bpf-linker links against).
+//!   `llvm-22-dev` (the LLVM bpf-linker links against), `prometheus` (server and `promtool`, for
+//!   the observability tests; the tests start their own instance on loopback and do not use the
+//!   package's system service).
 //! - `bpf-linker` 0.13.0 built by `cargo install` against LLVM 22.
 //!
 //! Each step checks first and prints either what it installs or that it is already there.
@@ -11,8 +13,10 @@ use crate::shell;
 use anyhow::bail;
 use std::process::Command;
 
-/// Debian packages the eBPF build needs.
-pub const APT_PACKAGES: &[&str] = &["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf", "llvm-22-dev"];
+/// Debian packages the eBPF build needs, and `prometheus` (the server and `promtool`) for the
+/// observability tests.
+pub const APT_PACKAGES: &[&str] =
+    &["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf", "llvm-22-dev", "prometheus"];
 
 /// bpf-linker version known to work with rustc-web 1.96 / LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";

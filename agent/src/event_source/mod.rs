@@ -141,6 +141,24 @@ pub trait EventSource: Send + Sync {
     /// The watcher found an entry (socket or directory) called `name` inside `dir`. Sources that
     /// filter removals by name in the kernel use this; others ignore it.
     fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) {}
+
+    /// The source's own counters, read when metrics are scraped. Sources without a kernel-side
+    /// buffer to report on keep the default (nothing dropped, no ring buffer).
+    fn stats(&self) -> SourceStats {
+        SourceStats::default()
+    }
+}
+
+/// What a source knows about its own delivery, for metrics (`plugin_agent_event_source_*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceStats {
+    /// Events the kernel side could not deliver since the source opened (BPF ring buffer
+    /// reservations that failed, queue overflows); each one also leads to a rescan.
+    pub dropped: u64,
+    /// Size of the BPF ring buffer, for sources that have one.
+    pub ring_buffer_size_bytes: Option<u64>,
+    /// Bytes waiting in the BPF ring buffer now (producer minus consumer position).
+    pub ring_buffer_used_bytes: Option<u64>,
 }
 
 pub mod ebpf;
@@ -221,8 +239,13 @@ fn open_kind(
         SourceKind::Ebpf => {
             let mut ebpf_options = ebpf::EbpfOptions::default();
             if options.ring_buffer_bytes != 0 {
-                ebpf_options.ring_buffer_bytes = u32::try_from(options.ring_buffer_bytes)
-                    .map_err(|_| anyhow::anyhow!("eBPF ring buffer size {} is too large", options.ring_buffer_bytes))?;
+                ebpf_options.ring_buffer_bytes =
+                    u32::try_from(options.ring_buffer_bytes).map_err(|_| {
+                        anyhow::anyhow!(
+                            "eBPF ring buffer size {} is too large",
+                            options.ring_buffer_bytes
+                        )
+                    })?;
             }
             std::sync::Arc::new(ebpf::open(sink, cancel, ebpf_options)?)
         }

@@ -1,0 +1,176 @@
+//! Discovery records: the first step of every operation's trace, kept per socket path.
+//!
+//! ```text
+//! watcher: socket found / gone ──> Discoveries::record ──> "discovery" span (started at the kernel
+//!                                          │               event's timestamp when the source has one)
+//! executor: register / deregister <────────┘ parent context, `source` label, attempt's root
+//! reconciler: path neither desired nor registered ──> Discoveries::forget
+//! ```
+//!
+//! The `discovery` span covers the time from the kernel event (eBPF timestamps it) or from the
+//! watcher's receipt (fanotify, inotify, scans) until the watcher verified the entry by `stat`;
+//! it ends at once, and the `register` or `deregister` spans of the operations it caused are its
+//! children, so one trace tells the whole story of a socket instance, retries included.
+//!
+//! One entry per desired path, replaced on every discovery: the table is as bounded as the
+//! desired state.
+
+use crate::event_source::{SourceKind, monotonic_now_ns};
+use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
+use opentelemetry::{Context, KeyValue};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+/// How the watcher learned about an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// An event from the agent's event source (a new directory walked because of an event counts).
+    Event,
+    /// A walk of the whole tree: start-up, a safety pass, or a rescan after event loss.
+    Scan,
+}
+
+/// What the watcher saw happen to the socket path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// A socket appeared where none was desired.
+    Created,
+    /// A different socket instance replaced the one desired.
+    Replaced,
+    /// The socket left the tree.
+    Removed,
+}
+
+impl Found {
+    fn as_str(self) -> &'static str {
+        match self {
+            Found::Created => "created",
+            Found::Replaced => "replaced",
+            Found::Removed => "removed",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Record {
+    source: &'static str,
+    context: Option<Context>,
+}
+
+/// See the module docs.
+pub struct Discoveries {
+    source: SourceKind,
+    tracer: Option<opentelemetry::global::BoxedTracer>,
+    records: Mutex<HashMap<PathBuf, Record>>,
+}
+
+impl std::fmt::Debug for Discoveries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Discoveries")
+            .field("source", &self.source)
+            .field("traced", &self.tracer.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Discoveries {
+    /// Records for an agent fed by `source`; `traced` makes `discovery` spans (only worth it
+    /// when an exporter is installed, see [`super::otlp`]).
+    pub fn new(source: SourceKind, traced: bool) -> Self {
+        Discoveries {
+            source,
+            tracer: traced.then(|| opentelemetry::global::tracer("plugin-agent")),
+            records: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The `source` label for an entry found `via`: the event source's name, or `scan`.
+    pub fn label(&self, via: Via) -> &'static str {
+        match via {
+            Via::Event => self.source.as_str(),
+            Via::Scan => "scan",
+        }
+    }
+
+    /// The watcher verified a change at `path`; `kernel_ns` is the kernel event's
+    /// `CLOCK_MONOTONIC` timestamp when the source provides one.
+    pub fn record(&self, path: &Path, found: Found, via: Via, kernel_ns: Option<u64>) {
+        let source = self.label(via);
+        let context = self.tracer.as_ref().map(|tracer| {
+            let started = kernel_ns
+                .map(|ns| {
+                    let ago = Duration::from_nanos(monotonic_now_ns().saturating_sub(ns));
+                    SystemTime::now()
+                        .checked_sub(ago)
+                        .unwrap_or_else(SystemTime::now)
+                })
+                .unwrap_or_else(SystemTime::now);
+            let mut span = tracer
+                .span_builder("discovery")
+                .with_start_time(started)
+                .with_attributes([
+                    KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+                    KeyValue::new("change", found.as_str()),
+                    KeyValue::new("event_source", source),
+                    KeyValue::new("kernel_timestamp", kernel_ns.is_some()),
+                ])
+                .start(tracer);
+            span.end();
+            Context::new().with_remote_span_context(span.span_context().clone())
+        });
+        self.lock()
+            .insert(path.to_path_buf(), Record { source, context });
+    }
+
+    /// The `source` label of the latest discovery at `path` (`scan` when none is recorded).
+    pub fn source_of(&self, path: &Path) -> &'static str {
+        self.lock().get(path).map(|r| r.source).unwrap_or("scan")
+    }
+
+    /// The context operations at `path` are children of, when traces are on.
+    pub fn parent_of(&self, path: &Path) -> Option<Context> {
+        self.lock().get(path).and_then(|r| r.context.clone())
+    }
+
+    /// `path` is neither desired nor registered: drop its record.
+    pub fn forget(&self, path: &Path) {
+        self.lock().remove(path);
+    }
+
+    /// Paths with a record, for tests of boundedness.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Record>> {
+        // Single inserts and removes: a poisoned map is still consistent.
+        self.records
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scans_and_events_are_labelled_apart_and_records_are_forgotten() {
+        let d = Discoveries::new(SourceKind::Fanotify, false);
+        d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
+        d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, None);
+        assert_eq!(d.source_of(Path::new("/r/a.sock")), "scan");
+        assert_eq!(d.source_of(Path::new("/r/b.sock")), "fanotify");
+        assert!(d.parent_of(Path::new("/r/b.sock")).is_none());
+        d.forget(Path::new("/r/a.sock"));
+        d.forget(Path::new("/r/b.sock"));
+        assert!(d.is_empty());
+    }
+}

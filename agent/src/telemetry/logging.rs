@@ -1,0 +1,81 @@
+//! The `tracing` subscriber: where log lines and spans go.
+//!
+//! ```text
+//! tracing events and spans ─┬─> fmt layer (stderr; text or JSON; filter: --log-level, else RUST_LOG, else info)
+//!                           └─> OpenTelemetry layer (when traces are on; filter: plugin_agent at info)
+//! ```
+//!
+//! The two layers filter separately, so `--log-level warn` quiets the log without emptying the
+//! traces. Log lines about a plugin carry `socket_path` (and `plugin_name`, `plugin_type` once the
+//! plugin has said who it is) from the executor's operation spans: JSON lines list them under
+//! `span` and `spans`, text lines in the span prefix.
+
+use super::otlp::{self, Traces};
+use tracing::level_filters::LevelFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Installs the global subscriber. `level` is `--log-level` (RUST_LOG when `None`);
+/// `otlp_endpoint` is `--otlp-endpoint`. With `traces_allowed` (the `run` command), traces are
+/// exported when [`otlp::wanted`] says so; if their pipeline cannot be built the agent runs
+/// without them and says why. Must run inside the tokio runtime when traces may be on. Returns
+/// the trace pipeline, to shut down at exit.
+pub fn init(
+    format: Format,
+    level: Option<&str>,
+    otlp_endpoint: Option<&str>,
+    traces_allowed: bool,
+) -> Option<Traces> {
+    let filter = match level {
+        Some(level) => EnvFilter::new(level),
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let fmt = match format {
+        Format::Text => fmt.with_filter(filter).boxed(),
+        Format::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_filter(filter)
+            .boxed(),
+    };
+    let (traces, failure) = if traces_allowed && otlp::wanted(otlp_endpoint) {
+        match otlp::install(otlp_endpoint) {
+            Ok(traces) => (Some(traces), None),
+            Err(e) => (None, Some(format!("{e:#}"))),
+        }
+    } else {
+        (None, None)
+    };
+    let otel = traces.as_ref().map(|traces| {
+        tracing_opentelemetry::layer()
+            .with_tracer(traces.tracer.clone())
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_filter(Targets::new().with_target("plugin_agent", LevelFilter::INFO))
+    });
+    tracing_subscriber::registry().with(fmt).with(otel).init();
+    match (&traces, failure) {
+        (Some(_), _) => tracing::info!(
+            endpoint = otlp_endpoint.unwrap_or("from OTEL_EXPORTER_OTLP_*"),
+            "exporting traces over OTLP/gRPC"
+        ),
+        (None, Some(error)) => tracing::warn!(%error, "traces are off"),
+        (None, None) => {}
+    }
+    traces
+}

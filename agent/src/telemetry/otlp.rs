@@ -1,0 +1,105 @@
+//! The OpenTelemetry pipeline: spans from the executor and the watcher, batched and exported over
+//! OTLP/gRPC to a collector. Off unless asked for.
+//!
+//! ```text
+//! tracing spans (register, get_info, validate, ...) ─> tracing-opentelemetry layer ─┐
+//! discovery spans (telemetry::discovery) ───────────────────────────────────────────┤
+//!                                                                                   v
+//!               bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
+//!                                                                                   v
+//!               batch task on the agent's tokio runtime ─> OTLP/gRPC ─> collector
+//! ```
+//!
+//! On when `--otlp-endpoint` is given, or when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
+//! turn it off again. The other standard variables are honoured by the OpenTelemetry crates:
+//! `OTEL_EXPORTER_OTLP_{TRACES_,}{TIMEOUT,HEADERS,COMPRESSION}`, `OTEL_BSP_*`,
+//! `OTEL_TRACES_SAMPLER{,_ARG}`, `OTEL_SERVICE_NAME` (default `plugin-agent`) and
+//! `OTEL_RESOURCE_ATTRIBUTES`.
+//!
+//! A collector that is down never slows registration: ending a span only puts it in the queue,
+//! the export runs in its own task with the exporter's timeout, and a full queue drops spans.
+//! The batch processor runs on the agent's tokio runtime (the SDK's thread-based one cannot drive
+//! tonic's connections), so [`install`] must be called inside that runtime.
+
+use anyhow::Context as _;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{BatchConfigBuilder, SdkTracer, SdkTracerProvider};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Set once the pipeline is installed: whether spans built outside `tracing` (the discovery
+/// spans) are worth making. Process-wide, as the tracer provider and the subscriber are.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// How long shutdown waits to flush the last spans, so a dead collector cannot hold up exit.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(3);
+
+/// Whether traces are exported (see the module docs).
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Whether the operator asked for traces: `endpoint` from `--otlp-endpoint`, else the standard
+/// environment variables.
+pub fn wanted(endpoint: Option<&str>) -> bool {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        || env("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"))
+    {
+        return false;
+    }
+    endpoint.is_some()
+        || env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+        || env("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+}
+
+/// The installed pipeline; [`Traces::shutdown`] flushes what is queued.
+#[derive(Debug)]
+pub struct Traces {
+    provider: SdkTracerProvider,
+    /// The tracer the `tracing` layer feeds.
+    pub tracer: SdkTracer,
+}
+
+impl Traces {
+    /// Flushes queued spans (for at most a few seconds) and stops the exporter.
+    pub fn shutdown(self) {
+        if let Err(e) = self.provider.shutdown_with_timeout(SHUTDOWN_FLUSH) {
+            tracing::debug!(error = %e, "trace exporter shutdown");
+        }
+    }
+}
+
+/// Builds the exporter and batch processor, and makes the provider the global one (the discovery
+/// spans use it). `endpoint` overrides the environment's. Must run inside the tokio runtime.
+pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
+    let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+    if let Some(endpoint) = endpoint {
+        exporter = exporter.with_endpoint(endpoint);
+    }
+    let exporter = exporter
+        .build()
+        .context("cannot set up the OTLP trace exporter")?;
+    let processor =
+        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
+            exporter,
+            opentelemetry_sdk::runtime::Tokio,
+        )
+        .with_batch_config(BatchConfigBuilder::default().build())
+        .build();
+    let mut resource = Resource::builder();
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        resource = resource.with_service_name("plugin-agent");
+    }
+    let provider = SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .with_resource(resource.build())
+        .build();
+    let tracer = provider.tracer("plugin-agent");
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    ENABLED.store(true, Ordering::Relaxed);
+    Ok(Traces { provider, tracer })
+}

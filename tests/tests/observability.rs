@@ -1,0 +1,540 @@
+//! Observability end to end: the real agent scraped by a real Prometheus server, its traces
+//! received by a real OTLP/gRPC receiver (the collector's `TraceService`, generated from the OTLP
+//! protobuf definitions), its health endpoints, and its logs.
+//!
+//! ```text
+//! example-plugin ──> plugin-agent ──/metrics──> prometheus (started here, loopback, temp storage)
+//!                         │                        └──/api/v1/query──> test
+//!                         └──OTLP/gRPC──> TraceService receiver (in this test) ──spans──> test
+//! ```
+//!
+//! The Prometheus test needs Debian's `prometheus` package (`cargo xtask deps` installs it): it
+//! is skipped with a message when the binary is absent, except under `CI=true`, where that fails.
+//! Everything runs on the inotify source, so no test here needs root.
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use plugin_agent_tests::env::skip;
+use plugin_agent_tests::{
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, PluginDir, Source, logs, plugin,
+};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// The agent's log line that names the bound metrics address.
+const SERVING: &str = "serving /metrics, /healthz and /readyz";
+
+/// Starts an agent on the inotify source with `extra` arguments.
+async fn agent(test: &str, dir: &PluginDir, extra: &[&str]) -> AgentProcess {
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    options.extra = extra.iter().map(|a| a.to_string()).collect();
+    AgentProcess::start(test, options)
+        .await
+        .unwrap_or_else(|| panic!("{test}: the inotify source needs nothing special"))
+}
+
+/// The address the agent serves metrics on (it was started with `--metrics-addr 127.0.0.1:0`).
+async fn metrics_addr(agent: &AgentProcess) -> SocketAddr {
+    let line = agent
+        .wait_for_log("the metrics server", EVENT_TIMEOUT, |l| {
+            l.message() == SERVING
+        })
+        .await;
+    line.field("addr")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| agent.fail(&format!("no address in {line}")))
+}
+
+/// A plain HTTP/1.0 GET on loopback: status code and body.
+fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A loopback port nobody listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn find_binary(name: &str) -> Option<PathBuf> {
+    let paths = std::env::var_os("PATH")?;
+    std::env::split_paths(&paths)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A Prometheus server scraping one target every second, on loopback, with its own storage;
+/// killed on drop.
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    /// Starts it and waits until it is ready; `None` when the test must be skipped.
+    fn start(test: &str, target: SocketAddr) -> Option<Prometheus> {
+        let Some(binary) = find_binary("prometheus") else {
+            skip(
+                test,
+                "prometheus is not installed (Debian's prometheus package: cargo xtask deps)",
+            );
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: plugin-agent\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .expect("config");
+        let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        let mut child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start prometheus");
+        let stderr = child.stderr.take().expect("piped");
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tail = Vec::new();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("Server is ready to receive web requests") {
+                    let _ = ready_tx.send(Ok(()));
+                }
+                tail.push(line);
+            }
+            let _ = ready_tx.send(Err(tail.join("\n")));
+        });
+        let mut server = Prometheus {
+            child,
+            addr,
+            _dir: dir,
+        };
+        match ready_rx.recv_timeout(EVENT_TIMEOUT) {
+            Ok(Ok(())) => Some(server),
+            Ok(Err(log)) => {
+                let _ = server.child.kill();
+                panic!("{test}: prometheus exited:\n{log}")
+            }
+            Err(_) => panic!("{test}: prometheus not ready within {EVENT_TIMEOUT:?}"),
+        }
+    }
+
+    /// An instant query's result vector, as JSON values.
+    fn query(&self, promql: &str) -> Vec<serde_json::Value> {
+        let (status, body) = http_get(
+            self.addr,
+            &format!("/api/v1/query?query={}", percent_encode(promql)),
+        );
+        assert_eq!(status, 200, "query {promql}: {body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        answer["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Asks `promql` until it returns at least `n` series. Prometheus has no way to push a
+    /// result, so this is the one place the tests ask again: every 200 ms, up to `limit` (a
+    /// bound for broken runs; passing ones take a scrape interval or two).
+    fn wait_for_series(&self, promql: &str, n: usize, limit: Duration) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let result = self.query(promql);
+            if result.len() >= n {
+                return result;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{promql}: {} series after {limit:?}, wanted {n}",
+                result.len()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_kubelet_gauge_and_registration_metrics_of_a_registered_plugin() {
+    let test =
+        "prometheus_scrapes_the_kubelet_gauge_and_registration_metrics_of_a_registered_plugin";
+    if find_binary("prometheus").is_none() {
+        skip(test, "prometheus is not installed (cargo xtask deps)");
+        return;
+    }
+    let dir = PluginDir::new();
+    let agent = agent(test, &dir, &["--metrics-addr", "127.0.0.1:0"]).await;
+    let addr = metrics_addr(&agent).await;
+    let socket = dir.path("csi.sock");
+    let plugin = plugin!(&socket).name("csi.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+
+    let socket_text = socket.to_string_lossy().into_owned();
+    let query_task = tokio::task::spawn_blocking(move || {
+        let prometheus = Prometheus::start(test, addr)?;
+        let limit = Duration::from_secs(30);
+        let kubelet = prometheus.wait_for_series(
+            &format!("plugin_manager_total_plugins{{socket_path=\"{socket_text}\"}}"),
+            2,
+            limit,
+        );
+        let registered = prometheus.wait_for_series(
+            "plugin_agent_operations_total{kind=\"register\",outcome=\"success\"}",
+            1,
+            limit,
+        );
+        let latency = prometheus.wait_for_series(
+            "plugin_agent_registration_duration_seconds_count{outcome=\"success\"}",
+            1,
+            limit,
+        );
+        let by_type = prometheus.wait_for_series(
+            "plugin_agent_plugins{type=\"CSIPlugin\",state=\"registered\"}",
+            1,
+            limit,
+        );
+        Some((kubelet, registered, latency, by_type))
+    });
+    let Some((kubelet, registered, latency, by_type)) = query_task.await.expect("queries") else {
+        return;
+    };
+    let mut states: Vec<String> = kubelet
+        .iter()
+        .map(|s| s["metric"]["state"].as_str().unwrap_or("").to_string())
+        .collect();
+    states.sort();
+    assert_eq!(states, ["actual_state_of_world", "desired_state_of_world"]);
+    for series in &kubelet {
+        assert_eq!(series["value"][1], "1", "{series}");
+        assert_eq!(series["metric"]["job"], "plugin-agent");
+    }
+    assert_eq!(registered[0]["value"][1], "1", "{registered:?}");
+    assert_eq!(latency[0]["metric"]["source"], "inotify", "{latency:?}");
+    assert_eq!(by_type[0]["value"][1], "1", "{by_type:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_answers_and_readyz_reports_ready_after_the_first_scan() {
+    let test = "healthz_answers_and_readyz_reports_ready_after_the_first_scan";
+    let dir = PluginDir::new();
+    // AgentProcess::start returns once the first scan is logged: ready from then on.
+    let agent = agent(test, &dir, &["--metrics-addr", "127.0.0.1:0"]).await;
+    let addr = metrics_addr(&agent).await;
+    let (healthz, readyz, metrics) = tokio::task::spawn_blocking(move || {
+        (
+            http_get(addr, "/healthz"),
+            http_get(addr, "/readyz"),
+            http_get(addr, "/metrics"),
+        )
+    })
+    .await
+    .expect("requests");
+    assert_eq!(healthz.0, 200, "{healthz:?}");
+    assert_eq!(readyz.0, 200, "{readyz:?}");
+    assert_eq!(metrics.0, 200);
+    assert!(
+        metrics
+            .1
+            .contains("plugin_agent_event_source_info{source=\"inotify\"} 1"),
+        "{}",
+        metrics.1
+    );
+    assert!(
+        metrics
+            .1
+            .contains("plugin_agent_rescans_total{reason=\"start\"} 1")
+    );
+}
+
+/// The collector side of OTLP/gRPC: hands every span it receives to the test.
+struct Receiver {
+    spans: mpsc::UnboundedSender<Span>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        for resource in request.into_inner().resource_spans {
+            for scope in resource.scope_spans {
+                for span in scope.spans {
+                    let _ = self.spans.send(span);
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// Starts a receiver on a loopback port; returns its endpoint URL and the spans it receives.
+async fn otlp_receiver() -> (String, mpsc::UnboundedReceiver<Span>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver { spans: tx }))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (format!("http://{addr}"), rx)
+}
+
+fn attribute(span: &Span, key: &str) -> Option<String> {
+    let value = span.attributes.iter().find(|kv| kv.key == key)?;
+    match value.value.as_ref()?.value.as_ref()? {
+        AnyValue::StringValue(s) => Some(s.clone()),
+        AnyValue::IntValue(i) => Some(i.to_string()),
+        AnyValue::BoolValue(b) => Some(b.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_step_spans() {
+    let test = "traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_step_spans";
+    let (endpoint, mut spans) = otlp_receiver().await;
+    let dir = PluginDir::new();
+    let agent = agent(test, &dir, &["--no-metrics", "--otlp-endpoint", &endpoint]).await;
+    let socket = dir.path("traced.sock");
+    let plugin = plugin!(&socket).name("traced.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    // SIGTERM flushes the batch: the spans are sent now rather than at the next batch tick.
+    let status = agent.stop().await;
+    assert!(status.success(), "{status:?}");
+
+    let wanted = [
+        "discovery",
+        "register",
+        "dial",
+        "GetInfo",
+        "ValidatePlugin",
+        "RegisterPlugin",
+        "NotifyRegistrationStatus",
+    ];
+    let socket_text = socket.to_string_lossy().into_owned();
+    let mut by_name: HashMap<String, Span> = HashMap::new();
+    let collect = async {
+        while !wanted.iter().all(|n| by_name.contains_key(*n)) {
+            let Some(span) = spans.recv().await else {
+                break;
+            };
+            // Keep the spans of this plugin's trace (discovery/register carry the socket path;
+            // the steps are checked by parent below).
+            if matches!(span.name.as_str(), "discovery" | "register")
+                && attribute(&span, "socket_path").as_deref() != Some(&socket_text)
+            {
+                continue;
+            }
+            by_name.entry(span.name.clone()).or_insert(span);
+        }
+    };
+    if tokio::time::timeout(EVENT_TIMEOUT, collect).await.is_err() {
+        panic!(
+            "{test}: spans received: {:?}",
+            by_name.keys().collect::<Vec<_>>()
+        );
+    }
+    let discovery = &by_name["discovery"];
+    let register = &by_name["register"];
+    assert!(discovery.parent_span_id.is_empty(), "discovery is the root");
+    assert_eq!(register.trace_id, discovery.trace_id, "one trace");
+    assert_eq!(register.parent_span_id, discovery.span_id);
+    assert_eq!(
+        attribute(discovery, "event_source").as_deref(),
+        Some("inotify")
+    );
+    assert_eq!(attribute(discovery, "change").as_deref(), Some("created"));
+    assert!(discovery.start_time_unix_nano <= register.start_time_unix_nano);
+    for step in &wanted[2..] {
+        let span = &by_name[*step];
+        assert_eq!(span.trace_id, register.trace_id, "{step} in the trace");
+        assert_eq!(
+            span.parent_span_id, register.span_id,
+            "{step} under register"
+        );
+    }
+    for (key, value) in [
+        ("socket_path", socket_text.as_str()),
+        ("plugin_name", "traced.example.com"),
+        ("plugin_type", "CSIPlugin"),
+        ("event_source", "inotify"),
+        ("attempt", "1"),
+        ("outcome", "success"),
+    ] {
+        assert_eq!(
+            attribute(register, key).as_deref(),
+            Some(value),
+            "register span attribute {key}"
+        );
+    }
+    assert_eq!(
+        attribute(&by_name["ValidatePlugin"], "plugin_type").as_deref(),
+        Some("CSIPlugin")
+    );
+}
+
+/// Accepts TCP connections and never answers: a collector that hangs (worse than one that
+/// refuses). Connections are held until the listener thread ends with the test process.
+fn blackhole_collector() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// Registers `n` plugins one after the other; returns each one's time from spawn to
+/// `Notify(true)`.
+async fn registration_times(agent: &AgentProcess, dir: &PluginDir, n: usize) -> Vec<Duration> {
+    let mut times = Vec::new();
+    let mut plugins = Vec::new();
+    for i in 0..n {
+        let socket = dir.path(&format!("p{i}.sock"));
+        let started = Instant::now();
+        let plugin = plugin!(&socket).name(&format!("p{i}.example.com")).spawn();
+        plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+        times.push(started.elapsed());
+        agent
+            .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+            .await;
+        plugins.push(plugin);
+    }
+    times
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_does_not_slow_registration() {
+    let test = "a_dead_collector_does_not_slow_registration";
+    const N: usize = 8;
+    let baseline_dir = PluginDir::new();
+    let baseline = agent(test, &baseline_dir, &["--no-metrics"]).await;
+    let base = registration_times(&baseline, &baseline_dir, N).await;
+    drop(baseline);
+
+    let dead = blackhole_collector();
+    let dir = PluginDir::new();
+    let agent = agent(test, &dir, &["--no-metrics", "--otlp-endpoint", &dead]).await;
+    let traced = registration_times(&agent, &dir, N).await;
+
+    let max = |t: &[Duration]| t.iter().max().copied().unwrap_or_default();
+    let sum = |t: &[Duration]| t.iter().sum::<Duration>();
+    eprintln!(
+        "{test}: spawn-to-registered, {N} plugins: no tracing: total {:?}, max {:?}; hung collector: total {:?}, max {:?}",
+        sum(&base),
+        max(&base),
+        sum(&traced),
+        max(&traced)
+    );
+    // Plugin start-up dominates both; a blocked export would add its 10 s timeout.
+    assert!(
+        max(&traced) < max(&base) + Duration::from_secs(1),
+        "registration with a hung collector: {traced:?}; without tracing: {base:?}"
+    );
+    assert!(
+        agent
+            .logs_since(plugin_agent_tests::Mark(0), logs::any_registration_failed)
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_lines_about_a_plugin_carry_its_socket_path_and_name() {
+    let test = "log_lines_about_a_plugin_carry_its_socket_path_and_name";
+    let dir = PluginDir::new();
+    let agent = agent(test, &dir, &["--no-metrics"]).await;
+    let socket = dir.path("named.sock");
+    let plugin = plugin!(&socket).name("named.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    // Every line after GetInfo answered, inside the registration, names the plugin.
+    let lines = agent.logs_since(plugin_agent_tests::Mark(0), logs::mentions(&socket));
+    let answered = lines
+        .iter()
+        .position(|l| l.message() == "GetInfo answered")
+        .unwrap_or_else(|| agent.fail("no GetInfo line"));
+    for line in &lines[answered..] {
+        if line.message() == "socket discovered" || line.message().starts_with("socket removed") {
+            continue;
+        }
+        assert!(
+            line.field_is("plugin_name", "named.example.com"),
+            "{test}: line without the plugin's name: {line}"
+        );
+    }
+    assert!(lines.len() > answered + 1, "{lines:?}");
+}
