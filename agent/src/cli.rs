@@ -198,6 +198,11 @@ pub struct RunArgs {
     /// default; `OTEL_EXPORTER_OTLP_ENDPOINT` (and the other `OTEL_*` variables) work too.
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+
+    /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
+    /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
+    #[arg(long)]
+    pub keep_capabilities: bool,
 }
 
 fn parse_handler(value: &str) -> Result<(String, String), String> {
@@ -226,9 +231,20 @@ pub struct RunSettings {
     pub handlers: BTreeMap<String, String>,
     /// Where to serve the admin API (None: not served).
     pub admin_socket: Option<PathBuf>,
+    /// Keep every capability after start.
+    pub keep_capabilities: bool,
 }
 
 impl RunArgs {
+    /// `--otlp-endpoint`, else the config file's `otlp_endpoint` (read early: tracing is set up
+    /// before the agent starts). A config file that cannot be read is reported by `run` itself.
+    pub fn otlp_endpoint_or_configured(&self) -> Option<String> {
+        self.otlp_endpoint.clone().or_else(|| {
+            let path = self.config.as_ref()?;
+            ConfigFile::load(path).ok()?.otlp_endpoint
+        })
+    }
+
     /// Merges flags over `file` over kubelet-compatible defaults.
     pub fn resolve(
         self,
@@ -293,8 +309,9 @@ impl RunArgs {
                 .or(file.max_concurrent)
                 .unwrap_or(ExecutorConfig::default().max_concurrent),
         };
+        let metrics_addr = self.metrics_addr.or(file.metrics_addr);
         agent.metrics_addr =
-            (!self.no_metrics).then(|| self.metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
+            (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
         let mut handlers = file.handlers;
         for (plugin_type, target) in &handlers {
             parse_handler(&format!("{plugin_type}={target}"))
@@ -311,6 +328,7 @@ impl RunArgs {
             agent,
             handlers,
             admin_socket,
+            keep_capabilities: self.keep_capabilities,
         })
     }
 }
@@ -388,6 +406,19 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
         handlers.insert(plugin_type, handler);
     }
     let agent = RunningAgent::start(settings.agent, handlers).await?;
+    if settings.keep_capabilities {
+        tracing::warn!("--keep-capabilities: running with every capability the agent started with");
+    } else {
+        match crate::privileges::drop_after_start() {
+            Ok(dropped) => {
+                tracing::info!(kept = ?dropped.kept, dropped = dropped.dropped, "capabilities dropped after start")
+            }
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "could not drop capabilities; running with those it has"
+            ),
+        }
+    }
     let admin_cancel = tokio_util::sync::CancellationToken::new();
     let admin = settings.admin_socket.map(|socket| {
         let service = admin::server::AdminService::new(&agent);

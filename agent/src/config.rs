@@ -38,6 +38,10 @@ pub struct ConfigFile {
     pub ring_buffer_bytes: Option<usize>,
     /// Admin API socket path.
     pub admin_socket: Option<PathBuf>,
+    /// Prometheus metrics and health endpoints address, e.g. `"127.0.0.1:9464"`.
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// OTLP/gRPC trace collector, e.g. `"http://127.0.0.1:4317"`.
+    pub otlp_endpoint: Option<String>,
     /// Handlers by plugin type.
     #[serde(default)]
     pub handlers: BTreeMap<String, String>,
@@ -99,6 +103,8 @@ mod tests {
             safety_period = "1m"
             max_concurrent = 8
             admin_socket = "/run/a.sock"
+            metrics_addr = "127.0.0.1:9000"
+            otlp_endpoint = "http://127.0.0.1:4317"
             [handlers]
             CSIPlugin = "unix:///run/csi.sock"
             DRAPlugin = "accept-all"
@@ -117,6 +123,11 @@ mod tests {
         assert_eq!(file.timeouts.validate, Some(Duration::from_secs(2)));
         assert_eq!(file.timeouts.deregister, Some(Duration::from_millis(500)));
         assert_eq!(file.timeouts.dial, None);
+        assert_eq!(
+            file.metrics_addr,
+            Some("127.0.0.1:9000".parse().expect("addr"))
+        );
+        assert_eq!(file.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
     }
 
     #[test]

@@ -25,7 +25,7 @@ fn main() -> std::process::ExitCode {
             LogFormat::Json => logging::Format::Json,
         };
         let otlp_endpoint = match &cli.command {
-            Command::Run(args) => args.otlp_endpoint.clone(),
+            Command::Run(args) => args.otlp_endpoint_or_configured(),
             _ => None,
         };
         // Only `run` exports traces; the operator commands just log.

@@ -18,7 +18,10 @@ use crate::event_source::SourceKind;
 use caps::{CapSet, Capability, CapsHashSet};
 
 /// Capabilities kept for the agent's whole life (see the module docs for why each).
-pub const KEPT: [Capability; 2] = [Capability::CAP_DAC_OVERRIDE, Capability::CAP_DAC_READ_SEARCH];
+pub const KEPT: [Capability; 2] = [
+    Capability::CAP_DAC_OVERRIDE,
+    Capability::CAP_DAC_READ_SEARCH,
+];
 
 /// Capabilities an event source needs to start, for documentation and error messages.
 pub fn needed_to_start(source: SourceKind) -> &'static [Capability] {
@@ -41,23 +44,33 @@ pub struct Dropped {
 /// Drops every capability but [`KEPT`] from all sets. Call once the event source is attached.
 pub fn drop_after_start() -> anyhow::Result<Dropped> {
     use anyhow::Context;
-    let permitted = caps::read(None, CapSet::Permitted).context("reading permitted capabilities")?;
-    let keep: CapsHashSet = KEPT.iter().copied().filter(|c| permitted.contains(c)).collect();
+    let permitted =
+        caps::read(None, CapSet::Permitted).context("reading permitted capabilities")?;
+    let keep: CapsHashSet = KEPT
+        .iter()
+        .copied()
+        .filter(|c| permitted.contains(c))
+        .collect();
     // The bounding set needs CAP_SETPCAP to shrink, so it goes first, while we still have it.
     if permitted.contains(&Capability::CAP_SETPCAP) {
         for cap in caps::read(None, CapSet::Bounding).context("reading the bounding set")? {
             if !keep.contains(&cap) {
-                caps::drop(None, CapSet::Bounding, cap).with_context(|| format!("dropping {cap} from the bounding set"))?;
+                caps::drop(None, CapSet::Bounding, cap)
+                    .with_context(|| format!("dropping {cap} from the bounding set"))?;
             }
         }
     }
     caps::clear(None, CapSet::Ambient).context("clearing ambient capabilities")?;
-    caps::set(None, CapSet::Inheritable, &CapsHashSet::new()).context("clearing inheritable capabilities")?;
+    caps::set(None, CapSet::Inheritable, &CapsHashSet::new())
+        .context("clearing inheritable capabilities")?;
     caps::set(None, CapSet::Effective, &keep).context("setting effective capabilities")?;
     caps::set(None, CapSet::Permitted, &keep).context("setting permitted capabilities")?;
     let mut kept: Vec<Capability> = keep.into_iter().collect();
     kept.sort_by_key(|c| c.index());
-    Ok(Dropped { kept, dropped: permitted.len().saturating_sub(KEPT.len()) })
+    Ok(Dropped {
+        kept,
+        dropped: permitted.len().saturating_sub(KEPT.len()),
+    })
 }
 
 #[cfg(test)]

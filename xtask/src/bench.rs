@@ -29,10 +29,22 @@ struct Mode {
 }
 
 const MODES: &[Mode] = &[
-    Mode { name: "ebpf", agent_args: &["--source", "ebpf"] },
-    Mode { name: "fanotify", agent_args: &["--source", "fanotify"] },
-    Mode { name: "inotify", agent_args: &["--source", "inotify"] },
-    Mode { name: "polling", agent_args: &["--source", "inotify", "--reconcile-mode", "polling"] },
+    Mode {
+        name: "ebpf",
+        agent_args: &["--source", "ebpf"],
+    },
+    Mode {
+        name: "fanotify",
+        agent_args: &["--source", "fanotify"],
+    },
+    Mode {
+        name: "inotify",
+        agent_args: &["--source", "inotify"],
+    },
+    Mode {
+        name: "polling",
+        agent_args: &["--source", "inotify", "--reconcile-mode", "polling"],
+    },
 ];
 
 /// Builds (release, eBPF embedded), runs every mode, prints and writes the results.
@@ -40,7 +52,15 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     deps::install_missing()?;
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     let mut cargo = shell::cargo();
-    cargo.args(["build", "--release", "-p", "plugin-agent", "-p", "plugin-agent-tests", "--bins"]);
+    cargo.args([
+        "build",
+        "--release",
+        "-p",
+        "plugin-agent",
+        "-p",
+        "plugin-agent-tests",
+        "--bins",
+    ]);
     build::with_ebpf_object(&mut cargo, &object);
     shell::run(&mut cargo)?;
 
@@ -48,11 +68,16 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     let out_dir = shell::workspace_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     let mut results = Vec::new();
-    for mode in MODES.iter().filter(|m| options.modes.is_empty() || options.modes.iter().any(|n| n == m.name)) {
+    for mode in MODES
+        .iter()
+        .filter(|m| options.modes.is_empty() || options.modes.iter().any(|n| n == m.name))
+    {
         for (scenario, count) in [("sequential", options.sequential), ("burst", options.burst)] {
             eprintln!("xtask: bench: {} {scenario} x{count}", mode.name);
             match run_one(&release, mode, scenario, count) {
-                Ok(result) => results.push(serde_json::json!({ "mode": mode.name, "result": result })),
+                Ok(result) => {
+                    results.push(serde_json::json!({ "mode": mode.name, "result": result }))
+                }
                 Err(e) => {
                     eprintln!("xtask: bench: {} {scenario}: {e:#}", mode.name);
                     results.push(serde_json::json!({ "mode": mode.name, "scenario": scenario, "error": format!("{e:#}") }));
@@ -68,10 +93,18 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
         let mode = r["mode"].as_str().unwrap_or("?");
         let res = &r["result"];
         if res.is_null() {
-            println!("| {mode} | {} | error: {} | | | | |", r["scenario"], r["error"]);
+            println!(
+                "| {mode} | {} | error: {} | | | | |",
+                r["scenario"], r["error"]
+            );
             continue;
         }
-        let ms = |key: &str| res[key].as_f64().map(|us| format!("{:.2}", us / 1000.0)).unwrap_or_default();
+        let ms = |key: &str| {
+            res[key]
+                .as_f64()
+                .map(|us| format!("{:.2}", us / 1000.0))
+                .unwrap_or_default()
+        };
         println!(
             "| {mode} | {} | {} | {} | {} | {} | {} |",
             res["scenario"].as_str().unwrap_or("?"),
@@ -86,14 +119,28 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_one(release: &std::path::Path, mode: &Mode, scenario: &str, count: usize) -> anyhow::Result<serde_json::Value> {
-    let dir = std::env::temp_dir().join(format!("plugin-agent-bench-{}-{scenario}-{}", mode.name, std::process::id()));
+fn run_one(
+    release: &std::path::Path,
+    mode: &Mode,
+    scenario: &str,
+    count: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let dir = std::env::temp_dir().join(format!(
+        "plugin-agent-bench-{}-{scenario}-{}",
+        mode.name,
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let mut agent = Command::new(release.join("plugin-agent"))
         .args(["--log-level", "warn", "run", "--plugin-dir"])
         .arg(&dir)
-        .args(["--handler", "CSIPlugin=accept-all", "--max-concurrent", "1024"])
+        .args([
+            "--handler",
+            "CSIPlugin=accept-all",
+            "--max-concurrent",
+            "1024",
+        ])
         .args(mode.agent_args)
         .stdin(Stdio::null())
         .spawn()
