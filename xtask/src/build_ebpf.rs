@@ -22,7 +22,10 @@ pub struct Options {
 /// The eBPF object's path for a profile.
 pub fn object_path(release: bool) -> PathBuf {
     let profile = if release { "release" } else { "debug" };
-    shell::workspace_root().join("target/ebpf/bpfel-unknown-none").join(profile).join("agent-ebpf")
+    shell::workspace_root()
+        .join("target/ebpf/bpfel-unknown-none")
+        .join(profile)
+        .join("agent-ebpf")
 }
 
 /// Builds the object and returns its path.
@@ -33,7 +36,12 @@ pub fn build(options: &Options) -> anyhow::Result<PathBuf> {
         }
     }
     let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let rustflags = [r#"--cfg=bpf_target_arch="x86_64""#, "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    let rustflags = [
+        r#"--cfg=bpf_target_arch="x86_64""#,
+        "-Cdebuginfo=2",
+        "-Clink-arg=--btf",
+    ]
+    .join("\x1f");
     let mut command = Command::new("/usr/bin/cargo");
     command
         .current_dir(shell::workspace_root())
@@ -43,7 +51,15 @@ pub fn build(options: &Options) -> anyhow::Result<PathBuf> {
         .env("RUSTC", "/usr/bin/rustc")
         .env("RUSTC_BOOTSTRAP", "aya_ebpf")
         .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
-        .args(["build", "-p", "agent-ebpf", "--bin", "agent-ebpf", "--target", "bpfel-unknown-none"])
+        .args([
+            "build",
+            "-p",
+            "agent-ebpf",
+            "--bin",
+            "agent-ebpf",
+            "--target",
+            "bpfel-unknown-none",
+        ])
         .args(["--target-dir", "target/ebpf"]);
     if let Some(cargo_home) = std::env::var_os("CARGO_HOME") {
         command.env("CARGO_HOME", cargo_home);
@@ -54,7 +70,10 @@ pub fn build(options: &Options) -> anyhow::Result<PathBuf> {
     shell::run(&mut command).context("building the eBPF object (is `cargo xtask deps` done?)")?;
     let object = object_path(!options.debug);
     if !object.is_file() {
-        bail!("the eBPF build succeeded but {} is missing", object.display());
+        bail!(
+            "the eBPF build succeeded but {} is missing",
+            object.display()
+        );
     }
     eprintln!("xtask: eBPF object: {}", object.display());
     Ok(object)

@@ -15,8 +15,13 @@ use std::process::Command;
 
 /// Debian packages the eBPF build needs, and `prometheus` (the server and `promtool`) for the
 /// observability tests.
-pub const APT_PACKAGES: &[&str] =
-    &["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf", "llvm-22-dev", "prometheus"];
+pub const APT_PACKAGES: &[&str] = &[
+    "rustc-web",
+    "cargo-web",
+    "libstd-rust-web-dev-bpf",
+    "llvm-22-dev",
+    "prometheus",
+];
 
 /// bpf-linker version known to work with rustc-web 1.96 / LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -30,14 +35,24 @@ pub fn install_missing() -> anyhow::Result<()> {
 
 /// Installs the Debian packages that are not installed yet (one `apt-get update` first).
 pub fn install_apt_packages(packages: &[&str]) -> anyhow::Result<()> {
-    let missing: Vec<&str> = packages.iter().copied().filter(|p| !apt_installed(p)).collect();
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| !apt_installed(p))
+        .collect();
     if missing.is_empty() {
         eprintln!("xtask: deps: apt packages present: {}", packages.join(" "));
         return Ok(());
     }
-    eprintln!("xtask: deps: installing apt packages: {}", missing.join(" "));
+    eprintln!(
+        "xtask: deps: installing apt packages: {}",
+        missing.join(" ")
+    );
     if !is_root() {
-        bail!("installing {} needs root (apt-get); run as root or install them", missing.join(" "));
+        bail!(
+            "installing {} needs root (apt-get); run as root or install them",
+            missing.join(" ")
+        );
     }
     shell::run(Command::new("apt-get").args(["update", "-q"]))?;
     shell::run(
@@ -64,10 +79,18 @@ fn install_bpf_linker() -> anyhow::Result<()> {
         eprintln!("xtask: deps: bpf-linker {BPF_LINKER_VERSION} present");
         return Ok(());
     }
-    eprintln!("xtask: deps: building bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (about a minute)");
+    eprintln!(
+        "xtask: deps: building bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (about a minute)"
+    );
     shell::run(
         shell::cargo()
-            .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked"])
+            .args([
+                "install",
+                "bpf-linker",
+                "--version",
+                BPF_LINKER_VERSION,
+                "--locked",
+            ])
             .args(["--no-default-features", "--features", "llvm-22"])
             .env("LLVM_PREFIX", "/usr/lib/llvm-22"),
     )

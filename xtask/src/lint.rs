@@ -7,7 +7,14 @@ use crate::{build, build_ebpf, shell};
 pub fn lint() -> anyhow::Result<()> {
     shell::run(shell::cargo().args(["fmt", "--all", "--check"]))?;
     let mut clippy = shell::cargo();
-    clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
     let object = build_ebpf::object_path(true);
     if object.is_file() {
         build::with_ebpf_object(&mut clippy, &object);

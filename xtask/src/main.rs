@@ -17,7 +17,10 @@ mod test;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "xtask", about = "Build, install-prerequisites, run and test plugin-agent")]
+#[command(
+    name = "xtask",
+    about = "Build, install-prerequisites, run and test plugin-agent"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

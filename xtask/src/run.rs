@@ -17,7 +17,14 @@ pub fn run(options: Options) -> anyhow::Result<()> {
     deps::install_missing()?;
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     let mut cargo = shell::cargo();
-    cargo.args(["build", "--release", "-p", "plugin-agent", "--bin", "plugin-agent"]);
+    cargo.args([
+        "build",
+        "--release",
+        "-p",
+        "plugin-agent",
+        "--bin",
+        "plugin-agent",
+    ]);
     build::with_ebpf_object(&mut cargo, &object);
     shell::run(&mut cargo)?;
 

@@ -7,13 +7,18 @@ use std::process::Command;
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
     let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest_dir.parent().map(PathBuf::from).unwrap_or(manifest_dir)
+    manifest_dir
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or(manifest_dir)
 }
 
 /// Prints the command, runs it, and fails with its exit status if it fails.
 pub fn run(command: &mut Command) -> anyhow::Result<()> {
     eprintln!("xtask: $ {}", display(command));
-    let status = command.status().with_context(|| format!("cannot start {}", display(command)))?;
+    let status = command
+        .status()
+        .with_context(|| format!("cannot start {}", display(command)))?;
     if !status.success() {
         bail!("{} failed: {status}", display(command));
     }
@@ -34,8 +39,10 @@ fn display(command: &Command) -> String {
         .filter_map(|(k, v)| v.map(|v| format!("{}={}", k.to_string_lossy(), v.to_string_lossy())))
         .filter(|kv| !kv.starts_with("PATH=") && !kv.starts_with("CARGO_ENCODED_RUSTFLAGS="))
         .collect();
-    let args: Vec<String> =
-        command.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+    let args: Vec<String> = command
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let mut parts = envs;
     parts.push(command.get_program().to_string_lossy().into_owned());
     parts.extend(args);

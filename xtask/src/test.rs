@@ -25,7 +25,9 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
         lint::lint()?;
     }
     let mut command = shell::cargo();
-    command.args(["test", "--workspace"]).args(&options.cargo_args);
+    command
+        .args(["test", "--workspace"])
+        .args(&options.cargo_args);
     build::with_ebpf_object(&mut command, &object);
     shell::run(&mut command)
 }
