@@ -27,7 +27,6 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -120,7 +119,7 @@ impl PluginConnection {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
-            let (stream, heard) = connect_when_listening(socket, expected, budget_end, started)
+            let (stream, peer) = connect_when_listening(socket, expected, budget_end, started)
                 .instrument(info_span!("dial"))
                 .await?;
             let remaining = budget_end.saturating_duration_since(Instant::now());
@@ -160,9 +159,12 @@ impl PluginConnection {
             };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
             // ask again on a fresh connection, within the dial budget.
-            if !heard.load(Ordering::Relaxed) && Instant::now() + NOT_SERVING_PAUSE < budget_end {
+            if !peer.heard() && Instant::now() + NOT_SERVING_PAUSE < budget_end {
                 tokio::time::sleep(NOT_SERVING_PAUSE).await;
                 continue;
+            }
+            if let Some(not_http2) = peer.not_http2() {
+                return Err(RegistrationError::GetInfo(not_http2));
             }
             return Err(RegistrationError::GetInfo(answer));
         }
@@ -255,7 +257,7 @@ async fn connect_when_listening(
     expected: SocketId,
     budget_end: Instant,
     started: Instant,
-) -> Result<(HeardStream, Arc<AtomicBool>), RegistrationError> {
+) -> Result<(HeardStream, Arc<PeerBytes>), RegistrationError> {
     let mut pause = Duration::from_millis(1);
     loop {
         if !matches!(EntryKind::of(socket), Ok(EntryKind::Socket(id)) if id == expected) {
@@ -265,13 +267,13 @@ async fn connect_when_listening(
         let attempt = tokio::time::timeout(remaining, UnixStream::connect(socket)).await;
         let error = match attempt {
             Ok(Ok(stream)) => {
-                let heard = Arc::new(AtomicBool::new(false));
+                let peer = Arc::new(PeerBytes::default());
                 return Ok((
                     HeardStream {
                         inner: stream,
-                        heard: heard.clone(),
+                        peer: peer.clone(),
                     },
-                    heard,
+                    peer,
                 ));
             }
             Ok(Err(e)) => e,
@@ -304,7 +306,7 @@ async fn channel_over(stream: HeardStream) -> Result<Channel, tonic::transport::
                 stream.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
                     io::Error::new(
                         io::ErrorKind::NotConnected,
-                        "registration connection already used",
+                        "the registration connection broke (one connection per attempt: no reconnect)",
                     )
                 })
             }
@@ -312,10 +314,52 @@ async fn channel_over(stream: HeardStream) -> Result<Channel, tonic::transport::
         .await
 }
 
-/// A Unix stream that records whether the peer has sent anything yet.
+/// A Unix stream that records what the peer has sent first.
 struct HeardStream {
     inner: UnixStream,
-    heard: Arc<AtomicBool>,
+    peer: Arc<PeerBytes>,
+}
+
+/// The first bytes a plugin sent on a registration connection: enough to tell a plugin that is
+/// not serving yet (nothing sent) from one that does not speak gRPC (its first frame is not the
+/// HTTP/2 SETTINGS frame every gRPC server opens with).
+#[derive(Debug, Default)]
+struct PeerBytes {
+    first: std::sync::Mutex<Vec<u8>>,
+}
+
+/// Length of an HTTP/2 frame header: 3 bytes length, type, flags, 4 bytes stream id.
+const FRAME_HEADER: usize = 9;
+/// HTTP/2 frame type of SETTINGS.
+const SETTINGS: u8 = 0x4;
+
+impl PeerBytes {
+    fn record(&self, data: &[u8]) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        let room = FRAME_HEADER.saturating_sub(first.len());
+        first.extend_from_slice(&data[..room.min(data.len())]);
+    }
+
+    fn heard(&self) -> bool {
+        !self
+            .first
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
+    /// Why the peer is not an HTTP/2 server, if its first bytes prove it.
+    fn not_http2(&self) -> Option<String> {
+        let first = self.first.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let wrong_type = first.len() > 3 && first[3] != SETTINGS;
+        let wrong_stream = first.len() == FRAME_HEADER && first[5..9] != [0, 0, 0, 0];
+        (wrong_type || wrong_stream).then(|| {
+            format!(
+                "the plugin's listener does not speak gRPC: it sent {:?} instead of an HTTP/2 SETTINGS frame",
+                String::from_utf8_lossy(&first)
+            )
+        })
+    }
 }
 
 impl AsyncRead for HeardStream {
@@ -327,7 +371,8 @@ impl AsyncRead for HeardStream {
         let before = buf.filled().len();
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.heard.store(true, Ordering::Relaxed);
+            let received = &buf.filled()[before..];
+            self.peer.record(received);
         }
         poll
     }
@@ -346,5 +391,33 @@ impl AsyncWrite for HeardStream {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_http2_settings_frame_is_not_mistaken_for_garbage() {
+        let peer = PeerBytes::default();
+        assert!(!peer.heard());
+        peer.record(&[0, 0, 18, SETTINGS, 0, 0, 0, 0, 0, 0, 3]);
+        assert!(peer.heard());
+        assert_eq!(peer.not_http2(), None);
+    }
+
+    #[test]
+    fn http1_or_garbage_first_bytes_are_named() {
+        let peer = PeerBytes::default();
+        peer.record(b"HTTP/1.1 400 Bad Request\r\n");
+        let why = peer.not_http2().expect("not HTTP/2");
+        assert!(why.contains("HTTP/1.1"), "{why}");
+        let peer = PeerBytes::default();
+        peer.record(&[0, 0, 0, SETTINGS, 0, 0, 0, 0, 7]);
+        assert!(
+            peer.not_http2().is_some(),
+            "SETTINGS on a non-zero stream is not a preface"
+        );
     }
 }

@@ -16,7 +16,6 @@ per_source!(
     refuses_thousands_of_supported_versions,
     reports_a_listener_that_does_not_speak_grpc,
     reports_a_listener_that_accepts_and_stays_silent,
-    #[ignore = "agent bug: a non-gRPC listener is sometimes reported as 'GetInfo: Unavailable: registration connection already used' (the one-shot connector's text) instead of an HTTP/2 error"]
     names_the_protocol_error_whenever_a_listener_does_not_speak_grpc,
     times_out_get_info_after_1_s_like_kubelet,
     stops_on_sigterm_while_a_plugin_hangs,
