@@ -631,7 +631,19 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
 }
 
 #[tokio::test]
-async fn a_full_ring_buffer_becomes_a_rescan() {
+async fn load_time_is_measured_per_program() {
+    if !can_run() {
+        return;
+    }
+    let f = Fixture::open("load-time", EbpfOptions::default(), 16);
+    let timings = f.source.load_timings();
+    eprintln!("eBPF load: {timings}");
+    assert!(!timings.programs.is_empty(), "{timings}");
+    assert!(timings.verifier() <= timings.total(), "{timings}");
+}
+
+#[tokio::test]
+async fn a_full_ring_buffer_becomes_a_rescan_and_counted_drops() {
     if !can_run() {
         return;
     }
@@ -642,10 +654,21 @@ async fn a_full_ring_buffer_becomes_a_rescan() {
         ..EbpfOptions::default()
     };
     let mut f = Fixture::open("overflow", options, 1);
+    let before = f.source.stats();
+    assert_eq!(before.dropped, 0);
+    assert_eq!(before.ring_buffer_size_bytes, Some(4096));
+    assert_eq!(before.ring_buffer_used_bytes, Some(0));
     let actions: Vec<Action> = (0..64)
         .map(|i| Action::Bind(f.in_watched(&format!("{i}.sock"))))
         .collect();
     run_helper(&actions);
+    // The reader is stuck on the channel: the ring is (nearly) full and the drops are counted.
+    let stuck = f.source.stats();
+    assert!(stuck.dropped > 0, "{stuck:?}");
+    assert!(
+        stuck.ring_buffer_used_bytes.is_some_and(|used| used > 2048),
+        "{stuck:?}"
+    );
     // What fitted arrives in order, then the rescan that covers the rest.
     let seen = f.collect_until(&Seen::Rescan).await;
     let fitted: Vec<Seen> = (0..seen.len())
@@ -658,9 +681,13 @@ async fn a_full_ring_buffer_becomes_a_rescan() {
         seen.len()
     );
 
-    // The source keeps working after the loss.
+    // The source keeps working after the loss, and the drops stay counted (for metrics) while the
+    // ring empties again.
     let seen = f.events_of(&[], "after.sock").await;
     assert_eq!(seen, vec![]);
+    let after = f.source.stats();
+    assert_eq!(after.dropped, stuck.dropped, "{after:?}");
+    assert_eq!(after.ring_buffer_used_bytes, Some(0), "{after:?}");
 }
 
 /// Binds and unlinks as fast as one helper process can for a few seconds and prints how many

@@ -8,7 +8,7 @@
 //! Failures are reported in operator terms: which hook, what the kernel said, what to grant.
 
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agent_ebpf::{Config, names};
 use anyhow::{Context, bail};
@@ -122,6 +122,56 @@ pub struct Loaded {
     pub attached: Vec<String>,
     /// Whether the loader had to mount tracefs.
     pub mounted_tracefs: bool,
+    /// Where the load time went.
+    pub timings: LoadTimings,
+}
+
+/// Where the time of one load went: every agent start (and every test that starts one) pays it,
+/// and most of it is the kernel verifier walking the programs' bounded loops.
+#[derive(Debug, Clone, Default)]
+pub struct LoadTimings {
+    /// Reading and parsing `/sys/kernel/btf/vmlinux` and resolving the offsets (userspace).
+    pub btf: Duration,
+    /// Parsing the object and creating its maps.
+    pub object: Duration,
+    /// Each program: name, time in `BPF_PROG_LOAD` (the verifier), instructions it verified.
+    pub programs: Vec<(String, Duration, Option<u32>)>,
+    /// Attaching to the hooks (including tracefs lookups).
+    pub attach: Duration,
+}
+
+impl LoadTimings {
+    /// Total time spent in the verifier.
+    pub fn verifier(&self) -> Duration {
+        self.programs.iter().map(|(_, took, _)| *took).sum()
+    }
+
+    /// Everything together.
+    pub fn total(&self) -> Duration {
+        self.btf + self.object + self.verifier() + self.attach
+    }
+}
+
+impl std::fmt::Display for LoadTimings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "total {:?}: BTF {:?}, object {:?}, verifier {:?}, attach {:?} (",
+            self.total(),
+            self.btf,
+            self.object,
+            self.verifier(),
+            self.attach
+        )?;
+        for (i, (name, took, insns)) in self.programs.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            match insns {
+                Some(insns) => write!(f, "{sep}{name} {took:?}/{insns} insns")?,
+                None => write!(f, "{sep}{name} {took:?}")?,
+            }
+        }
+        f.write_str(")")
+    }
 }
 
 /// Loads and attaches the kernel programs, or says in operator terms why it cannot.
@@ -131,8 +181,13 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
             "this plugin-agent was built without the eBPF event source (build with `cargo xtask build`)"
         );
     };
+    let mut timings = LoadTimings::default();
+    let started = Instant::now();
     let btf = KernelBtf::running_kernel()?;
     let offsets = resolve_offsets(&btf).context("the running kernel's layout is not supported")?;
+    drop(btf);
+    timings.btf = started.elapsed();
+    let started = Instant::now();
     let config = Config {
         offsets,
         agent_tgid: std::process::id(),
@@ -147,6 +202,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         .map_max_entries(names::NAMES, params.names_capacity)
         .load(object)
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+    timings.object = started.elapsed();
 
     let mounted_tracefs = tracefs::ensure_mounted()?;
     let mut attached = Vec::new();
@@ -156,9 +212,18 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
             .with_context(|| format!("the eBPF object has no program {}", hook.program))?
             .try_into()
             .with_context(|| format!("eBPF program {} is not a tracepoint", hook.program))?;
+        let started = Instant::now();
         program
             .load()
             .map_err(|err| load_error(hook.program, err))?;
+        let insns = program
+            .info()
+            .ok()
+            .and_then(|info| info.verified_instruction_count());
+        timings
+            .programs
+            .push((hook.program.to_string(), started.elapsed(), insns));
+        let started = Instant::now();
         for tracepoint in hook.tracepoints {
             program.attach("syscalls", tracepoint).map_err(|err| {
                 with_hint(
@@ -171,11 +236,13 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
                 attached.push(hook);
             }
         }
+        timings.attach += started.elapsed();
     }
     Ok(Loaded {
         ebpf,
         attached,
         mounted_tracefs,
+        timings,
     })
 }
 

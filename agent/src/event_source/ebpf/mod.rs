@@ -32,6 +32,7 @@ mod filters;
 mod loader;
 mod reader;
 mod record;
+mod stats;
 mod tracefs;
 
 use std::sync::{Arc, Mutex};
@@ -46,8 +47,10 @@ use tokio_util::sync::CancellationToken;
 pub use self::btf::{KernelBtf, Member, resolve_offsets};
 use self::filters::Filters;
 use self::loader::LoadParams;
+pub use self::loader::LoadTimings;
 use self::reader::Reader;
-use crate::event_source::{EventSource, FsEvent, SourceKind, WatchedDir};
+use self::stats::{DeliveryStats, LossCounters, RingOccupancy};
+use crate::event_source::{EventSource, FsEvent, SourceKind, SourceStats, WatchedDir};
 
 /// Tuning of the eBPF source; [`Default`] suits a node with a few hundred plugins.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +100,10 @@ impl EbpfOptions {
 pub struct EbpfSource {
     filters: Arc<Filters>,
     description: String,
+    /// Loss counters and ring occupancy, for [`EventSource::stats`].
+    stats: DeliveryStats,
+    /// Where the load time went.
+    timings: LoadTimings,
     /// Owns the programs and their links; kept for its `Drop`.
     _ebpf: Mutex<aya::Ebpf>,
     /// Stops the reader when the source is dropped before the agent's token fires.
@@ -125,12 +132,19 @@ pub fn open(
         names_capacity: options.names_capacity,
     };
     let mut loaded = loader::load(&params)?;
+    tracing::info!(timings = %loaded.timings, "eBPF programs loaded");
     let ebpf = &mut loaded.ebpf;
 
     let watched: BpfHashMap<MapData, DirKey, u8> = take_map(ebpf, names::WATCHED)?;
     let name_map: BpfHashMap<MapData, NameKey, u8> = take_map(ebpf, names::NAMES)?;
     let ring: RingBuf<MapData> = take_map(ebpf, names::EVENTS)?;
     let losses: PerCpuArray<MapData, u64> = take_map(ebpf, names::LOSSES)?;
+    let losses = Arc::new(LossCounters::new(losses));
+    let stats = DeliveryStats {
+        losses: Arc::clone(&losses),
+        ring: RingOccupancy::new(&ring)?,
+        ring_buffer_bytes: options.ring_buffer_bytes,
+    };
     let filters = Arc::new(Filters::new(watched, name_map, options.watched_capacity));
 
     let description = format!(
@@ -160,6 +174,8 @@ pub fn open(
     Ok(EbpfSource {
         filters,
         description,
+        stats,
+        timings: loaded.timings,
         _ebpf: Mutex::new(loaded.ebpf),
         stop_reader,
     })
@@ -173,6 +189,14 @@ where
         .take_map(name)
         .with_context(|| format!("the eBPF object has no map {name}"))?;
     T::try_from(map).with_context(|| format!("eBPF map {name} has an unexpected type"))
+}
+
+impl EbpfSource {
+    /// Where this source's load time went (BTF, verifier per program, attach): every agent start
+    /// pays it, so tests and benchmarks report it.
+    pub fn load_timings(&self) -> &LoadTimings {
+        &self.timings
+    }
 }
 
 impl Drop for EbpfSource {
@@ -200,6 +224,10 @@ impl EventSource for EbpfSource {
 
     fn unwatch(&self, dir: &WatchedDir) {
         self.filters.unwatch(dir);
+    }
+
+    fn stats(&self) -> SourceStats {
+        self.stats.snapshot()
     }
 
     fn entry_present(&self, _dir: &WatchedDir, name: &std::ffi::OsStr) {

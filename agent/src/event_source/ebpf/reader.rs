@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_ebpf::loss;
-use aya::maps::{MapData, PerCpuArray, RingBuf};
+use aya::maps::{MapData, RingBuf};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc::Sender;
@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::filters::Filters;
 use super::record;
+use super::stats::LossCounters;
 use crate::event_source::FsEvent;
 
 /// Most records handled between two sends to the channel, so one drain holds bounded memory.
@@ -33,8 +34,8 @@ const MAX_BATCH: usize = 1024;
 pub struct Reader {
     /// The ring buffer the programs write [`agent_ebpf::Event`]s into.
     pub ring: RingBuf<MapData>,
-    /// The per-CPU loss counters the programs bump.
-    pub losses: PerCpuArray<MapData, u64>,
+    /// The per-CPU loss counters the programs bump (shared with the source's stats).
+    pub losses: Arc<LossCounters>,
     /// Filters, to map directory identities back to paths and to clear names after a loss.
     pub filters: Arc<Filters>,
     /// The watcher's channel.
@@ -201,19 +202,16 @@ impl LossReport {
 }
 
 fn new_losses(
-    losses: &PerCpuArray<MapData, u64>,
+    losses: &LossCounters,
     seen: &mut [u64; loss::COUNT as usize],
     ring_buffer_bytes: u32,
 ) -> Option<LossReport> {
     let mut parts = Vec::new();
     let mut names_full = false;
-    for index in 0..loss::COUNT {
-        let total: u64 = match losses.get(&index, 0) {
-            Ok(per_cpu) => per_cpu.iter().copied().fold(0, u64::wrapping_add),
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot read the eBPF loss counters");
-                continue;
-            }
+    for (index, total) in (0..loss::COUNT).zip(losses.totals()) {
+        let Some(total) = total else {
+            tracing::warn!(index, "cannot read an eBPF loss counter");
+            continue;
         };
         let slot = &mut seen[index as usize];
         let lost = total.wrapping_sub(*slot);
