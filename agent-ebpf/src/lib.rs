@@ -196,6 +196,57 @@ impl KernelOffsets {
     };
 }
 
+/// The running architecture's numbers of the path syscalls, which one program attached to all of
+/// their `sys_enter_*` tracepoints tells apart by `__syscall_nr`. Userspace fills them from its own
+/// (same-architecture) libc, so the object carries no architecture's table; a syscall the
+/// architecture does not have (`unlink` on arm64) is -1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyscallNumbers {
+    /// `unlink`.
+    pub unlink: i32,
+    /// `rmdir`.
+    pub rmdir: i32,
+    /// `unlinkat`.
+    pub unlinkat: i32,
+    /// `mknod`.
+    pub mknod: i32,
+    /// `mknodat`.
+    pub mknodat: i32,
+    /// `mkdir`.
+    pub mkdir: i32,
+    /// `mkdirat`.
+    pub mkdirat: i32,
+    /// `rename`.
+    pub rename: i32,
+    /// `renameat`.
+    pub renameat: i32,
+    /// `renameat2`.
+    pub renameat2: i32,
+}
+
+impl SyscallNumbers {
+    /// None known: the programs match no path syscall until the loader sets them.
+    pub const UNSET: SyscallNumbers = SyscallNumbers {
+        unlink: -1,
+        rmdir: -1,
+        unlinkat: -1,
+        mknod: -1,
+        mknodat: -1,
+        mkdir: -1,
+        mkdirat: -1,
+        rename: -1,
+        renameat: -1,
+        renameat2: -1,
+    };
+}
+
+impl Default for SyscallNumbers {
+    fn default() -> Self {
+        Self::UNSET
+    }
+}
+
 /// Everything the programs need from userspace at load time, set as one read-only global.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -211,6 +262,8 @@ pub struct Config {
     /// Wake the reader for an event if it was last woken this many nanoseconds ago or earlier; events
     /// closer together ride along and the reader collects them after at most this delay.
     pub batch_ns: u64,
+    /// Which `__syscall_nr` is which path syscall.
+    pub syscalls: SyscallNumbers,
 }
 
 impl Config {
@@ -222,6 +275,7 @@ impl Config {
         _pad: 0,
         wakeup_bytes: 0,
         batch_ns: 0,
+        syscalls: SyscallNumbers::UNSET,
     };
 }
 
@@ -234,6 +288,7 @@ mod user {
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::KernelOffsets {}
     unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::SyscallNumbers {}
 }
 
 #[cfg(test)]
@@ -255,7 +310,8 @@ mod tests {
     fn layout_has_no_implicit_padding() {
         assert_eq!(core::mem::size_of::<Event>(), 4 * 4 + 8 + 16 + NAME_LEN);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 18 * 4);
-        assert_eq!(core::mem::size_of::<Config>(), 18 * 4 + 8 + 16);
+        assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
+        assert_eq!(core::mem::size_of::<Config>(), 18 * 4 + 8 + 16 + 10 * 4);
     }
 
     #[test]

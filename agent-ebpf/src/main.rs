@@ -5,6 +5,7 @@
 //! sys_exit_bind   --ret 0--> fd -> file -> socket -> unix_sock.path.dentry -> parent in WATCHED?
 //!                        --> EVENTS (exact: parent identity + name); NAMES += name
 //! sys_enter_{unlink,unlinkat,rmdir,mknod,mknodat,mkdir,mkdirat,rename,renameat,renameat2}
+//!   path_enter (first path; told apart by __syscall_nr), rename_target_enter (second path)
 //!                      --> path "name" relative to a WATCHED dir: exact; "a/b/name": name in NAMES?
 //!                      --> PENDING*[thread] = event
 //! sys_exit_*           --ret 0--> EVENTS
@@ -31,6 +32,7 @@ mod programs {
     use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
     use agent_ebpf::{Config, DirKey, Event, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope};
+    use aya_ebpf::helpers::generated::bpf_probe_read_kernel as raw_probe_read_kernel;
     use aya_ebpf::helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
@@ -91,6 +93,10 @@ mod programs {
         event: Event,
         start: u64,
         len: u64,
+        dfd: i64,
+        path_ptr: u64,
+        op: u64,
+        word: u64,
     }
 
     const BPF_F_NO_PREALLOC: u32 = 1;
@@ -104,9 +110,6 @@ mod programs {
     /// Directories walked up from a bound socket looking for a watched one.
     const MAX_DEPTH: usize = 4;
     const RENAME_EXCHANGE: u64 = 2;
-    /// x86_64 syscall number of renameat2 (the only arch this object is built for, see
-    /// `bpf_target_arch`).
-    const SYS_RENAMEAT2: i32 = 316;
     const S_IFMT: u64 = 0o170000;
     const S_IFSOCK: u64 = 0o140000;
     /// Masks an index into `Scratch::path` so the verifier sees it in bounds.
@@ -361,7 +364,7 @@ mod programs {
         /// the bind programs' walk up to the watched ancestor.
         CreateDir,
         /// The target of a rename: any path is classified, and the caller decides whether a
-        /// name-only target is reported (see `target_enter`).
+        /// name-only target is reported (see `rename_target_enter`).
         MoveTo,
     }
 
@@ -376,74 +379,113 @@ mod programs {
         arg_u64(ctx, n).map(|v| i64::from(v as i32))
     }
 
+    /// The syscall number of a `sys_enter_*` record (`__syscall_nr`, at offset 8 of every one).
+    fn syscall_nr(ctx: &TracePointContext) -> Option<i32> {
+        // SAFETY: offset within the sys_enter_* record.
+        unsafe { ctx.read_at::<i32>(8) }.ok()
+    }
+
+    /// Whether `nr` is the syscall whose number the loader put at `field` of CONFIG.syscalls.
+    fn is_syscall(nr: i32, field: *const i32) -> bool {
+        // SAFETY: `field` points into CONFIG; see `offset!`.
+        let expected = unsafe { read_volatile(field) };
+        expected >= 0 && nr == expected
+    }
+
+    macro_rules! sys {
+        ($nr:expr, $name:ident) => {
+            is_syscall($nr, addr_of!(CONFIG.syscalls.$name))
+        };
+    }
+
+    /// The first path argument of every path syscall this object watches, in one program.
+    ///
+    /// One program on all ten `sys_enter_*` tracepoints, told apart by `__syscall_nr`, rather than
+    /// one per syscall: the path scan is what the verifier spends its time on, and this way it is
+    /// verified once (plus once in [`rename_target_enter`]) instead of ten times.
     #[tracepoint]
-    pub fn remove_enter(ctx: TracePointContext) -> u32 {
-        if let Some(path) = arg_u64(&ctx, 0) {
-            let _ = path_enter(AT_FDCWD, path, PathOp::Remove);
-        }
+    pub fn path_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_path_enter(&ctx);
         0
     }
 
-    #[tracepoint]
-    pub fn unlinkat_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(dfd), Some(path)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
-            let _ = path_enter(dfd, path, PathOp::Remove);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn mknod_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(path), Some(mode)) = (arg_u64(&ctx, 0), arg_u64(&ctx, 1))
-            && mode & S_IFMT == S_IFSOCK
-        {
-            let _ = path_enter(AT_FDCWD, path, PathOp::CreateSocket);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn mknodat_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(dfd), Some(path), Some(mode)) =
-            (arg_dfd(&ctx, 0), arg_u64(&ctx, 1), arg_u64(&ctx, 2))
-            && mode & S_IFMT == S_IFSOCK
-        {
-            let _ = path_enter(dfd, path, PathOp::CreateSocket);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn mkdir_enter(ctx: TracePointContext) -> u32 {
-        if let Some(path) = arg_u64(&ctx, 0) {
-            let _ = path_enter(AT_FDCWD, path, PathOp::CreateDir);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn mkdirat_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(dfd), Some(path)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
-            let _ = path_enter(dfd, path, PathOp::CreateDir);
-        }
-        0
-    }
-
-    /// Decides at syscall entry whether `op` on `path` (relative to `dfd`) concerns the tree, and
-    /// if so parks the event until the exit says whether the call succeeded.
-    fn path_enter(dfd: i64, path: u64, op: PathOp) -> Option<()> {
+    fn try_path_enter(ctx: &TracePointContext) -> Option<()> {
         if is_agent() {
             return None;
         }
+        let nr = syscall_nr(ctx)?;
+        let (dfd, path, op, flags) = if sys!(nr, unlink) || sys!(nr, rmdir) {
+            (AT_FDCWD, arg_u64(ctx, 0)?, PathOp::Remove, 0)
+        } else if sys!(nr, unlinkat) {
+            (arg_dfd(ctx, 0)?, arg_u64(ctx, 1)?, PathOp::Remove, 0)
+        } else if sys!(nr, mknod) {
+            if arg_u64(ctx, 1)? & S_IFMT != S_IFSOCK {
+                return None;
+            }
+            (AT_FDCWD, arg_u64(ctx, 0)?, PathOp::CreateSocket, 0)
+        } else if sys!(nr, mknodat) {
+            if arg_u64(ctx, 2)? & S_IFMT != S_IFSOCK {
+                return None;
+            }
+            (arg_dfd(ctx, 0)?, arg_u64(ctx, 1)?, PathOp::CreateSocket, 0)
+        } else if sys!(nr, mkdir) {
+            (AT_FDCWD, arg_u64(ctx, 0)?, PathOp::CreateDir, 0)
+        } else if sys!(nr, mkdirat) {
+            (arg_dfd(ctx, 0)?, arg_u64(ctx, 1)?, PathOp::CreateDir, 0)
+        } else if sys!(nr, rename) {
+            (AT_FDCWD, arg_u64(ctx, 0)?, PathOp::Remove, 0)
+        } else if sys!(nr, renameat) {
+            (arg_dfd(ctx, 0)?, arg_u64(ctx, 1)?, PathOp::Remove, 0)
+        } else if sys!(nr, renameat2) {
+            (
+                arg_dfd(ctx, 0)?,
+                arg_u64(ctx, 1)?,
+                PathOp::Remove,
+                arg_u64(ctx, 4)?,
+            )
+        } else {
+            return None;
+        };
         let scratch = SCRATCH.get_ptr_mut(0)?;
         // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
         let scratch = unsafe { &mut *scratch };
+        let (dfd, path, op) = forget_origin(scratch, dfd, path, op);
         classify(scratch, dfd, path, op)?;
+        // The source of a RENAME_EXCHANGE is replaced, not removed: reported as a creation (the
+        // watcher stats what is there now).
+        if flags & RENAME_EXCHANGE != 0 {
+            scratch.event.kind = kind::CREATE;
+        }
         park(&PENDING, &scratch.event);
         Some(())
     }
 
-    /// Fills `scratch.event` for `op` on `path` if it concerns the tree.
+    /// Passes the dispatch's results through memory, so the verifier meets one unknown `(dfd,
+    /// path, op)` at the path scan instead of a separately explored constant per syscall.
+    #[inline(always)]
+    fn forget_origin(scratch: &mut Scratch, dfd: i64, path: u64, op: PathOp) -> (i64, u64, PathOp) {
+        scratch.dfd = dfd;
+        scratch.path_ptr = path;
+        scratch.op = op as u64;
+        // SAFETY: plain fields of the scratch slot, just written.
+        let (dfd, path, op) = unsafe {
+            (
+                read_volatile(addr_of!(scratch.dfd)),
+                read_volatile(addr_of!(scratch.path_ptr)),
+                read_volatile(addr_of!(scratch.op)),
+            )
+        };
+        let op = match op {
+            x if x == PathOp::CreateSocket as u64 => PathOp::CreateSocket,
+            x if x == PathOp::CreateDir as u64 => PathOp::CreateDir,
+            x if x == PathOp::MoveTo as u64 => PathOp::MoveTo,
+            _ => PathOp::Remove,
+        };
+        (dfd, path, op)
+    }
+
+    /// Decides whether `op` on `path` (relative to `dfd`) concerns the tree and fills
+    /// `scratch.event` if so.
     #[inline(always)]
     fn classify(scratch: &mut Scratch, dfd: i64, path: u64, op: PathOp) -> Option<()> {
         let single = last_component(scratch, path)?;
@@ -491,85 +533,37 @@ mod programs {
     }
 
     // ---------------------------------------------------------------------------------------------
-    // rename, renameat, renameat2: two paths
+    // rename, renameat, renameat2: the second path
 
-    // Each side of a rename is classified by its own program on the same tracepoint: one path per
-    // program keeps the verifier's work that of a single-path syscall. The sides meet at exit,
-    // where a target reported only because its source was in the tree is emitted if the source was.
-
-    #[tracepoint]
-    pub fn rename_source_enter(ctx: TracePointContext) -> u32 {
-        if let Some(old) = arg_u64(&ctx, 0) {
-            let _ = source_enter(AT_FDCWD, old, 0);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn rename_target_enter(ctx: TracePointContext) -> u32 {
-        if let Some(new) = arg_u64(&ctx, 1) {
-            let _ = target_enter(AT_FDCWD, new);
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn renameat_source_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(dfd), Some(old)) = (arg_dfd(&ctx, 0), arg_u64(&ctx, 1)) {
-            let flags = if renameat2(&ctx) {
-                arg_u64(&ctx, 4)
-            } else {
-                Some(0)
-            };
-            if let Some(flags) = flags {
-                let _ = source_enter(dfd, old, flags);
-            }
-        }
-        0
-    }
-
-    #[tracepoint]
-    pub fn renameat_target_enter(ctx: TracePointContext) -> u32 {
-        if let (Some(dfd), Some(new)) = (arg_dfd(&ctx, 2), arg_u64(&ctx, 3)) {
-            let _ = target_enter(dfd, new);
-        }
-        0
-    }
-
-    /// Whether this `sys_enter_renameat*` record is renameat2's (which has a flags argument):
-    /// `__syscall_nr` sits at offset 8 of every `sys_enter_*` record.
-    fn renameat2(ctx: &TracePointContext) -> bool {
-        // SAFETY: offset within the sys_enter_* record.
-        matches!(unsafe { ctx.read_at::<i32>(8) }, Ok(SYS_RENAMEAT2))
-    }
-
-    /// The source of a rename goes; with `RENAME_EXCHANGE` it is replaced, which is reported as a
-    /// creation (the watcher stats what is there now). Either way it is matched like a removal.
-    fn source_enter(dfd: i64, old: u64, flags: u64) -> Option<()> {
-        if is_agent() {
-            return None;
-        }
-        let scratch = SCRATCH.get_ptr_mut(0)?;
-        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
-        let scratch = unsafe { &mut *scratch };
-        classify(scratch, dfd, old, PathOp::Remove)?;
-        if flags & RENAME_EXCHANGE != 0 {
-            scratch.event.kind = kind::CREATE;
-        }
-        park(&PENDING, &scratch.event);
-        Some(())
-    }
+    // The source of a rename is classified by `path_enter` like a removal; the target by this
+    // program on the same tracepoints, so each program scans one path. The sides meet at exit, where
+    // a target reported only because its source was in the tree is emitted if the source was.
 
     /// The target of a rename appears (with `RENAME_EXCHANGE` too: the source's entry lands there).
     /// A multi-component target is reported by name if the name is known (it replaces an entry) or,
     /// decided at exit, if the source was in the tree (a move within it).
-    fn target_enter(dfd: i64, new: u64) -> Option<()> {
+    #[tracepoint]
+    pub fn rename_target_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_rename_target_enter(&ctx);
+        0
+    }
+
+    fn try_rename_target_enter(ctx: &TracePointContext) -> Option<()> {
         if is_agent() {
             return None;
         }
+        let nr = syscall_nr(ctx)?;
+        let (dfd, new) = if sys!(nr, rename) {
+            (AT_FDCWD, arg_u64(ctx, 1)?)
+        } else if sys!(nr, renameat) || sys!(nr, renameat2) {
+            (arg_dfd(ctx, 2)?, arg_u64(ctx, 3)?)
+        } else {
+            return None;
+        };
         let scratch = SCRATCH.get_ptr_mut(0)?;
         // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
         let scratch = unsafe { &mut *scratch };
+        let (dfd, new, _) = forget_origin(scratch, dfd, new, PathOp::MoveTo);
         classify(scratch, dfd, new, PathOp::MoveTo)?;
         // SAFETY: presence check only.
         let known = unsafe { NAMES.get(&scratch.event.name) }.is_some();
@@ -581,12 +575,27 @@ mod programs {
         Some(())
     }
 
+    /// `b'/'` in every byte of a word.
+    const SLASHES: u64 = 0x2f2f_2f2f_2f2f_2f2f;
+    /// 1 in every byte.
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    /// The top bit of every byte.
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    /// Words of `Scratch::path` scanned back from the end: enough to cover a `NAME_MAX` name and
+    /// the slash before it, wherever the name starts within a word.
+    const SCANNED_WORDS: usize = NAME_LEN / 8 + 1;
+    /// Masks a word index into `Scratch::path` so the verifier sees it in bounds.
+    const WORD_MASK: usize = PATH_BUF_LEN / 8 - 1;
+
     /// Copies the last component of the user string at `path` into `scratch.event.name` (NUL
     /// padded) and its length into `name_len`. Returns whether the path is that single component.
     ///
-    /// Written for the verifier: loops are bounded by constants, indexes are masked, and positions
-    /// found by one loop go through memory before the next loop so their ranges do not multiply
-    /// the states the verifier explores.
+    /// Written for the verifier, whose work is (instructions per iteration) x (iterations): the
+    /// last slash is found eight bytes per step (a word holds a slash iff `(x - ONES) & !x & HIGHS`
+    /// is non-zero for `x = word ^ SLASHES`), then byte by byte within that one word; the name is
+    /// copied by a helper rather than a loop; loops are bounded by constants, indexes are masked,
+    /// and positions found by one loop go through memory before the next so their ranges do not
+    /// multiply the states the verifier explores.
     #[inline(always)]
     fn last_component(scratch: &mut Scratch, path: u64) -> Option<bool> {
         // SAFETY: bpf_probe_read_user_str fails instead of faulting on a bad address.
@@ -600,16 +609,49 @@ mod programs {
                 end -= 1;
             }
         }
-        let mut start = 0;
-        let mut single = true;
-        for back in 1..=NAME_LEN {
-            if back > end {
+        if end == 0 {
+            return None;
+        }
+        // The word holding the last slash before `end`, if any within reach of a name.
+        let last_word = (end - 1) / 8;
+        let words = scratch.path.as_ptr().cast::<u64>();
+        let mut slash_word = None;
+        for back in 0..SCANNED_WORDS {
+            if back > last_word {
                 break;
             }
-            if scratch.path[(end - back) & PATH_MASK] == b'/' {
-                start = end - back + 1;
-                single = false;
+            let w = last_word - back;
+            // Through memory, so the compiler cannot turn the masked index into a pointer it
+            // steps down (which the verifier cannot bound).
+            scratch.word = w as u64;
+            // SAFETY: `Scratch` is 8-aligned with `path` first, and the index is masked to it.
+            let mut x = unsafe {
+                let index = read_volatile(addr_of!(scratch.word)) as usize & WORD_MASK;
+                *words.add(index)
+            } ^ SLASHES;
+            if back == 0 {
+                // Bytes at or past `end` (the NUL, stale bytes) must not match.
+                let valid = end - w * 8;
+                if valid < 8 {
+                    x |= !0u64 << ((8 * valid) & 63);
+                }
+            }
+            if x.wrapping_sub(ONES) & !x & HIGHS != 0 {
+                slash_word = Some(w);
                 break;
+            }
+        }
+        let mut start = 0;
+        let mut single = true;
+        if let Some(w) = slash_word {
+            // The bit trick can flag a byte above a real slash too; find the real one exactly.
+            for i in (0..8).rev() {
+                let at = w * 8 + i;
+                if at < end && scratch.path[at & PATH_MASK] == b'/' {
+                    start = at + 1;
+                    single = false;
+                    break;
+                }
             }
         }
         if single && end >= NAME_LEN {
@@ -627,13 +669,18 @@ mod programs {
         if len == 0 || len >= NAME_LEN {
             return None;
         }
-        let name = &mut scratch.event.name.bytes;
-        for i in 0..NAME_LEN {
-            name[i] = if i < len {
-                scratch.path[(start + i) & PATH_MASK]
-            } else {
-                0
-            };
+        scratch.event.name.bytes = [0; NAME_LEN];
+        // SAFETY: copies `len` (< NAME_LEN, masked so the verifier sees it) bytes within the scratch
+        // slot: from `path[start..]` (start + len <= end < PATH_BUF_LEN) to the name buffer.
+        let copied = unsafe {
+            raw_probe_read_kernel(
+                addr_of_mut!(scratch.event.name.bytes).cast(),
+                (len & (NAME_LEN - 1)) as u32,
+                scratch.path.as_ptr().add(start & PATH_MASK).cast(),
+            )
+        };
+        if copied != 0 {
+            return None;
         }
         scratch.event.name_len = len as u32;
         Some(single)

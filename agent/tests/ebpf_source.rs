@@ -631,6 +631,37 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
 }
 
 #[tokio::test]
+async fn the_last_component_is_cut_exactly_at_every_length_and_word_alignment() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("scan", EbpfOptions::default(), 1024);
+    // The kernel side finds the last slash a word at a time: names ending at every offset within a
+    // word, the longest name there is, and a name starting with '.' (the byte after a slash that
+    // the word test can flag too).
+    let mut names: Vec<String> = (1..=17).map(|len| f.name(&"x".repeat(len))).collect();
+    names.push(format!(".{}", f.name("dot")));
+    let longest = 255 - f.name("").len();
+    names.push(f.name(&"y".repeat(longest)));
+    let mut actions: Vec<Action> = names
+        .iter()
+        .map(|name| Action::MknodSocket(f.elsewhere.join(name)))
+        .collect();
+    // A trailing slash is not part of the name.
+    let dir = f.name("dir");
+    actions.push(Action::Mkdir(f.watched.join(&dir)));
+    actions.push(Action::Chdir(f.watched.clone()));
+    actions.push(Action::Rmdir(PathBuf::from(format!("{dir}//"))));
+    let seen = f.events_of(&actions, "sentinel.sock").await;
+    let mut expected: Vec<Seen> = names
+        .iter()
+        .map(|name| Seen::NameChanged(name.into()))
+        .collect();
+    expected.push(Seen::Removed(f.watched.join(&dir)));
+    assert_eq!(seen, expected);
+}
+
+#[tokio::test]
 async fn load_time_is_measured_per_program() {
     if !can_run() {
         return;

@@ -10,7 +10,7 @@
 use std::io;
 use std::time::{Duration, Instant};
 
-use agent_ebpf::{Config, names};
+use agent_ebpf::{Config, SyscallNumbers, names};
 use anyhow::{Context, bail};
 use aya::programs::{ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
@@ -32,8 +32,9 @@ struct Hook {
     tracepoints: &'static [&'static str],
 }
 
-/// Every program in the object and where it goes. Exit programs are shared by the syscalls whose
-/// exits look the same.
+/// Every program in the object and where it goes. One program serves every syscall whose entry
+/// (or exit) it handles alike, told apart by `__syscall_nr`: each program is verified once, and
+/// the path scan is most of the verifier's work.
 const HOOKS: &[Hook] = &[
     Hook {
         program: "bind_enter",
@@ -44,44 +45,27 @@ const HOOKS: &[Hook] = &[
         tracepoints: &["sys_exit_bind"],
     },
     Hook {
-        program: "remove_enter",
-        tracepoints: &["sys_enter_unlink", "sys_enter_rmdir"],
-    },
-    Hook {
-        program: "unlinkat_enter",
-        tracepoints: &["sys_enter_unlinkat"],
-    },
-    Hook {
-        program: "mknod_enter",
-        tracepoints: &["sys_enter_mknod"],
-    },
-    Hook {
-        program: "mknodat_enter",
-        tracepoints: &["sys_enter_mknodat"],
-    },
-    Hook {
-        program: "mkdir_enter",
-        tracepoints: &["sys_enter_mkdir"],
-    },
-    Hook {
-        program: "mkdirat_enter",
-        tracepoints: &["sys_enter_mkdirat"],
-    },
-    Hook {
-        program: "rename_source_enter",
-        tracepoints: &["sys_enter_rename"],
+        program: "path_enter",
+        tracepoints: &[
+            "sys_enter_unlink",
+            "sys_enter_rmdir",
+            "sys_enter_unlinkat",
+            "sys_enter_mknod",
+            "sys_enter_mknodat",
+            "sys_enter_mkdir",
+            "sys_enter_mkdirat",
+            "sys_enter_rename",
+            "sys_enter_renameat",
+            "sys_enter_renameat2",
+        ],
     },
     Hook {
         program: "rename_target_enter",
-        tracepoints: &["sys_enter_rename"],
-    },
-    Hook {
-        program: "renameat_source_enter",
-        tracepoints: &["sys_enter_renameat", "sys_enter_renameat2"],
-    },
-    Hook {
-        program: "renameat_target_enter",
-        tracepoints: &["sys_enter_renameat", "sys_enter_renameat2"],
+        tracepoints: &[
+            "sys_enter_rename",
+            "sys_enter_renameat",
+            "sys_enter_renameat2",
+        ],
     },
     Hook {
         program: "path_exit",
@@ -99,6 +83,34 @@ const HOOKS: &[Hook] = &[
         ],
     },
 ];
+
+/// This architecture's path syscall numbers, from the agent's own libc (same architecture as the
+/// kernel it runs on). The legacy single-path syscalls exist on x86_64 only.
+fn syscall_numbers() -> SyscallNumbers {
+    let nr = |n: libc::c_long| i32::try_from(n).unwrap_or(-1);
+    #[cfg(target_arch = "x86_64")]
+    let (unlink, rmdir, mknod, mkdir, rename) = (
+        nr(libc::SYS_unlink),
+        nr(libc::SYS_rmdir),
+        nr(libc::SYS_mknod),
+        nr(libc::SYS_mkdir),
+        nr(libc::SYS_rename),
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let (unlink, rmdir, mknod, mkdir, rename) = (-1, -1, -1, -1, -1);
+    SyscallNumbers {
+        unlink,
+        rmdir,
+        unlinkat: nr(libc::SYS_unlinkat),
+        mknod,
+        mknodat: nr(libc::SYS_mknodat),
+        mkdir,
+        mkdirat: nr(libc::SYS_mkdirat),
+        rename,
+        renameat: nr(libc::SYS_renameat),
+        renameat2: nr(libc::SYS_renameat2),
+    }
+}
 
 /// What [`load`] sizes and tunes.
 pub struct LoadParams {
@@ -193,6 +205,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         agent_tgid: std::process::id(),
         wakeup_bytes: params.wakeup_bytes,
         batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
+        syscalls: syscall_numbers(),
         ..Config::UNSET
     };
     let mut ebpf = EbpfLoader::new()
@@ -257,10 +270,15 @@ fn load_error(program: &str, err: ProgramError) -> anyhow::Error {
             let log = verifier_log.to_string();
             let tail: Vec<&str> = log.lines().rev().take(20).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
-            with_hint(
-                anyhow::Error::new(io_error),
-                &format!("{what}; verifier log ends with:\n{}", tail.join("\n")),
-            )
+            let context = format!("{what}; verifier log ends with:\n{}", tail.join("\n"));
+            if log.trim().is_empty() {
+                with_hint(anyhow::Error::new(io_error), &context)
+            } else {
+                // The verifier ran and refused the program (EACCES): not a privilege problem.
+                anyhow::Error::new(io_error).context(format!(
+                    "{context}\nthe kernel's verifier rejected the program on this kernel"
+                ))
+            }
         }
         other => with_hint(anyhow::Error::new(other), &what),
     }
