@@ -37,9 +37,9 @@ mod programs {
         bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     };
-    use aya_ebpf::macros::{map, tracepoint};
+    use aya_ebpf::macros::{fentry, map, tracepoint};
     use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
-    use aya_ebpf::programs::TracePointContext;
+    use aya_ebpf::programs::{FEntryContext, TracePointContext};
 
     /// Kernels refuse `bpf_probe_read_kernel` to programs without a GPL-compatible license.
     #[unsafe(no_mangle)]
@@ -725,6 +725,17 @@ mod programs {
         }
         let _ = map.remove(&thread);
         true
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // hook detection
+
+    /// Never attached: the agent loads it to learn whether this kernel accepts fentry programs on
+    /// the VFS (kernel policy can refuse them with EPERM even where BPF is otherwise allowed). The
+    /// event programs themselves run on syscall tracepoints in this build.
+    #[fentry(function = "vfs_unlink")]
+    pub fn fentry_probe(_ctx: FEntryContext) -> u32 {
+        0
     }
 
     #[panic_handler]

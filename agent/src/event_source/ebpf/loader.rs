@@ -16,6 +16,7 @@ use aya::programs::{ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
 use super::btf::{KernelBtf, resolve_offsets};
+use super::hooks::{self, HookChoice, HookFamily, Selection};
 use super::tracefs;
 
 /// The kernel object, when this agent was built with it (`cargo xtask build`).
@@ -124,6 +125,8 @@ pub struct LoadParams {
     pub watched_capacity: u32,
     /// Capacity of the name map.
     pub names_capacity: u32,
+    /// Which hook families may be used.
+    pub hooks: HookChoice,
 }
 
 /// The loaded object with its programs attached.
@@ -136,6 +139,8 @@ pub struct Loaded {
     pub mounted_tracefs: bool,
     /// Where the load time went.
     pub timings: LoadTimings,
+    /// The hook family in use and why preferred ones were passed over.
+    pub hooks: Selection,
 }
 
 /// Where the time of one load went: every agent start (and every test that starts one) pays it,
@@ -217,6 +222,14 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
     timings.object = started.elapsed();
 
+    let selection = hooks::select(&mut ebpf, params.hooks)?;
+    if selection.family != HookFamily::Tracepoints {
+        bail!(
+            "hook family {} has no event programs in this build",
+            selection.family
+        );
+    }
+
     let mounted_tracefs = tracefs::ensure_mounted()?;
     let mut attached = Vec::new();
     for hook in HOOKS {
@@ -256,6 +269,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         attached,
         mounted_tracefs,
         timings,
+        hooks: selection,
     })
 }
 

@@ -2,7 +2,7 @@
 //! directories, feeding a ring buffer (see agent-ebpf for the kernel side).
 //!
 //! ```text
-//! open: btf (offsets) -> loader (load, mount tracefs, attach) -> filters + reader task
+//! open: btf (offsets) -> loader (load, hooks::select, mount tracefs, attach) -> filters + reader task
 //! kernel: bind, unlink, mkdir, rename... --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
 //!                                                       LOSSES ---reader--> FsEvent::Rescan
 //! watcher --watch / unwatch / entry_present--> filters (BPF maps)
@@ -29,6 +29,7 @@
 
 mod btf;
 mod filters;
+mod hooks;
 mod loader;
 mod reader;
 mod record;
@@ -46,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::btf::{KernelBtf, Member, resolve_offsets};
 use self::filters::Filters;
+pub use self::hooks::{HOOKS_ENV, HookChoice, HookFamily};
 use self::loader::LoadParams;
 pub use self::loader::LoadTimings;
 use self::reader::Reader;
@@ -67,6 +69,9 @@ pub struct EbpfOptions {
     pub watched_capacity: u32,
     /// How many distinct entry names the kernel remembers for matching removals (default 16384).
     pub names_capacity: u32,
+    /// Which kernel hooks may be used; `None` (the default) reads [`HOOKS_ENV`], which defaults to
+    /// [`HookChoice::Auto`] (fentry where the kernel allows it, else syscall tracepoints).
+    pub hooks: Option<HookChoice>,
 }
 
 impl Default for EbpfOptions {
@@ -76,6 +81,7 @@ impl Default for EbpfOptions {
             batch_delay: Duration::from_millis(2),
             watched_capacity: 16384,
             names_capacity: 16384,
+            hooks: None,
         }
     }
 }
@@ -130,6 +136,10 @@ pub fn open(
         batch_delay: options.batch_delay,
         watched_capacity: options.watched_capacity,
         names_capacity: options.names_capacity,
+        hooks: match options.hooks {
+            Some(choice) => choice,
+            None => HookChoice::from_env()?,
+        },
     };
     let mut loaded = loader::load(&params)?;
     tracing::info!(timings = %loaded.timings, "eBPF programs loaded");
@@ -148,7 +158,8 @@ pub fn open(
     let filters = Arc::new(Filters::new(watched, name_map, options.watched_capacity));
 
     let description = format!(
-        "eBPF: {} (ring buffer {} KiB, batch delay {:?}{})",
+        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{})",
+        loaded.hooks,
         loaded.attached.join(", "),
         options.ring_buffer_bytes / 1024,
         options.batch_delay,
