@@ -19,8 +19,9 @@ use std::time::Duration;
 /// yet): the eBPF variants of the scenarios are skipped then, outside CI.
 pub const EBPF_UNAVAILABLE: [&str; 2] = ["built without the eBPF", "not wired in yet"];
 
-/// How long the agent may take to open its source and scan the directory.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long the agent may take to open its source and scan the directory (loading the eBPF
+/// programs takes seconds, more on a loaded machine).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What to start the agent with.
 #[derive(Debug, Clone)]
@@ -36,6 +37,8 @@ pub struct AgentOptions {
     pub admin_socket: PathBuf,
     /// Anything else for `run` (`--safety-period 1s`, say).
     pub extra: Vec<String>,
+    /// A command the agent is started under, e.g. `setpriv --reuid 65534 ...` (empty: none).
+    pub wrapper: Vec<String>,
 }
 
 impl AgentOptions {
@@ -47,6 +50,7 @@ impl AgentOptions {
             handlers: vec!["CSIPlugin=accept-all".into()],
             admin_socket: plugin_dir.with_file_name("admin.sock"),
             extra: Vec::new(),
+            wrapper: Vec::new(),
         }
     }
 
@@ -73,7 +77,14 @@ impl AgentProcess {
         if options.source.needs_root() && !privileged(test) {
             return None;
         }
-        let mut command = Command::new(agent_bin());
+        let mut command = match options.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(agent_bin());
+                command
+            }
+            None => Command::new(agent_bin()),
+        };
         command
             .args([
                 "--log-format",

@@ -8,7 +8,7 @@ use plugin_agent_tests::{
 use std::path::{Path, PathBuf};
 
 per_source!(
-    registers_plugins_at_depth_0_1_and_2 [ebpf: #[ignore = "eBPF source gap at d90d8f5: mkdir and rename are not traced"]],
+    registers_plugins_at_depth_0_1_and_2,
     registers_and_deregisters_a_plugin_over_10_serve_stop_rounds,
     tracks_10_plugins_with_the_same_name_on_different_sockets,
     deregisters_a_re_registered_name_only_when_its_newest_socket_goes,
