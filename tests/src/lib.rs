@@ -21,10 +21,14 @@
 //! - Against another binary: `PLUGIN_AGENT_BIN=/path/to/plugin-agent cargo test -p plugin-agent-tests`.
 //! - One scenario, all sources: `cargo test -p plugin-agent-tests -- registers_plugins_at_depth`.
 
+pub mod admin;
 pub mod agent;
 pub mod env;
 pub mod events;
+pub mod handler;
+pub mod host;
 pub mod plugin;
+pub mod procfs;
 
 pub use agent::{AgentOptions, AgentProcess, logs};
 pub use env::{PluginDir, Source};

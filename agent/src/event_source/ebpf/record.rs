@@ -140,6 +140,72 @@ mod tests {
         }
     }
 
+    /// An event with every field chosen by the fuzzer (the name too: any bytes, NUL or not).
+    fn arbitrary_event() -> impl proptest::strategy::Strategy<Value = Event> {
+        use proptest::prelude::*;
+        (
+            0u32..8,
+            0u32..4,
+            proptest::collection::vec(any::<u8>(), NAME_LEN),
+            any::<bool>(),
+            any::<u64>(),
+        )
+            .prop_map(|(kind, scope, name, in_watched, ino)| {
+                let mut bytes = [0; NAME_LEN];
+                bytes.copy_from_slice(&name);
+                Event {
+                    kind,
+                    scope,
+                    tgid: 1,
+                    name_len: name.len() as u32,
+                    ktime_ns: 7,
+                    parent: DirKey {
+                        dev: 1,
+                        ino: if in_watched { 2 } else { ino | 4 },
+                    },
+                    name: NameKey { bytes },
+                }
+            })
+    }
+
+    /// What a translated event may say: an entry directly below the watched directory, or a
+    /// bare name (no `/`, not `.` or `..`).
+    fn names_one_entry(translated: Option<FsEvent>) -> bool {
+        let one_name = |name: &OsStr| {
+            !name.is_empty() && name != "." && name != ".." && !name.as_bytes().contains(&b'/')
+        };
+        match translated {
+            None | Some(FsEvent::Rescan { .. }) => true,
+            Some(FsEvent::Created { path, .. } | FsEvent::Removed { path, .. }) => {
+                path.parent() == Some(Path::new("/plugins"))
+                    && path.file_name().is_some_and(one_name)
+            }
+            Some(FsEvent::NameChanged { name, .. }) => one_name(&name),
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the ring buffer hands over (a record from another build, torn or hostile),
+        /// decoding never panics and never reads past the record.
+        #[test]
+        fn arbitrary_ring_buffer_bytes_decode_without_panicking(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2 * size_of::<Event>())
+        ) {
+            let decoded = decode(&bytes);
+            proptest::prop_assert_eq!(decoded.is_some(), bytes.len() >= size_of::<Event>());
+            if let Some(event) = decoded {
+                proptest::prop_assert!(names_one_entry(translate(&event, watched)));
+            }
+        }
+
+        /// Any kind, scope, directory and name bytes: the watcher is only ever told about one
+        /// entry directly inside a watched directory, or about a bare name.
+        #[test]
+        fn arbitrary_events_translate_to_one_entry_below_a_watched_directory(event in arbitrary_event()) {
+            proptest::prop_assert!(names_one_entry(translate(&event, watched)));
+        }
+    }
+
     #[test]
     fn short_record_is_not_decoded() {
         assert!(decode(&[0u8; 8]).is_none());

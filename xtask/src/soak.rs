@@ -1,0 +1,523 @@
+//! `cargo xtask soak`: a bounded soak of the real agent under churn and injected faults, ending
+//! with the two numbers that matter: plugins lost (must be 0) and memory (must be flat).
+//!
+//! ```text
+//! plugin-host (N DRA plugins, churning R/s) --+
+//! bad plugins (hang, lie), noise files -------+--> registry dir <-- plugin-agent --> dra-handler
+//! faults, round robin every --fault-every:        (SIGKILL+restart    (SIGKILL+restart)
+//!   agent SIGKILL/restart (first half only), handler SIGKILL/restart, a hung plugin,
+//!   a lying plugin, 500 noise files
+//! RSS of the agent sampled from /proc every second
+//! end: churn paused, bad plugins stopped -> `plugin-agent list` must equal the live sockets,
+//!      all registered
+//! ```
+//!
+//! Agent kills happen in the first half only, so the second half measures the memory of one
+//! agent under the same churn and other faults: flat means its RSS at the end is within 16 MiB
+//! of its RSS at the start of that half. Logs of every process are kept in the run directory.
+
+use crate::shell;
+use anyhow::{Context, bail};
+use std::collections::BTreeSet;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Options for the soak.
+#[derive(clap::Args)]
+pub struct Options {
+    /// How long to churn (at most 10 minutes).
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Event source for the agent.
+    #[arg(long, default_value = "auto")]
+    pub source: String,
+    /// Plugins served at any time.
+    #[arg(long, default_value_t = 200)]
+    pub plugins: usize,
+    /// Plugins replaced per second.
+    #[arg(long, default_value_t = 20.0)]
+    pub churn: f64,
+    /// Seconds between injected faults.
+    #[arg(long, default_value_t = 10)]
+    pub fault_every: u64,
+}
+
+/// `90s`, `5m`, `1m30s`.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let mut total = 0u64;
+    let mut number = String::new();
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            number.push(c);
+            continue;
+        }
+        let n: u64 = number
+            .parse()
+            .map_err(|_| format!("bad duration {text:?}"))?;
+        number.clear();
+        total += match c {
+            's' => n,
+            'm' => n * 60,
+            'h' => n * 3600,
+            _ => return Err(format!("bad unit {c:?} in {text:?}")),
+        };
+    }
+    if !number.is_empty() {
+        total += number
+            .parse::<u64>()
+            .map_err(|_| format!("bad duration {text:?}"))?;
+    }
+    Ok(Duration::from_secs(total))
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped.
+struct Guard(Child);
+
+impl Guard {
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+    /// SIGTERM, then SIGKILL after 10 s.
+    fn terminate(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Where things are for one run.
+struct Run {
+    bin: PathBuf,
+    dir: PathBuf,
+    registry: PathBuf,
+    admin: PathBuf,
+    handler_socket: PathBuf,
+    source: String,
+}
+
+impl Run {
+    fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
+        Ok(std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(name))?)
+    }
+
+    fn start_handler(&self) -> anyhow::Result<Guard> {
+        let child = Command::new(self.bin.join("dra-handler"))
+            .arg("--listen")
+            .arg(format!("unix://{}", self.handler_socket.display()))
+            .stdin(Stdio::null())
+            .stdout(self.log("handler.log")?)
+            .stderr(self.log("handler.log")?)
+            .spawn()
+            .context("starting dra-handler")?;
+        Ok(Guard(child))
+    }
+
+    fn start_agent(&self) -> anyhow::Result<Guard> {
+        let child = Command::new(self.bin.join("plugin-agent"))
+            .args([
+                "--log-format",
+                "json",
+                "--log-level",
+                "warn",
+                "run",
+                "--plugin-dir",
+            ])
+            .arg(&self.registry)
+            .args(["--source", &self.source, "--no-metrics", "--admin-socket"])
+            .arg(&self.admin)
+            .arg("--handler")
+            .arg(format!(
+                "DRAPlugin=unix://{}",
+                self.handler_socket.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(self.log("agent.log")?)
+            .spawn()
+            .context("starting plugin-agent")?;
+        Ok(Guard(child))
+    }
+
+    /// An `example-plugin` that misbehaves with `flags`.
+    fn start_bad_plugin(&self, name: &str, flags: &[&str]) -> anyhow::Result<Guard> {
+        let child = Command::new(self.bin.join("example-plugin"))
+            .arg("--socket")
+            .arg(self.registry.join("bad").join(name))
+            .args(["--type", "DRAPlugin", "--versions", "v1.DRAPlugin"])
+            .args(flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(self.log("bad-plugins.log")?)
+            .spawn()
+            .context("starting example-plugin")?;
+        Ok(Guard(child))
+    }
+
+    /// `plugin-agent list -o json`: (socket, state) of every entry, or None while the agent
+    /// is not answering (restarting).
+    fn list(&self) -> Option<Vec<(PathBuf, String)>> {
+        let output = Command::new(self.bin.join("plugin-agent"))
+            .arg("--admin-socket")
+            .arg(&self.admin)
+            .args(["list", "-o", "json"])
+            .output()
+            .ok()?;
+        if !output.status.success() {
+            return None;
+        }
+        let rows: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
+        Some(
+            rows.as_array()?
+                .iter()
+                .map(|r| {
+                    (
+                        PathBuf::from(r["socket_path"].as_str().unwrap_or_default()),
+                        r["state"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The plugin host: its stdin for commands, and the `live` answers its reader thread passes on.
+struct Host {
+    guard: Guard,
+    stdin: ChildStdin,
+    live: mpsc::Receiver<Vec<PathBuf>>,
+}
+
+impl Host {
+    fn start(run: &Run, count: usize) -> anyhow::Result<Host> {
+        let mut child = Command::new(run.bin.join("plugin-host"))
+            .arg("--dir")
+            .arg(&run.registry)
+            .args(["--count", &count.to_string()])
+            .args(["--type", "DRAPlugin", "--versions", "v1.DRAPlugin"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(run.log("plugin-host.log")?)
+            .spawn()
+            .context("starting plugin-host")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let (tx, live) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let Ok(value) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if value["event"] == "live" {
+                    let sockets = value["sockets"]
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|s| s.as_str().map(PathBuf::from))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let _ = tx.send(sockets);
+                }
+            }
+        });
+        Ok(Host {
+            guard: Guard(child),
+            stdin,
+            live,
+        })
+    }
+
+    fn command(&mut self, line: &str) -> anyhow::Result<()> {
+        writeln!(self.stdin, "{line}")?;
+        Ok(self.stdin.flush()?)
+    }
+}
+
+/// RSS of `pid` in KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// RSS samples of one agent instance.
+#[derive(Default)]
+struct Memory {
+    start: Option<u64>,
+    end: u64,
+    max: u64,
+}
+
+impl Memory {
+    fn sample(&mut self, kib: u64) {
+        self.start.get_or_insert(kib);
+        self.end = kib;
+        self.max = self.max.max(kib);
+    }
+}
+
+/// The target directory cargo builds into (CARGO_TARGET_DIR, else `target/`).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|p| {
+            if p.is_absolute() {
+                p
+            } else {
+                shell::workspace_root().join(p)
+            }
+        })
+        .unwrap_or_else(|| shell::workspace_root().join("target"))
+}
+
+/// Builds the agent and test binaries (with the eBPF object when it has been built), then soaks.
+pub fn soak(options: &Options) -> anyhow::Result<()> {
+    if options.duration > Duration::from_secs(600) {
+        bail!("--duration is at most 10 minutes");
+    }
+    let object = shell::workspace_root().join("target/ebpf/bpfel-unknown-none/release/agent-ebpf");
+    let mut cargo = shell::cargo();
+    cargo.args([
+        "build",
+        "-p",
+        "plugin-agent",
+        "-p",
+        "plugin-agent-tests",
+        "--bins",
+    ]);
+    if object.is_file() {
+        cargo.env("PLUGIN_AGENT_EBPF_OBJ", &object);
+    } else {
+        eprintln!(
+            "xtask: soak: no eBPF object (cargo xtask build-ebpf): --source auto will not use eBPF"
+        );
+    }
+    shell::run(&mut cargo)?;
+
+    let dir = std::env::temp_dir().join(format!("plugin-agent-soak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let run = Run {
+        bin: target_dir().join("debug"),
+        registry: dir.join("registry"),
+        admin: dir.join("admin.sock"),
+        handler_socket: dir.join("handler.sock"),
+        source: options.source.clone(),
+        dir: dir.clone(),
+    };
+    eprintln!(
+        "xtask: soak: {:?} in {} (logs there)",
+        options.duration,
+        dir.display()
+    );
+    let result = soak_in(&run, options);
+    if result.is_ok() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
+    let mut handler = run.start_handler()?;
+    let mut agent = run.start_agent()?;
+    let mut host = Host::start(run, options.plugins)?;
+    host.command(&format!("churn {}", options.churn))?;
+
+    let started = Instant::now();
+    let half = options.duration / 2;
+    let fault_every = Duration::from_secs(options.fault_every.max(1));
+    let mut next_fault = started + fault_every;
+    let mut fault = 0usize;
+    let mut counts = [0usize; 5];
+    let mut bad: Vec<Guard> = Vec::new();
+    let mut noise_round = 0usize;
+    let mut first_memory = Memory::default();
+    let mut last_memory = Memory::default();
+    let mut agent_restarts = 0usize;
+    let mut last_sample = Instant::now();
+    while started.elapsed() < options.duration {
+        std::thread::sleep(Duration::from_millis(250));
+        if last_sample.elapsed() >= Duration::from_secs(1) {
+            last_sample = Instant::now();
+            if let Some(kib) = rss_kib(agent.pid()) {
+                if agent_restarts == 0 {
+                    first_memory.sample(kib);
+                }
+                if started.elapsed() >= half {
+                    last_memory.sample(kib);
+                }
+            }
+        }
+        if Instant::now() < next_fault {
+            continue;
+        }
+        next_fault += fault_every;
+        let mut kind = fault % 5;
+        fault += 1;
+        if kind == 0 && started.elapsed() + fault_every >= half {
+            kind = 4; // no agent kills in the memory half: noise instead
+        }
+        counts[kind] += 1;
+        match kind {
+            0 => {
+                eprintln!(
+                    "xtask: soak: {:>4}s SIGKILL the agent, start it again",
+                    started.elapsed().as_secs()
+                );
+                agent.kill();
+                agent = run.start_agent()?;
+                agent_restarts += 1;
+            }
+            1 => {
+                eprintln!(
+                    "xtask: soak: {:>4}s SIGKILL the handler, start it again",
+                    started.elapsed().as_secs()
+                );
+                handler.kill();
+                handler = run.start_handler()?;
+            }
+            2 => {
+                bad.push(
+                    run.start_bad_plugin(&format!("hang-{fault}.sock"), &["--get-info-hang"])?,
+                );
+            }
+            3 => {
+                let lie: &[&str] = match fault % 3 {
+                    0 => &["--huge-name-bytes", "1000000"],
+                    1 => &["--versions-count", "5000"],
+                    _ => &["--mode", "non-grpc"],
+                };
+                bad.push(run.start_bad_plugin(&format!("lie-{fault}.sock"), lie)?);
+            }
+            _ => {
+                let old = run.registry.join(format!("noise-{noise_round}"));
+                let _ = std::fs::remove_dir_all(&old);
+                noise_round += 1;
+                let new = run.registry.join(format!("noise-{noise_round}"));
+                std::fs::create_dir_all(&new)?;
+                for i in 0..500 {
+                    std::fs::write(new.join(format!("f{i}")), b"noise")?;
+                }
+            }
+        }
+        // Keep at most a few misbehaving plugins alive: each holds a failed entry.
+        while bad.len() > 4 {
+            bad.remove(0).terminate();
+        }
+    }
+
+    eprintln!("xtask: soak: churn paused; stopping misbehaving plugins and checking convergence");
+    host.command("pause")?;
+    let live: BTreeSet<PathBuf> = host
+        .live
+        .recv_timeout(Duration::from_secs(30))
+        .context("plugin-host did not list its live plugins")?
+        .into_iter()
+        .collect();
+    for mut b in bad.drain(..) {
+        b.terminate();
+    }
+    let converging = Instant::now();
+    let deadline = converging + Duration::from_secs(120);
+    let (listed, registered) = loop {
+        let entries = run.list().unwrap_or_default();
+        let listed: BTreeSet<PathBuf> = entries.iter().map(|(p, _)| p.clone()).collect();
+        let registered: BTreeSet<PathBuf> = entries
+            .iter()
+            .filter(|(_, s)| s == "registered")
+            .map(|(p, _)| p.clone())
+            .collect();
+        if (listed == live && registered == live) || Instant::now() > deadline {
+            break (listed, registered);
+        }
+        // Polling the operator API is this harness's convergence check (an operator's view).
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let converged_in = converging.elapsed();
+    if let Some(kib) = rss_kib(agent.pid()) {
+        last_memory.sample(kib);
+    }
+    let missing: Vec<_> = live.difference(&registered).collect();
+    let extra: Vec<_> = listed.difference(&live).collect();
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let growth = last_memory.end as i64 - last_memory.start.unwrap_or(0) as i64;
+    let flat = growth < 16 * 1024;
+    println!(
+        "soak: {:?}, source {}, {} plugins, churn {}/s",
+        options.duration, options.source, options.plugins, options.churn
+    );
+    println!(
+        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} lying plugins, {} noise rounds (500 files)",
+        counts[0], counts[1], counts[2], counts[3], counts[4]
+    );
+    println!(
+        "end: {} live plugins, {} listed, {} registered, {} missing, {} extra; converged {:.1}s after churn stopped",
+        live.len(),
+        listed.len(),
+        registered.len(),
+        missing.len(),
+        extra.len(),
+        converged_in.as_secs_f64()
+    );
+    println!(
+        "agent RSS, first instance: start {:.1} MiB, end {:.1} MiB, max {:.1} MiB",
+        mib(first_memory.start.unwrap_or(0)),
+        mib(first_memory.end),
+        mib(first_memory.max)
+    );
+    println!(
+        "agent RSS, second half (one instance): start {:.1} MiB, end {:.1} MiB, max {:.1} MiB, growth {:+.1} MiB ({})",
+        mib(last_memory.start.unwrap_or(0)),
+        mib(last_memory.end),
+        mib(last_memory.max),
+        growth as f64 / 1024.0,
+        if flat { "flat" } else { "GROWING" }
+    );
+    let Host {
+        mut guard, stdin, ..
+    } = host;
+    drop(stdin);
+    guard.terminate();
+    if !missing.is_empty() || !extra.is_empty() {
+        bail!(
+            "plugins lost: missing {missing:?}, extra {extra:?} (logs in {})",
+            run.dir.display()
+        );
+    }
+    if !flat {
+        bail!(
+            "agent memory grew by {:.1} MiB in the second half",
+            growth as f64 / 1024.0
+        );
+    }
+    Ok(())
+}
