@@ -12,6 +12,7 @@ mod deps;
 mod lint;
 mod run;
 mod shell;
+mod soak;
 mod test;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +43,8 @@ enum Command {
     Lint,
     /// Registration latency per event source and kubelet-like polling, side by side.
     Bench(bench::Options),
+    /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
+    Soak(soak::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,5 +56,6 @@ fn main() -> anyhow::Result<()> {
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
         Command::Bench(options) => bench::bench(&options),
+        Command::Soak(options) => soak::soak(&options),
     }
 }
