@@ -19,7 +19,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use plugin_agent::event_source::ebpf::{self, EbpfOptions, EbpfSource, HookChoice, HookFamily};
-use plugin_agent::event_source::{EventSource, FsEvent, WatchedDir};
+use plugin_agent::event_source::{
+    self, EventSource, FsEvent, SourceChoice, SourceKind, SourceOptions, WatchedDir,
+    monotonic_now_ns,
+};
 use tempfile::TempDir;
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -96,6 +99,12 @@ enum Action {
     /// Bind `dir/name` and `unlinkat` it again, as fast as possible for this many milliseconds,
     /// then print `syscalls=<count>`.
     BindUnlinkFor(PathBuf, String, u64),
+    /// Bind `dir/name` and `unlinkat` it again this many times, as fast as possible, then print
+    /// `syscalls=<count>`.
+    BindUnlinkCount(PathBuf, String, u64),
+    /// Bind `dir/<prefix>-<i>` for i in 0..count, one every this many microseconds, printing
+    /// `<name> <CLOCK_MONOTONIC ns when bind returned>` for each.
+    BindPaced(PathBuf, String, u64, u64),
 }
 
 impl Action {
@@ -130,6 +139,12 @@ impl Action {
             }
             Action::BindUnlinkFor(dir, name, ms) => {
                 format!("bind_unlink_for\t{}\t{name}\t{ms}", p(dir))
+            }
+            Action::BindUnlinkCount(dir, name, count) => {
+                format!("bind_unlink_count\t{}\t{name}\t{count}", p(dir))
+            }
+            Action::BindPaced(dir, prefix, count, gap_us) => {
+                format!("bind_paced\t{}\t{prefix}\t{count}\t{gap_us}", p(dir))
             }
         }
     }
@@ -209,6 +224,26 @@ impl Action {
                     syscalls += 2;
                 }
                 println!("syscalls={syscalls}");
+            }
+            ["bind_unlink_count", dir, name, count] => {
+                let path = Path::new(dir).join(name);
+                let dir = std::fs::File::open(dir).expect(dir);
+                let count: u64 = count.parse().expect(count);
+                for _ in 0..count {
+                    drop(UnixListener::bind(&path).expect(name));
+                    nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+                        .expect(name);
+                }
+                println!("syscalls={}", 2 * count);
+            }
+            ["bind_paced", dir, prefix, count, gap_us] => {
+                let gap = Duration::from_micros(gap_us.parse().expect(gap_us));
+                for i in 0..count.parse::<u64>().expect(count) {
+                    let name = format!("{prefix}-{i}");
+                    drop(UnixListener::bind(Path::new(dir).join(&name)).expect(&name));
+                    println!("{name} {}", monotonic_now_ns());
+                    std::thread::sleep(gap);
+                }
             }
             _ => panic!("unknown helper action {line:?}"),
         }
@@ -896,4 +931,279 @@ fn bind_unlink_loop(dir: &Path, name: &str, duration: Duration) -> u64 {
         .find_map(|line| line.split("syscalls=").nth(1))
         .and_then(|count| count.trim().parse().ok())
         .unwrap_or_else(|| panic!("helper printed no syscall count: {stdout}"))
+}
+
+// -------------------------------------------------------------------------------------------------
+// Steady load and the sources benchmark (`cargo xtask bench-sources`)
+
+/// A source under measurement, any kind, watching a fresh directory.
+struct Measured {
+    kind: SourceKind,
+    source: std::sync::Arc<dyn EventSource>,
+    /// The eBPF source's load timings (it is opened directly to read them).
+    load: Option<String>,
+    events: mpsc::Receiver<FsEvent>,
+    _stop: DropGuard,
+    _tmp: TempDir,
+    dir: PathBuf,
+}
+
+impl Measured {
+    async fn open(kind: SourceKind, channel: usize) -> Measured {
+        let tmp = tempfile::Builder::new()
+            .prefix("bench-sources-")
+            .tempdir()
+            .expect("tempdir");
+        let dir = tmp.path().join("plugins");
+        std::fs::create_dir(&dir).expect("mkdir plugins");
+        let (sink, events) = mpsc::channel(channel);
+        let cancel = CancellationToken::new();
+        let (source, load): (std::sync::Arc<dyn EventSource>, _) = match kind {
+            SourceKind::Ebpf => {
+                let source = ebpf::open(sink, cancel.clone(), EbpfOptions::default())
+                    .unwrap_or_else(|err| panic!("open the eBPF source: {err:#}"));
+                let load = source.load_timings().to_string();
+                (std::sync::Arc::new(source), Some(load))
+            }
+            other => {
+                let choice = SourceChoice::Only(other);
+                let options = SourceOptions::default();
+                let source = event_source::open(choice, sink, cancel.clone(), &options)
+                    .await
+                    .unwrap_or_else(|err| panic!("open the {other} source: {err:#}"));
+                (source, None)
+            }
+        };
+        source
+            .watch(&WatchedDir::stat(&dir).expect("stat plugins"))
+            .expect("watch");
+        Measured {
+            kind,
+            source,
+            load,
+            events,
+            _stop: cancel.drop_guard(),
+            _tmp: tmp,
+            dir,
+        }
+    }
+}
+
+/// Percentile `p` (0..=100) of sorted `values`.
+fn percentile(sorted: &[u64], p: usize) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) * p / 100).min(sorted.len() - 1)]
+}
+
+/// Detection latency at idle: binds spaced `gap` apart by a helper process.
+struct Latency {
+    /// Syscall return (helper's `CLOCK_MONOTONIC` after `bind`) to receipt, ns, sorted.
+    from_return: Vec<u64>,
+    /// Kernel timestamp (`bpf_ktime_get_ns` at the syscall's exit) to receipt, ns, sorted (eBPF).
+    from_kernel: Vec<u64>,
+}
+
+async fn idle_latency(m: &mut Measured, samples: u64, gap: Duration) -> Latency {
+    let dir = m.dir.clone();
+    let gap_us = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX);
+    let helper = std::thread::spawn(move || {
+        run_helper(&[Action::BindPaced(dir, "lat".into(), samples, gap_us)])
+    });
+    let mut received = std::collections::HashMap::new();
+    while (received.len() as u64) < samples {
+        let event = tokio::time::timeout(STEP_TIMEOUT, m.events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{}: {} of {samples} binds seen", m.kind, received.len()))
+            .expect("source closed its channel");
+        let now = monotonic_now_ns();
+        if let FsEvent::Created { path, observed } = event {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            if let Some(name) = name.filter(|n| n.starts_with("lat-")) {
+                received.insert(name, (now, observed.kernel_ns));
+            }
+        }
+    }
+    let stdout = helper.join().expect("latency helper");
+    let mut latency = Latency {
+        from_return: Vec::new(),
+        from_kernel: Vec::new(),
+    };
+    for line in stdout.lines() {
+        // The last two fields: libtest may print its own text earlier on the same line.
+        let mut fields = line.split(' ').rev();
+        let (Some(sent), Some(name)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let (Ok(sent), Some(&(got, kernel))) = (sent.parse::<u64>(), received.get(name)) else {
+            continue;
+        };
+        // The reader can get the event before the helper reads its clock after bind returns.
+        latency.from_return.push(got.saturating_sub(sent));
+        if let Some(kernel) = kernel {
+            latency.from_kernel.push(got.saturating_sub(kernel));
+        }
+    }
+    latency.from_return.sort_unstable();
+    latency.from_kernel.sort_unstable();
+    latency
+}
+
+/// What a churn run delivered.
+#[derive(Debug)]
+struct Churn {
+    /// bind + unlink syscalls the helpers made.
+    syscalls: u64,
+    /// Created / Removed / NameChanged events received before the end sentinel.
+    events: u64,
+    /// Rescans received (each covers what was lost).
+    rescans: u64,
+    /// From the helpers' start to the end sentinel's receipt.
+    elapsed: Duration,
+    /// The source's dropped counter afterwards.
+    dropped: u64,
+}
+
+/// `processes` helper processes each bind and unlink one name `pairs` times in the watched
+/// directory, as fast as they can, while this task consumes; then a last helper binds a sentinel,
+/// and the run ends when the sentinel's event arrives.
+async fn churn(m: &mut Measured, processes: u64, pairs: u64) -> Churn {
+    let start = Instant::now();
+    let helpers: Vec<_> = (0..processes)
+        .map(|i| {
+            let dir = m.dir.clone();
+            std::thread::spawn(move || {
+                let stdout = run_helper(&[Action::BindUnlinkCount(dir, format!("c{i}"), pairs)]);
+                stdout
+                    .lines()
+                    .find_map(|line| line.split("syscalls=").nth(1))
+                    .and_then(|count| count.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            })
+        })
+        .collect();
+    let sentinel = m.dir.join("done.sock");
+    let mut sentinel_helper = None;
+    let (mut events, mut rescans) = (0u64, 0u64);
+    loop {
+        if sentinel_helper.is_none() && helpers.iter().all(|h| h.is_finished()) {
+            let sentinel = sentinel.clone();
+            sentinel_helper = Some(std::thread::spawn(move || {
+                run_helper(&[Action::Bind(sentinel)])
+            }));
+        }
+        let event = match tokio::time::timeout(Duration::from_millis(50), m.events.recv()).await {
+            Ok(event) => event.expect("source closed its channel"),
+            Err(_) if start.elapsed() > 10 * STEP_TIMEOUT => {
+                panic!("{}: no end sentinel after {events} events", m.kind)
+            }
+            Err(_) => continue,
+        };
+        match event {
+            FsEvent::Created { ref path, .. } if path == &sentinel => break,
+            FsEvent::Rescan { reason } => {
+                rescans += 1;
+                eprintln!("{}: rescan: {reason}", m.kind);
+            }
+            _ => events += 1,
+        }
+    }
+    let elapsed = start.elapsed();
+    let syscalls = helpers
+        .into_iter()
+        .map(|h| h.join().expect("churn helper"))
+        .sum();
+    if let Some(helper) = sentinel_helper {
+        helper.join().expect("sentinel helper");
+    }
+    Churn {
+        syscalls,
+        events,
+        rescans,
+        elapsed,
+        dropped: m.source.stats().dropped,
+    }
+}
+
+/// The default 4 MiB ring at full churn from two processes, with the consumer keeping up: nothing
+/// is lost, so every bind and unlink is reported; and if the kernel ever did drop, the drop is
+/// counted and a rescan was sent (so the watcher converges on the directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_ring_loses_nothing_under_full_churn_from_two_processes() {
+    if !can_run() {
+        return;
+    }
+    let mut m = Measured::open(SourceKind::Ebpf, 4096).await;
+    let result = churn(&mut m, 2, 20_000).await;
+    eprintln!("steady load: {result:?}");
+    assert_eq!(result.syscalls, 80_000, "{result:?}");
+    assert_eq!(result.rescans > 0, result.dropped > 0, "{result:?}");
+    if result.rescans == 0 {
+        assert_eq!(result.events, result.syscalls, "{result:?}");
+    }
+    // Only the sentinel is left: the directory the watcher would converge on.
+    let left: Vec<_> = std::fs::read_dir(&m.dir)
+        .expect("read plugins")
+        .filter_map(|e| e.ok().map(|e| e.file_name()))
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("done.sock")]);
+}
+
+/// Detection latency at idle and sustained throughput under churn, eBPF vs fanotify vs inotify in
+/// one run; writes JSON to `$BENCH_SOURCES_OUT` (default: stdout only). Run by
+/// `cargo xtask bench-sources`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run by cargo xtask bench-sources"]
+async fn bench_sources() {
+    if !can_run() {
+        return;
+    }
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let samples = env("BENCH_SOURCES_SAMPLES", 500);
+    let pairs = env("BENCH_SOURCES_PAIRS", 100_000);
+    let mut rows = Vec::new();
+    for kind in [SourceKind::Ebpf, SourceKind::Fanotify, SourceKind::Inotify] {
+        let mut m = Measured::open(kind, 4096).await;
+        let latency = idle_latency(&mut m, samples, Duration::from_millis(5)).await;
+        // 100,000 bind+unlink pairs in total, from two processes.
+        let result = churn(&mut m, 2, pairs / 2).await;
+        let seconds = result.elapsed.as_secs_f64();
+        let row = serde_json::json!({
+            "source": kind.as_str(),
+            "latency_samples": latency.from_return.len(),
+            "latency_from_syscall_return_us": {
+                "p50": percentile(&latency.from_return, 50) as f64 / 1000.0,
+                "p99": percentile(&latency.from_return, 99) as f64 / 1000.0,
+            },
+            "latency_from_kernel_timestamp_us": (!latency.from_kernel.is_empty()).then(|| serde_json::json!({
+                "p50": percentile(&latency.from_kernel, 50) as f64 / 1000.0,
+                "p99": percentile(&latency.from_kernel, 99) as f64 / 1000.0,
+            })),
+            "churn_pairs": pairs,
+            "churn_processes": 2,
+            "churn_syscalls": result.syscalls,
+            "churn_events_received": result.events,
+            "churn_seconds": seconds,
+            "syscall_events_per_second": result.syscalls as f64 / seconds,
+            "events_received_per_second": result.events as f64 / seconds,
+            "rescans": result.rescans,
+            "kernel_dropped": result.dropped,
+            "load": m.load,
+            "describe": m.source.describe(),
+        });
+        eprintln!("{row}");
+        rows.push(row);
+    }
+    let report = serde_json::json!({ "sources": rows });
+    let text = serde_json::to_string_pretty(&report).expect("serialise the report");
+    match std::env::var_os("BENCH_SOURCES_OUT") {
+        Some(path) => std::fs::write(&path, text).expect("write BENCH_SOURCES_OUT"),
+        None => println!("{text}"),
+    }
 }
