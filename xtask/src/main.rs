@@ -6,6 +6,7 @@
 //! and install what a fresh machine lacks. See ../shared/ebpf-toolchain.md for why.
 
 mod bench;
+mod bench_sources;
 mod build;
 mod build_ebpf;
 mod deps;
@@ -43,6 +44,8 @@ enum Command {
     Lint,
     /// Registration latency per event source and kubelet-like polling, side by side.
     Bench(bench::Options),
+    /// Event sources alone: detection latency and throughput, eBPF vs fanotify vs inotify.
+    BenchSources(bench_sources::Options),
     /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
     Soak(soak::Options),
 }
@@ -56,6 +59,7 @@ fn main() -> anyhow::Result<()> {
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
         Command::Bench(options) => bench::bench(&options),
+        Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),
     }
 }
