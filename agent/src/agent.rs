@@ -103,7 +103,7 @@ impl RunningAgent {
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL);
         let source = event_source::open(
             config.source,
-            events_tx.clone(),
+            events_tx,
             cancel.child_token(),
             &config.source_options,
         )
@@ -127,6 +127,15 @@ impl RunningAgent {
             telemetry.clone(),
             cancel.child_token(),
         );
+        let watcher = Watcher::new(
+            config.plugin_dir.clone(),
+            source.clone(),
+            desired.clone(),
+            queue.clone(),
+            events.clone(),
+            watcher_stats.clone(),
+            telemetry.clone(),
+        );
         let reconciler = Reconciler::new(
             desired.clone(),
             actual.clone(),
@@ -134,17 +143,9 @@ impl RunningAgent {
             queue.clone(),
             config.reconcile_mode,
             config.safety_period,
-            Some(events_tx),
+            Some(watcher.rescan_requests()),
         );
-        let watcher = Watcher::new(
-            config.plugin_dir.clone(),
-            source.clone(),
-            desired.clone(),
-            queue,
-            events.clone(),
-            watcher_stats.clone(),
-            telemetry.clone(),
-        );
+
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();

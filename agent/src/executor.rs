@@ -247,9 +247,10 @@ impl OperationExecutor {
         {
             return Start::BackingOff { until };
         }
-        if let Err(running) = self.claim(path, OperationKind::Register) {
-            return Start::AlreadyRunning(running);
-        }
+        let claim = match self.claim(path, OperationKind::Register) {
+            Ok(claim) => claim,
+            Err(running) => return Start::AlreadyRunning(running),
+        };
         let this = self.clone();
         let path = path.to_path_buf();
         let attempt = self
@@ -270,6 +271,7 @@ impl OperationExecutor {
         }
         self.tasks.spawn(
             async move {
+                let _claim = claim;
                 let Ok(_slot) = this.slots.clone().acquire_owned().await else { return };
                 let started = Instant::now();
                 let result = this.run_register(&path, &desired).await;
@@ -292,7 +294,6 @@ impl OperationExecutor {
                     }
                     Err(error) => this.failed(&path, &desired, error),
                 }
-                this.finish(&path);
             }
             .instrument(span),
         );
@@ -301,9 +302,10 @@ impl OperationExecutor {
 
     /// Starts deregistering `registered` from `path` unless an operation for it runs.
     pub fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
-        if let Err(running) = self.claim(path, OperationKind::Deregister) {
-            return Start::AlreadyRunning(running);
-        }
+        let claim = match self.claim(path, OperationKind::Deregister) {
+            Ok(claim) => claim,
+            Err(running) => return Start::AlreadyRunning(running),
+        };
         let this = self.clone();
         let path = path.to_path_buf();
         let span = info_span!(
@@ -316,11 +318,11 @@ impl OperationExecutor {
         }
         self.tasks.spawn(
             async move {
+                let _claim = claim;
                 let Ok(_slot) = this.slots.clone().acquire_owned().await else {
                     return;
                 };
                 this.run_deregister(&path, registered).await;
-                this.finish(&path);
             }
             .instrument(span),
         );
@@ -616,13 +618,21 @@ impl OperationExecutor {
         result
     }
 
-    fn claim(&self, path: &Path, kind: OperationKind) -> Result<(), OperationKind> {
+    /// Claims `path` for one operation, or says which operation holds it.
+    fn claim(
+        self: &Arc<Self>,
+        path: &Path,
+        kind: OperationKind,
+    ) -> Result<InFlight, OperationKind> {
         let mut in_flight = self.lock_in_flight();
         if let Some(running) = in_flight.get(path) {
             return Err(*running);
         }
         in_flight.insert(path.to_path_buf(), kind);
-        Ok(())
+        Ok(InFlight {
+            executor: self.clone(),
+            path: path.to_path_buf(),
+        })
     }
 
     fn finish(&self, path: &Path) {
@@ -651,6 +661,20 @@ fn handler_error(call: HandlerCall, error: HandlerError, plugin: &Plugin) -> Reg
         } else {
             rejected
         },
+    }
+}
+
+/// An operation's claim on its socket path. Released when the operation ends, however it ends (a
+/// panic included: otherwise the path would stay claimed and no pass would ever retry it), and
+/// the path is then looked at again.
+struct InFlight {
+    executor: Arc<OperationExecutor>,
+    path: PathBuf,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.executor.finish(&self.path);
     }
 }
 

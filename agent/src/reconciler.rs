@@ -11,7 +11,6 @@
 //! of the new socket follows when that operation has finished (the executor allows one operation
 //! per path, and marks the path again when it ends).
 
-use crate::event_source::FsEvent;
 use crate::executor::OperationExecutor;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
@@ -19,7 +18,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, trace};
 
@@ -106,7 +105,7 @@ pub struct Reconciler {
     queue: Arc<ReconcileQueue>,
     mode: ReconcileMode,
     safety_period: Duration,
-    rescan: Option<mpsc::Sender<FsEvent>>,
+    rescan: Option<Arc<Notify>>,
 }
 
 impl Reconciler {
@@ -123,7 +122,7 @@ impl Reconciler {
         queue: Arc<ReconcileQueue>,
         mode: ReconcileMode,
         safety_period: Duration,
-        rescan: Option<mpsc::Sender<FsEvent>>,
+        rescan: Option<Arc<Notify>>,
     ) -> Self {
         Reconciler {
             desired,
@@ -154,7 +153,8 @@ impl Reconciler {
                     if self.mode == ReconcileMode::Event
                         && let Some(rescan) = &self.rescan
                     {
-                        let _ = rescan.try_send(FsEvent::Rescan { reason: crate::watcher::PERIODIC_RESCAN.into() });
+                        // A stored permit: the request survives a watcher that is busy now.
+                        rescan.notify_one();
                     }
                 }
             }

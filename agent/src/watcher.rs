@@ -53,6 +53,13 @@ pub struct Watcher {
     desired: Arc<DesiredState>,
     queue: Arc<ReconcileQueue>,
     dirs: HashMap<PathBuf, WatchedDir>,
+    /// The root's parent, watched only so that the root's own removal and re-creation are seen
+    /// by every source (a source reports changes *inside* the directories it watches); events for
+    /// the root's siblings are ignored.
+    anchor: Option<WatchedDir>,
+    /// Full re-walks asked for by the reconciler's safety pass (a stored permit: never lost,
+    /// even while the event channel is full).
+    rescan_requests: Arc<tokio::sync::Notify>,
     events: EventBus,
     stats: Arc<WatcherStats>,
     telemetry: Arc<Telemetry>,
@@ -95,10 +102,17 @@ impl Watcher {
             desired,
             queue,
             dirs: HashMap::new(),
+            anchor: None,
+            rescan_requests: Arc::default(),
             events,
             stats,
             telemetry,
         }
+    }
+
+    /// Where the reconciler's safety pass asks for a full re-walk.
+    pub fn rescan_requests(&self) -> Arc<tokio::sync::Notify> {
+        self.rescan_requests.clone()
     }
 
     /// Creates the root if missing, watches and walks it, then follows `events` until `cancel`.
@@ -112,9 +126,14 @@ impl Watcher {
         self.rescan("start");
         on_ready();
         let mut batch = Vec::with_capacity(BATCH);
+        let rescan_requests = self.rescan_requests.clone();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
+                _ = rescan_requests.notified() => {
+                    self.rescan(PERIODIC_RESCAN);
+                    continue;
+                }
                 received = events.recv_many(&mut batch, BATCH) => {
                     if received == 0 {
                         anyhow::bail!("event source {} stopped", self.source.kind());
@@ -177,7 +196,9 @@ impl Watcher {
         if name.as_bytes().contains(&b'/') {
             return;
         }
-        let candidates: Vec<PathBuf> = self.dirs.keys().map(|dir| dir.join(name)).collect();
+        // The anchor too: the name may be the root's own.
+        let dirs = self.dirs.keys().chain(self.anchor.iter().map(|a| &a.path));
+        let candidates: Vec<PathBuf> = dirs.map(|dir| dir.join(name)).collect();
         for path in candidates {
             self.check(&path, observed);
         }
@@ -319,6 +340,28 @@ impl Watcher {
         }
     }
 
+    /// Watches the root's parent (once) and tells the source the root's name is present there.
+    fn watch_anchor(&mut self) {
+        if self.anchor.is_none()
+            && let Some(parent) = self.root.parent().filter(|p| !p.as_os_str().is_empty())
+        {
+            match WatchedDir::stat(parent) {
+                Ok(anchor) => match self.source.watch(&anchor) {
+                    Ok(()) => self.anchor = Some(anchor),
+                    Err(e) => {
+                        debug!(dir = %parent.display(), error = %e, "cannot watch the root's parent; root removal is found by rescans")
+                    }
+                },
+                Err(e) => {
+                    debug!(dir = %parent.display(), error = %e, "cannot stat the root's parent")
+                }
+            }
+        }
+        if let (Some(anchor), Some(name)) = (&self.anchor, self.root.file_name()) {
+            self.source.entry_present(anchor, name);
+        }
+    }
+
     /// Walks the whole tree and makes desired state and the watched set equal to it.
     fn rescan(&mut self, reason: &str) {
         self.stats.rescans.fetch_add(1, Ordering::Relaxed);
@@ -332,6 +375,7 @@ impl Watcher {
         if let Err(e) = ensure_root(&self.root) {
             warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
         }
+        self.watch_anchor();
         let mut found = Vec::new();
         let mut seen_dirs = HashSet::new();
         self.walk(&self.root.clone(), &mut found, &mut seen_dirs);

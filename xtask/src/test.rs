@@ -26,7 +26,7 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
     }
     let mut command = shell::cargo();
     command
-        .args(["test", "--workspace"])
+        .args(["test", "--workspace", "--no-fail-fast"])
         .args(&options.cargo_args);
     build::with_ebpf_object(&mut command, &object);
     shell::run(&mut command)
