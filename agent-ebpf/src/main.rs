@@ -108,7 +108,7 @@ mod programs {
     const AF_UNIX: u16 = 1;
     const AT_FDCWD: i64 = -100;
     /// Directories walked up from a bound socket looking for a watched one.
-    const MAX_DEPTH: usize = 4;
+    const MAX_DEPTH: usize = 8;
     const RENAME_EXCHANGE: u64 = 2;
     const S_IFMT: u64 = 0o170000;
     const S_IFSOCK: u64 = 0o140000;
