@@ -7,6 +7,7 @@ use plugin_agent::telemetry::logging;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    raise_nofile_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -18,7 +19,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     // The trace exporter's batch task lives on the runtime: set up logging inside it.
-    let traces = {
+    let logging = {
         let _runtime = runtime.enter();
         let format = match cli.log_format {
             LogFormat::Text => logging::Format::Text,
@@ -38,14 +39,33 @@ fn main() -> std::process::ExitCode {
         )
     };
     let result = runtime.block_on(cli::execute(cli));
-    if let Some(traces) = traces {
-        traces.shutdown();
-    }
-    match result {
+    let code = match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "plugin-agent failed");
             std::process::ExitCode::FAILURE
+        }
+    };
+    logging.shutdown();
+    code
+}
+
+/// Raises the soft open-file limit to the hard limit. Each registration holds a connection to
+/// its plugin while it runs (up to `--max-concurrent` at once), on top of the event source's
+/// descriptors; a soft limit of 1024 (systemd's default) would turn a burst of plugins into
+/// `EMFILE` failures and backoff. The hard limit is the operator's bound and is left alone.
+fn raise_nofile_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them. A failure
+    // leaves the limit as it was (logging is not set up yet; EMFILE would then say so per plugin).
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
     }
 }

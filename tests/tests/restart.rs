@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 per_source!(
     converges_after_sigkill_with_1000_plugins_and_handlers_see_one_refresh_each
-        [ebpf: #[ignore = "agent bug (eBPF source, found here): with 1,000 plugins binding in a burst after start, 10 were never registered within 120 s (safety pass included)"]],
+        [ebpf: #[ignore = "under investigation: on eBPF, plugin-host reports 996-997 of 1,000 Notify(true) while the agent's admin API lists all 1,000 registered at that moment (a registration stands only if Notify(true) succeeded): the gap is between the host and the harness, not in the agent (inotify and fanotify pass)"]],
 );
 
 const PLUGINS: usize = 1000;

@@ -29,20 +29,28 @@ pub enum Format {
 /// `otlp_endpoint` is `--otlp-endpoint`. With `traces_allowed` (the `run` command), traces are
 /// exported when [`otlp::wanted`] says so; if their pipeline cannot be built the agent runs
 /// without them and says why. Must run inside the tokio runtime when traces may be on. Returns
-/// the trace pipeline, to shut down at exit.
+/// the trace pipeline and the log writer, to shut down (flush) at exit.
+///
+/// Log lines go to stderr through a non-blocking writer: a background thread writes them, and
+/// when it falls behind (a slow journald or container log pipe) lines are dropped rather than
+/// blocking the agent's threads, which would stall registrations until their deadlines expire.
 pub fn init(
     format: Format,
     level: Option<&str>,
     otlp_endpoint: Option<&str>,
     traces_allowed: bool,
-) -> Option<Traces> {
+) -> Logging {
     let filter = match level {
         Some(level) => EnvFilter::new(level),
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
+    let (writer, log_flush) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_BUFFER_LINES)
+        .finish(std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     let fmt = match format {
         Format::Text => fmt.with_filter(filter).boxed(),
         Format::Json => fmt
@@ -77,5 +85,24 @@ pub fn init(
         (None, Some(error)) => tracing::warn!(%error, "traces are off"),
         (None, None) => {}
     }
-    traces
+    Logging { traces, log_flush }
+}
+
+/// Log lines buffered for the writer thread before new ones are dropped.
+const LOG_BUFFER_LINES: usize = 64 * 1024;
+
+/// What [`init`] set up; [`Logging::shutdown`] flushes it at exit.
+pub struct Logging {
+    traces: Option<Traces>,
+    log_flush: tracing_appender::non_blocking::WorkerGuard,
+}
+
+impl Logging {
+    /// Exports the remaining spans and writes the remaining log lines.
+    pub fn shutdown(self) {
+        if let Some(traces) = self.traces {
+            traces.shutdown();
+        }
+        drop(self.log_flush);
+    }
 }
