@@ -22,4 +22,5 @@ pub mod reconciler;
 pub mod registration;
 pub mod state;
 pub mod telemetry;
+pub mod unix_channel;
 pub mod watcher;

@@ -65,20 +65,7 @@ impl GrpcHandler {
     pub fn new(target: &str) -> Result<GrpcHandler, String> {
         let address = Address::parse(target)?;
         let channel = match &address {
-            Address::Unix(path) => {
-                let path = path.clone();
-                // The URI is required but unused: the connector dials the socket.
-                Endpoint::from_static("http://handler.invalid").connect_with_connector_lazy(
-                    tower::service_fn(move |_| {
-                        let path = path.clone();
-                        async move {
-                            tokio::net::UnixStream::connect(path)
-                                .await
-                                .map(hyper_util::rt::TokioIo::new)
-                        }
-                    }),
-                )
-            }
+            Address::Unix(path) => crate::unix_channel::lazy(path.clone()),
             Address::Http(uri) => Endpoint::from_shared(uri.clone())
                 .map_err(|e| format!("{target:?}: {e}"))?
                 .connect_timeout(Duration::from_secs(5))
