@@ -65,6 +65,18 @@ impl PluginHost {
         self.events.mark()
     }
 
+    /// How many distinct plugins printed Notify(true) since `mark`.
+    pub fn notified_since(&self, mark: Mark) -> usize {
+        self.events
+            .matching_since(mark, |l| {
+                l.event() == "notify" && l.flag("registered") == Some(true)
+            })
+            .iter()
+            .filter_map(|l| l.field("socket"))
+            .collect::<std::collections::HashSet<String>>()
+            .len()
+    }
+
     /// Waits until `n` distinct sockets were told `registered=true` after `mark`.
     pub async fn wait_registered(&self, mark: Mark, n: usize, timeout: Duration) -> Duration {
         let started = Instant::now();
