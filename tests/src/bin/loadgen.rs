@@ -1,222 +1,377 @@
-//! Load generator: hosts many real kubelet-compatible plugins in one process, each serving
-//! `pluginregistration` on its own socket, and measures how long each waits from `listen` to
-//! `NotifyRegistrationStatus(true)`.
+//! Load generator: starts a `plugin-agent` under test, hosts thousands of real kubelet plugins
+//! (each serving `pluginregistration` on its own socket) in a few worker processes, drives a
+//! scenario, and measures what the agent did and what it cost.
 //!
-//! The agent under test runs separately (`cargo xtask bench` starts it). Before measuring, one
-//! warm-up plugin must register, which proves the agent is watching.
+//! ```text
+//! loadgen run --scenario churn --agent target/release/plugin-agent -- --source ebpf
+//!   coordinator ── stdin: start/stop ──> workers (copies of loadgen: `loadgen worker`)
+//!        ^  <───── stdout: serving/notified/stopped (wall clock ns) ──'
+//!        '──── admin API WatchEvents / ListPlugins ──── plugin-agent ── /proc/<pid>: CPU, RSS, wake-ups
+//! ```
 //!
-//! Scenarios:
-//! - `sequential`: one plugin at a time: create, wait for its notification, next.
-//! - `burst`: create `count` plugins as fast as possible, wait for all.
-//!
-//! Prints one JSON object on stdout: the scenario, counts and latency percentiles in microseconds.
+//! Scenarios are in `scenarios`, measures in `summary`. stdout carries progress lines, then one
+//! JSON object: the result. Each phase:
+//! 1. start the agent (and, for `slow-handler`, the example DRA handler it calls);
+//! 2. one warm-up plugin must register: the agent watches; the CPU/wake-up baseline is read;
+//! 3. the scenario's load; then wait (bounded) until every live plugin is registered;
+//! 4. idle: nothing changes for `--idle`; CPU, wake-ups and RSS with all plugins registered;
+//! 5. every plugin goes away; wait (bounded by `--stale-bound`) for deregistrations, then ask
+//!    the agent what it still lists (stale).
 
-use clap::{Parser, ValueEnum};
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+#[path = "../loadgen/admin.rs"]
+mod admin;
+#[path = "../loadgen/agent.rs"]
+mod agent;
+#[path = "../loadgen/ledger.rs"]
+mod ledger;
+#[path = "../loadgen/plugins.rs"]
+mod plugins;
+#[path = "../loadgen/procfs.rs"]
+mod procfs;
+#[path = "../loadgen/progress.rs"]
+mod progress;
+#[path = "../loadgen/scenarios.rs"]
+mod scenarios;
+#[path = "../loadgen/summary.rs"]
+mod summary;
+#[path = "../loadgen/workers.rs"]
+mod workers;
+
+use agent::AgentUnderTest;
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use ledger::SharedLedger;
+use plugins::{Announce, now_ns};
+use progress::Progress;
+use scenarios::{Params, Scenario};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
 
 #[derive(Parser, Debug)]
-#[command(about = "Hosts many kubelet plugins and measures listen -> Notify(true) latency")]
-struct Args {
-    /// The agent's plugin directory.
-    #[arg(long)]
-    plugin_dir: PathBuf,
+#[command(
+    about = "Mass plugin churn against plugin-agent: latency, loss, duplicates, cost",
+    // A later `--count` wins over an earlier one (xtask appends overrides to its defaults).
+    args_override_self = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start an agent, run a scenario against it, print the result as JSON.
+    Run(Box<RunArgs>),
+    /// Host plugins for a coordinator (internal: spawned by `run`).
+    Worker {
+        #[arg(long)]
+        plugin_dir: PathBuf,
+        #[arg(long)]
+        plugin_type: String,
+        #[arg(long, value_delimiter = ',')]
+        versions: Vec<String>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
     /// What to run.
     #[arg(long, value_enum)]
     scenario: Scenario,
-    /// Plugins to create.
-    #[arg(long, default_value_t = 100)]
-    count: usize,
-    /// Plugin type announced.
-    #[arg(long, default_value = "CSIPlugin")]
-    plugin_type: String,
-    /// Give up waiting for any one notification after this long.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    timeout: Duration,
+    /// The `plugin-agent` binary.
+    #[arg(long)]
+    agent: PathBuf,
+    /// A name for this agent configuration, copied into the result (`ebpf`, `polling`...).
+    #[arg(long, default_value = "agent")]
+    label: String,
+    /// Worker processes hosting the plugins.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Where the plugin directory, admin socket and agent log go (default: a fresh temporary
+    /// directory, removed afterwards).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Write one CSV row per plugin here.
+    #[arg(long)]
+    per_plugin_out: Option<PathBuf>,
+    /// Quiet period measured after the load (CPU, wake-ups, RSS with every plugin registered).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    idle: Duration,
+    /// A plugin gone longer than this and still registered is stale.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    stale_bound: Duration,
+    /// A plugin alive this long while the agent is up and never registered is lost.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    lost_bound: Duration,
+    #[command(flatten)]
+    params: Params,
+    /// Arguments for `plugin-agent run` (`--source ebpf`, `--reconcile-mode polling`...).
+    #[arg(last = true)]
+    agent_args: Vec<String>,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Scenario {
-    Sequential,
-    Burst,
-}
-
-/// One plugin's `NotifyRegistrationStatus`, with when it arrived.
-struct Notified {
-    index: usize,
-    registered: bool,
-    at: Instant,
-}
-
-#[derive(Clone)]
-struct Plugin {
-    index: usize,
-    info: PluginInfo,
-    notified: mpsc::UnboundedSender<Notified>,
-}
-
-#[tonic::async_trait]
-impl Registration for Plugin {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.info.clone()))
+fn main() -> anyhow::Result<()> {
+    raise_nofile_limit();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Command::Worker {
+            plugin_dir,
+            plugin_type,
+            versions,
+        } => runtime.block_on(workers::serve(
+            plugin_dir,
+            Announce {
+                plugin_type,
+                versions,
+            },
+        )),
+        Command::Run(args) => {
+            let result = runtime.block_on(run(&args))?;
+            println!("{result}");
+            Ok(())
+        }
     }
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let at = Instant::now();
-        let registered = request.into_inner().plugin_registered;
-        let _ = self.notified.send(Notified {
-            index: self.index,
-            registered,
-            at,
-        });
-        Ok(tonic::Response::new(RegistrationStatusResponse {}))
-    }
 }
 
-/// Binds and serves plugin `index`; returns when it is listening, with the listen instant.
-fn start_plugin(
-    args: &Args,
-    index: usize,
-    notified: &mpsc::UnboundedSender<Notified>,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<Instant> {
-    let socket = args.plugin_dir.join(format!("loadgen-{index}.sock"));
-    let _ = std::fs::remove_file(&socket);
-    let listener = tokio::net::UnixListener::bind(&socket)?;
-    let listening = Instant::now();
-    let plugin = Plugin {
-        index,
-        info: PluginInfo {
-            r#type: args.plugin_type.clone(),
-            name: format!("loadgen-{index}"),
-            endpoint: String::new(),
-            supported_versions: vec!["1.0.0".into()],
-        },
-        notified: notified.clone(),
+/// Thousands of sockets need thousands of descriptors: soft limit up to the hard limit.
+fn raise_nofile_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
     };
-    let stop = shutdown.clone().cancelled_owned();
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(plugin))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                stop,
-            )
-            .await;
-    });
-    Ok(listening)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> u128 {
-    if sorted.is_empty() {
-        return 0;
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
     }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1].as_micros()
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let shutdown = CancellationToken::new();
-    let (tx, mut rx) = mpsc::unbounded_channel();
+/// Removes the temporary work directory when the run ends, whichever way.
+struct WorkDir {
+    path: PathBuf,
+    remove: bool,
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
+    let work = match &args.work_dir {
+        Some(path) => WorkDir {
+            path: path.clone(),
+            remove: false,
+        },
+        None => WorkDir {
+            path: tempfile::Builder::new()
+                .prefix("loadgen-")
+                .tempdir()?
+                .keep(),
+            remove: true,
+        },
+    };
+    let plugin_dir = work.path.join("plugins");
+    std::fs::create_dir_all(&plugin_dir)?;
+
+    let mut agent_args = args.agent_args.clone();
+    let (announce, _handler) = if args.scenario == Scenario::SlowHandler {
+        let (handler, target) = start_slow_handler(&work.path, args.params.handler_delay).await?;
+        agent_args.extend(["--handler".into(), format!("DRAPlugin={target}")]);
+        let announce = Announce {
+            plugin_type: "DRAPlugin".into(),
+            versions: vec!["v1.DRAPlugin".into()],
+        };
+        (announce, Some(handler))
+    } else {
+        agent_args.extend(["--handler".into(), "CSIPlugin=accept-all".into()]);
+        let announce = Announce {
+            plugin_type: "CSIPlugin".into(),
+            versions: vec!["1.0.0".into()],
+        };
+        (announce, None)
+    };
+
+    let ledger = SharedLedger::default();
+    let (reports_tx, mut reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let reports_ledger = ledger.clone();
+    tokio::spawn(async move {
+        while let Some(report) = reports_rx.recv().await {
+            reports_ledger.report(report);
+        }
+    });
+    let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
+
+    let mut agent = AgentUnderTest::new(
+        args.agent.clone(),
+        plugin_dir.clone(),
+        &work.path,
+        agent_args,
+    );
+    agent.start().await?;
+    admin::follow(&agent.admin_socket, ledger.clone()).await?;
+    ledger.lock().agent_up.push((now_ns(), None));
+    let pid = agent.pid().context("agent pid")?;
 
     // Warm-up: proves the agent watches the directory before anything is measured.
-    let warmup = args.count;
-    start_plugin(&args, warmup, &tx, &shutdown)?;
+    pool.start(0, Duration::ZERO).await?;
+    pool.flush().await?;
+    let warm = ledger
+        .wait_for(Duration::from_secs(60), |l| {
+            l.plugins.get(&0).is_some_and(|r| !r.notified.is_empty())
+        })
+        .await;
+    anyhow::ensure!(warm, "the warm-up plugin was not registered within 60 s");
+    let before = procfs::sample(pid)?;
+
+    let mut progress = Progress::new();
+    let mut agent_slot = Some(agent);
+    let mut ctx = scenarios::Ctx {
+        pool: &mut pool,
+        ledger: &ledger,
+        progress: &mut progress,
+        plugin_dir: &plugin_dir,
+        agent: &mut agent_slot,
+        next_id: 1,
+    };
+    let load_started = now_ns();
+    scenarios::run(args.scenario, &args.params, &mut ctx).await?;
+    let created = ctx.next_id;
+    let mut agent = agent_slot.context("agent lost by the scenario")?;
+    let pid = agent.pid().unwrap_or(pid);
+
+    // Everything alive should register; the wait is bounded and the shortfall is measured.
+    let alive = |l: &ledger::Ledger| {
+        (1..created)
+            .filter(|id| {
+                // Not yet reported serving counts as waiting too; gone or failed to start does not.
+                !l.plugins.get(id).is_some_and(|r| {
+                    r.stopped_ns.is_some() || !r.notified.is_empty() || r.error.is_some()
+                })
+            })
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + args.params.timeout;
+    while !ledger
+        .check_every(Duration::from_millis(50), Duration::from_millis(200), |l| {
+            alive(l) == 0
+        })
+        .await
+        && tokio::time::Instant::now() < deadline
+    {
+        let registered = ledger.lock().registered as u64;
+        progress.set("registering", registered.min(created - 1), created - 1);
+    }
+    let loaded = procfs::sample(pid)?;
+    let load_usage = loaded.since(&before);
+
+    // Idle: a timer is the point here (a quiet window), not a wait for an event.
+    progress.set("idle", 0, 1);
+    let idle_start = procfs::sample(pid)?;
+    tokio::time::sleep(args.idle).await;
+    let idle = procfs::sample(pid)?.since(&idle_start);
+
+    // Everything goes away; deregistrations are awaited up to the stale bound.
+    progress.set("removing", 0, 1);
+    let to_stop: Vec<u64> = {
+        let l = ledger.lock();
+        (0..created)
+            .filter(|id| l.plugins.get(id).is_some_and(|r| r.stopped_ns.is_none()))
+            .collect()
+    };
+    for id in &to_stop {
+        pool.stop(*id).await?;
+    }
+    pool.flush().await?;
+    let expected: Vec<u64> = {
+        let l = ledger.lock();
+        (0..created)
+            .filter(|id| {
+                l.plugins
+                    .get(id)
+                    .is_some_and(|r| r.registered_events.iter().any(|(lt, _)| *lt == l.lifetime))
+            })
+            .collect()
+    };
+    ledger
+        .check_every(Duration::from_millis(50), args.stale_bound, |l| {
+            expected.iter().all(|id| {
+                l.plugins.get(id).is_some_and(|r| {
+                    r.stopped_ns
+                        .is_some_and(|s| r.deregistered_events.iter().any(|&d| d + 1_000_000 >= s))
+                })
+            })
+        })
+        .await;
+    let deregistered = ledger.lock().deregistered as u64;
+    progress.set("removing", deregistered, expected.len() as u64);
+    let still = admin::registered_now(&agent.admin_socket).await?;
+    let end_ns = now_ns();
+    pool.shutdown().await?;
+    agent.stop().await?;
+
+    let totals = {
+        let l = ledger.lock();
+        summary::summarize(
+            &l,
+            1..created,
+            &still,
+            args.lost_bound.as_nanos() as u64,
+            end_ns,
+            args.per_plugin_out.as_deref(),
+        )?
+    };
+    Ok(serde_json::json!({
+        "mode": args.label,
+        "scenario": clap::ValueEnum::to_possible_value(&args.scenario)
+            .map(|v| v.get_name().to_owned()),
+        "params": format!("{:?}", args.params),
+        "workers": args.workers,
+        "load_ms": (end_ns.saturating_sub(load_started)) / 1_000_000,
+        "totals": totals,
+        "agent_load": load_usage,
+        "agent_idle": idle,
+    }))
+}
+
+/// Starts the example DRA handler (`dra-handler`, beside this binary) with `--delay`; returns it
+/// (killed on drop) and its `unix://` target once it listens.
+async fn start_slow_handler(
+    work: &Path,
+    delay: Duration,
+) -> anyhow::Result<(tokio::process::Child, String)> {
+    let exe = std::env::current_exe()?;
+    let binary = exe.with_file_name("dra-handler");
+    let target = format!("unix://{}", work.join("handler.sock").display());
+    let mut child = tokio::process::Command::new(&binary)
+        .args(["--listen", &target, "--delay"])
+        .arg(humantime::format_duration(delay).to_string())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let stdout = child.stdout.take().context("handler stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
     loop {
-        let n = tokio::time::timeout(args.timeout, rx.recv())
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
-        if n.index == warmup && n.registered {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .context("the handler did not listen within 30 s")??
+            .context("the handler exited")?;
+        if line.contains("\"listening\"") {
             break;
         }
     }
-
-    let mut listen_at = vec![None; args.count];
-    let mut latencies = vec![None; args.count];
-    let started = Instant::now();
-    match args.scenario {
-        Scenario::Sequential => {
-            for i in 0..args.count {
-                listen_at[i] = Some(start_plugin(&args, i, &tx, &shutdown)?);
-                while latencies[i].is_none() {
-                    let n = tokio::time::timeout(args.timeout, rx.recv())
-                        .await
-                        .map_err(|_| {
-                            anyhow::anyhow!("plugin {i} was not notified within {:?}", args.timeout)
-                        })?
-                        .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
-                    record(&n, &listen_at, &mut latencies);
-                }
-            }
-        }
-        Scenario::Burst => {
-            for (i, slot) in listen_at.iter_mut().enumerate() {
-                *slot = Some(start_plugin(&args, i, &tx, &shutdown)?);
-            }
-            let mut done = 0;
-            while done < args.count {
-                let n = tokio::time::timeout(args.timeout, rx.recv())
-                    .await
-                    .map_err(|_| {
-                        anyhow::anyhow!(
-                            "only {done} of {} notified within {:?}",
-                            args.count,
-                            args.timeout
-                        )
-                    })?
-                    .ok_or_else(|| anyhow::anyhow!("channel closed"))?;
-                if record(&n, &listen_at, &mut latencies) {
-                    done += 1;
-                }
-            }
-        }
-    }
-    let total = started.elapsed();
-    let mut sorted: Vec<Duration> = latencies.iter().flatten().copied().collect();
-    sorted.sort();
-    let report = serde_json::json!({
-        "scenario": format!("{:?}", args.scenario).to_lowercase(),
-        "count": args.count,
-        "registered": sorted.len(),
-        "total_us": total.as_micros(),
-        "p50_us": percentile(&sorted, 50.0),
-        "p90_us": percentile(&sorted, 90.0),
-        "p99_us": percentile(&sorted, 99.0),
-        "max_us": sorted.last().map(|d| d.as_micros()).unwrap_or(0),
-    });
-    println!("{report}");
-    shutdown.cancel();
-    for i in 0..=args.count {
-        let _ = std::fs::remove_file(args.plugin_dir.join(format!("loadgen-{i}.sock")));
-    }
-    Ok(())
-}
-
-/// Records a successful first notification; true when it was new.
-fn record(n: &Notified, listen_at: &[Option<Instant>], latencies: &mut [Option<Duration>]) -> bool {
-    let (Some(Some(listened)), true) = (listen_at.get(n.index), n.registered) else {
-        return false;
-    };
-    match latencies.get_mut(n.index) {
-        Some(slot @ None) => {
-            *slot = Some(n.at.saturating_duration_since(*listened));
-            true
-        }
-        _ => false,
-    }
+    // Its per-call lines are not needed: drain them so it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, target))
 }

@@ -1,0 +1,237 @@
+//! The load shapes. Each one only creates and removes sockets (through the workers, and noise from
+//! this process) and waits on the ledger; measuring is the summary's job.
+
+use crate::admin;
+use crate::agent::AgentUnderTest;
+use crate::ledger::SharedLedger;
+use crate::plugins::now_ns;
+use crate::progress::Progress;
+use crate::workers::WorkerPool;
+use anyhow::Context;
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::time::{Instant, MissedTickBehavior};
+
+/// What to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// One plugin at a time: create, wait for its Notify(true), next.
+    Sequential,
+    /// `count` plugins as fast as they can be created; wait for all.
+    Burst,
+    /// `rate` plugins/s for `duration`, each living `lifetime`.
+    Churn,
+    /// `noise-pairs` non-plugin sockets bound and unlinked at full speed, `count` real plugins
+    /// spread through them.
+    Storm,
+    /// Churn, with the agent stopped (SIGTERM) and started again half-way.
+    Restart,
+    /// A burst against a handler that takes `handler-delay` per call (the example DRA handler).
+    SlowHandler,
+    /// A burst of plugins that bind, then serve only `serve-delay` later.
+    BindBeforeServe,
+}
+
+/// Scenario sizes and bounds.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Params {
+    /// Plugins (sequential, burst, storm's real plugins, slow-handler, bind-before-serve).
+    #[arg(long, default_value_t = 100)]
+    pub count: u64,
+    /// Churn: plugins created per second.
+    #[arg(long, default_value_t = 1000.0)]
+    pub rate: f64,
+    /// Churn: how long each plugin lives.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub lifetime: Duration,
+    /// Churn: how long plugins keep being created.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Storm: non-plugin socket create/unlink pairs.
+    #[arg(long, default_value_t = 200_000)]
+    pub noise_pairs: u64,
+    /// Bind-before-serve: time between bind and serve.
+    #[arg(long, default_value = "300ms", value_parser = humantime::parse_duration)]
+    pub serve_delay: Duration,
+    /// Slow-handler: the handler's delay per call.
+    #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub handler_delay: Duration,
+    /// Give up waiting for all plugins to register after this long.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+/// What a scenario drives.
+pub struct Ctx<'a> {
+    pub pool: &'a mut WorkerPool,
+    pub ledger: &'a SharedLedger,
+    pub progress: &'a mut Progress,
+    pub plugin_dir: &'a Path,
+    /// Taken by the restart scenario while it restarts the agent, and given back.
+    pub agent: &'a mut Option<AgentUnderTest>,
+    /// Next plugin id (0 is the warm-up plugin).
+    pub next_id: u64,
+}
+
+impl Ctx<'_> {
+    fn id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+}
+
+/// Runs `scenario`; returns when its load is over (plugins may still be registering).
+pub async fn run(scenario: Scenario, p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
+    match scenario {
+        Scenario::Sequential => sequential(p, ctx).await,
+        Scenario::Burst | Scenario::SlowHandler => burst(p, ctx, Duration::ZERO).await,
+        Scenario::BindBeforeServe => burst(p, ctx, p.serve_delay).await,
+        Scenario::Churn => churn(p, ctx, false).await,
+        Scenario::Restart => churn(p, ctx, true).await,
+        Scenario::Storm => storm(p, ctx).await,
+    }
+}
+
+async fn sequential(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
+    for i in 1..=p.count {
+        let id = ctx.id();
+        ctx.pool.start(id, Duration::ZERO).await?;
+        ctx.pool.flush().await?;
+        let done = ctx
+            .ledger
+            .wait_for(p.timeout, |l| {
+                l.plugins.get(&id).is_some_and(|r| !r.notified.is_empty())
+            })
+            .await;
+        anyhow::ensure!(
+            done,
+            "plugin {id} was not registered within {:?}",
+            p.timeout
+        );
+        ctx.progress.set("sequential", i, p.count);
+    }
+    Ok(())
+}
+
+async fn burst(p: &Params, ctx: &mut Ctx<'_>, serve_delay: Duration) -> anyhow::Result<()> {
+    for i in 1..=p.count {
+        let id = ctx.id();
+        ctx.pool.start(id, serve_delay).await?;
+        // Hand work to the workers as it is produced, not all at the end.
+        if i % 256 == 0 {
+            ctx.pool.flush().await?;
+            ctx.progress.set("creating", i, p.count);
+        }
+    }
+    ctx.pool.flush().await
+}
+
+async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: bool) -> anyhow::Result<()> {
+    let rate = p.rate.max(0.001);
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    // Keep the rate: ticks missed while the process was busy are caught up.
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Burst);
+    let start = Instant::now();
+    let end = start + p.duration;
+    let total = (rate * p.duration.as_secs_f64()) as u64;
+    let mut due: VecDeque<(Instant, u64)> = VecDeque::new();
+    let mut restarting = None;
+    let mut created = 0;
+    loop {
+        let now = ticker.tick().await;
+        while due.front().is_some_and(|(at, _)| *at <= now) {
+            if let Some((_, id)) = due.pop_front() {
+                ctx.pool.stop(id).await?;
+            }
+        }
+        if now < end {
+            let id = ctx.id();
+            ctx.pool.start(id, Duration::ZERO).await?;
+            due.push_back((now + p.lifetime, id));
+            created += 1;
+        } else if due.is_empty() {
+            break;
+        }
+        ctx.pool.flush().await?;
+        if restart && restarting.is_none() && now >= start + p.duration / 2 {
+            let agent = ctx.agent.take().context("no agent to restart")?;
+            restarting = Some(tokio::spawn(restart_agent(agent, ctx.ledger.clone())));
+        }
+        if created % 100 == 0 {
+            ctx.progress.set("churn", created.min(total), total);
+        }
+    }
+    if let Some(task) = restarting {
+        *ctx.agent = Some(task.await.context("restart task")??);
+    }
+    Ok(())
+}
+
+/// Stops the agent (SIGTERM) and starts it again, keeping the ledger's up intervals and the admin
+/// stream's lifetime current.
+async fn restart_agent(
+    mut agent: AgentUnderTest,
+    ledger: SharedLedger,
+) -> anyhow::Result<AgentUnderTest> {
+    {
+        let now = now_ns();
+        if let Some(last) = ledger.lock().agent_up.last_mut() {
+            last.1 = Some(now);
+        }
+    }
+    agent.stop().await?;
+    agent.start().await?;
+    ledger.lock().lifetime += 1;
+    admin::follow(&agent.admin_socket, ledger.clone()).await?;
+    ledger.lock().agent_up.push((now_ns(), None));
+    Ok(agent)
+}
+
+/// Non-plugin sockets: bound (datagram: no listener, never a plugin) and unlinked at once.
+fn noise_path(dir: &Path, n: u64) -> PathBuf {
+    dir.join(format!("noise-{n}.sock"))
+}
+
+async fn storm(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
+    let pairs = p.noise_pairs.max(1);
+    let every = (pairs / p.count.max(1)).max(1);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<u64>(1024);
+    let dir = ctx.plugin_dir.to_path_buf();
+    let count = p.count;
+    // Full speed: a blocking thread doing nothing but bind + unlink, asking for a real plugin
+    // every `every` pairs.
+    let noise = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let mut real = 0;
+        for n in 0..pairs {
+            let path = noise_path(&dir, n);
+            let socket = std::os::unix::net::UnixDatagram::bind(&path)
+                .with_context(|| format!("binding {}", path.display()))?;
+            std::fs::remove_file(&path)?;
+            drop(socket);
+            if n % every == every / 2 && real < count {
+                real += 1;
+                if tx.blocking_send(n).is_err() {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    });
+    let mut started = 0;
+    while let Some(n) = rx.recv().await {
+        let id = ctx.id();
+        ctx.pool.start(id, Duration::ZERO).await?;
+        ctx.pool.flush().await?;
+        started += 1;
+        ctx.progress.set("storm", n, pairs);
+    }
+    noise.await.context("noise thread")??;
+    while started < p.count {
+        let id = ctx.id();
+        ctx.pool.start(id, Duration::ZERO).await?;
+        started += 1;
+    }
+    ctx.pool.flush().await
+}
