@@ -227,12 +227,7 @@ impl Watcher {
                 info!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
                 self.events
                     .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
-                if let (Some(dir), Some(name)) = (
-                    path.parent().and_then(|p| self.dirs.get(p)),
-                    path.file_name(),
-                ) {
-                    self.source.entry_present(dir, name);
-                }
+                self.announce(path);
                 self.queue.mark(path.to_path_buf());
             }
             Err(e) => warn!(socket_path = %path.display(), error = %e, "cannot record socket"),
@@ -283,16 +278,13 @@ impl Watcher {
             if let Err(e) = self.source.watch(&watched) {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
-            if let Some(parent) = dir.parent().and_then(|p| self.dirs.get(p))
-                && let Some(name) = dir.file_name()
-            {
-                self.source.entry_present(parent, name);
-            }
             self.dirs.insert(dir.to_path_buf(), watched);
             self.stats
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
+        // Every walk re-announces the directory, like every rescan re-announces every socket.
+        self.announce(dir);
         seen_dirs.insert(dir.to_path_buf());
         let entries = match std::fs::read_dir(dir) {
             Ok(entries) => entries,
@@ -337,6 +329,18 @@ impl Watcher {
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
             self.queue.mark(path);
+        }
+    }
+
+    /// Tells the source that an entry named like `path` exists in `path`'s (watched) directory.
+    /// Sources that match removals by name in the kernel depend on it; a rescan re-announces
+    /// everything, because a source whose name table overflowed asks for a rescan to refill it.
+    fn announce(&self, path: &Path) {
+        if let (Some(dir), Some(name)) = (
+            path.parent().and_then(|p| self.dirs.get(p)),
+            path.file_name(),
+        ) {
+            self.source.entry_present(dir, name);
         }
     }
 
@@ -403,6 +407,8 @@ impl Watcher {
         }
         let before = self.desired.len();
         for (path, socket) in found {
+            // Unchanged sockets too: a source that lost its name table asks for this rescan.
+            self.announce(&path);
             self.socket_present(&path, socket, Observed::default(), Via::Scan);
         }
         let level_info = reason == "start" || removed > 0 || self.desired.len() != before;

@@ -526,3 +526,37 @@ async fn http_handler_configured_in_a_toml_file_registers_plugins() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_watch_stream_does_not_hold_up_sigterm() {
+    let s = start_agent("watch_and_sigterm", &["CSIPlugin=accept-all".into()], &[]).await;
+    let mut watch = Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(&s.admin)
+        .args(["watch", "-o", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("plugin-agent watch");
+    let events = EventLog::read_from(watch.stdout.take().expect("piped"), "watch-sigterm".into());
+    // The stream is open once it carries an event.
+    let plugin = plugin!(s.dir.path("a.sock")).name("a").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    events
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| l.field_is("kind", "registered"))
+        .await
+        .expect("the watch stream carries events");
+    let stopping = std::time::Instant::now();
+    let status = s.agent.stop().await;
+    assert!(status.success(), "the agent exits 0 on SIGTERM: {status:?}");
+    assert!(
+        stopping.elapsed() < std::time::Duration::from_secs(5),
+        "SIGTERM took {:?} with a watch stream open",
+        stopping.elapsed()
+    );
+    let watch_status = watch.wait().expect("watch exits");
+    assert!(
+        watch_status.success(),
+        "the watch command ends cleanly when the agent stops"
+    );
+}

@@ -35,6 +35,9 @@ pub struct AdminService {
     stats: Arc<WatcherStats>,
     status: StaticStatus,
     allowed_uid: u32,
+    /// Ends the event streams when the server stops: a graceful shutdown waits for every open
+    /// response, and a `watch` stream would otherwise never end.
+    shutdown: CancellationToken,
 }
 
 #[derive(Clone)]
@@ -64,6 +67,7 @@ impl AdminService {
                 started_at: agent.started_at,
             },
             allowed_uid: nix::unistd::geteuid().as_raw(),
+            shutdown: CancellationToken::new(),
         }
     }
 
@@ -262,6 +266,8 @@ impl api::agent_server::Agent for AdminService {
                     },
                 })
             });
+        let stream =
+            futures::StreamExt::take_until(stream, self.shutdown.clone().cancelled_owned());
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -337,6 +343,10 @@ pub async fn serve(
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot chmod admin socket {}", socket.display()))?;
     tracing::info!(admin_socket = %socket.display(), "admin API listening");
+    let service = AdminService {
+        shutdown: cancel.clone(),
+        ..service
+    };
     let server = api::agent_server::AgentServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(16 * 1024 * 1024);
