@@ -593,6 +593,9 @@ async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
         .watch_events(api::WatchEventsRequest {})
         .await?
         .into_inner();
+    // The agent subscribed before it answered: from here no event is missed. Said on stderr so
+    // scripts (and tests) can start acting once the stream is live, without polluting stdout.
+    eprintln!("watching events of {}", socket.display());
     while let Some(event) = stream.message().await? {
         let kind = api::EventKind::try_from(event.kind).unwrap_or(api::EventKind::Unspecified);
         let row = EventRow {
