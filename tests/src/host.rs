@@ -82,6 +82,10 @@ impl PluginHost {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
+            // The mark is taken before counting: a line that lands between the two is then waited
+            // past, not missed (the last notifications arriving there left this wait asleep until
+            // its deadline, with every plugin in fact notified).
+            let next = self.events.mark();
             let notified: std::collections::HashSet<String> = self
                 .events
                 .matching_since(mark, |l| {
@@ -94,7 +98,6 @@ impl PluginHost {
                 return started.elapsed();
             }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let next = self.events.mark();
             match self.events.wait_for(next, remaining, |_| true).await {
                 Ok(_) => {}
                 Err(e) => panic!(
