@@ -221,12 +221,10 @@ impl EventSource for EbpfSource {
         SourceKind::Ebpf
     }
 
+    /// What is attached and how it is tuned: fixed at open. (The watched-directory count is the
+    /// watcher's, reported live by status and metrics; a count here would be frozen at open.)
     fn describe(&self) -> String {
-        format!(
-            "{}; {} directories watched",
-            self.description,
-            self.filters.watched_count()
-        )
+        self.description.clone()
     }
 
     fn watch(&self, dir: &WatchedDir) -> anyhow::Result<()> {
