@@ -1,28 +1,32 @@
-//! The eBPF event source: kernel programs on syscall hooks, filtered in the kernel by the watched
-//! directories, feeding a ring buffer (see agent-ebpf for the kernel side).
+//! The eBPF event source: kernel programs on VFS or syscall hooks, filtered in the kernel by the
+//! watched directories, feeding a ring buffer (see agent-ebpf for the kernel side).
 //!
 //! ```text
-//! open: btf (offsets) -> loader (load, hooks::select, mount tracefs, attach) -> filters + reader task
+//! open: btf (offsets, VFS signatures) -> loader (load, hooks::select, attach) -> filters + reader task
 //! kernel: bind, unlink, mkdir, rename... --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
 //!                                                       LOSSES ---reader--> FsEvent::Rescan
 //! watcher --watch / unwatch / entry_present--> filters (BPF maps)
 //! ```
 //!
-//! What it reports, and how exactly (only calls that succeeded):
+//! Two hook families, chosen at load (see `hooks`): fentry/fexit on `vfs_mknod`, `vfs_mkdir`,
+//! `vfs_unlink`, `vfs_rmdir`, `vfs_rename` where the kernel allows them, which see every entry's
+//! dentry and so report every call exactly by its parent's identity; else syscall tracepoints,
+//! which report (only calls that succeeded):
 //! - `bind` of an `AF_UNIX` socket to a path, by the socket's own dentry, so relative paths, chroots
 //!   and other mount namespaces all land on the directory identity that is watched:
-//!   [`FsEvent::Created`]; a socket in a sub-directory not yet watched (up to 4 levels down) reports
+//!   [`FsEvent::Created`]; a socket in a sub-directory not yet watched (up to 8 levels down) reports
 //!   that sub-directory instead, which the watcher then watches and walks;
 //! - `unlink`, `unlinkat`, `rmdir`, `mknod(at)` of `S_IFSOCK`, `mkdir(at)`, `rename`, `renameat`,
 //!   `renameat2` (incl. `RENAME_EXCHANGE`) with a single-component path relative to a watched
 //!   directory (cwd or dirfd): [`FsEvent::Created`] / [`FsEvent::Removed`];
 //! - the same calls by any other path (`/registration/x.sock` from a container): the path cannot be
-//!   resolved in BPF, so a removal (or rename source) is matched by its last component against the
-//!   names present under the tree, a socket `mknod` is always reported, a rename target is reported
-//!   when its name is known or its source was in the tree, and all become
-//!   [`FsEvent::NameChanged`]. Not reported: `mkdir` by such a path (a socket bound in it later is
-//!   caught by the bind walk) and a rename into the tree from outside it by such a path to a new
-//!   name (the watcher's safety pass finds it);
+//!   resolved in BPF, so names decide, all in the kernel, and the event is a
+//!   [`FsEvent::NameChanged`] the watcher checks in every watched directory. A removal (or rename
+//!   source) passes when its last component is a name present under the tree; a socket `mknod`
+//!   always; a rename target when its name is known, when its source was in the tree, or when its
+//!   parent component is a watched directory's name (a move in from anywhere to a new name);
+//!   a `mkdir` when its parent component is a watched directory's name (`mkdir -p` trees are also
+//!   caught by the bind walk above);
 //! - any record the kernel could not queue: [`FsEvent::Rescan`].
 //!
 //! The agent's own process is filtered out in the kernel.
