@@ -700,7 +700,7 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
         "sys_enter_mknodat",
         "sys_exit_rmdir",
         "sys_enter_renameat2",
-        "4096 KiB",
+        "2048 KiB",
     ] {
         assert!(description.contains(hook), "{description}");
     }
