@@ -51,8 +51,9 @@ mod programs {
     #[unsafe(no_mangle)]
     static CONFIG: Config = Config::UNSET;
 
+    /// Sized by the loader (`EbpfOptions::ring_buffer_bytes`); this is only the object's default.
     #[map]
-    static EVENTS: RingBuf = RingBuf::with_byte_size(4 << 20, 0);
+    static EVENTS: RingBuf = RingBuf::with_byte_size(2 << 20, 0);
 
     #[map]
     static WATCHED: HashMap<DirKey, u8> = HashMap::with_max_entries(16384, 0);
@@ -214,10 +215,19 @@ mod programs {
         kptr(fs, offset!(fs_pwd_dentry))
     }
 
-    /// Ring-buffer wake-up policy: wake the reader at once when it was idle (last woken at least
-    /// `batch_ns` ago) or when `wakeup_bytes` are queued; otherwise let the event ride along with the
-    /// previous wake-up, which the reader follows with one more drain `batch_ns` later. Bursts cost
-    /// one wake-up per `batch_ns`, a lone event none of its latency, and an idle agent nothing.
+    /// Bytes one record takes in the ring: its 8-byte header and the event, 8-aligned.
+    const RECORD_BYTES: u64 = ((core::mem::size_of::<Event>() + 8 + 7) & !7) as u64;
+
+    /// Ring-buffer wake-up policy, called with this record reserved: wake the reader at once when
+    /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
+    /// - or it has consumed everything but this record (it is idle or about to be) and was last
+    ///   woken at least `batch_ns / 16` ago (so a steady trickle under load is not held back a whole
+    ///   batch delay, while wake-ups stay at most 16 per batch delay);
+    /// - or `wakeup_bytes` are queued (a burst: drain before the ring fills);
+    ///
+    /// otherwise let the record ride along with the previous wake-up: the reader drains once more
+    /// `batch_ns` after every drain that found work, which bounds its latency. An idle agent gets
+    /// no wake-ups at all.
     fn wake_flags() -> u64 {
         let now = now_ns();
         let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
@@ -227,9 +237,10 @@ mod programs {
         // SAFETY: the slot is shared between CPUs; a racy read or write only costs an extra or a
         // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
         let elapsed = now.wrapping_sub(unsafe { *last });
-        if queued >= config_u64(addr_of!(CONFIG.wakeup_bytes))
-            || elapsed >= config_u64(addr_of!(CONFIG.batch_ns))
-        {
+        let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
+        let caught_up = queued <= RECORD_BYTES && elapsed >= batch_ns / 16;
+        if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
+            // SAFETY: as above.
             unsafe { *last = now };
             BPF_RB_FORCE_WAKEUP
         } else {
@@ -875,16 +886,18 @@ mod programs {
             return None;
         }
         let ret = ctx.ret::<u64>();
-        let ok = if vfs!(mkdir_returns_ptr) != 0 {
-            // A dentry, or an ERR_PTR (the top 4095 values).
-            matches!(ret, Ok(r) if r != 0 && r < (-4095i64) as u64)
+        let dentry = if vfs!(mkdir_returns_ptr) != 0 {
+            // The new directory's dentry (which may not be the argument's, then released), or an
+            // ERR_PTR (the top 4095 values).
+            match ret {
+                Ok(r) if r != 0 && r < (-4095i64) as u64 => r as usize,
+                _ => return None,
+            }
+        } else if int_ok(ret) {
+            func_arg(ctx.as_ptr(), vfs!(mkdir_dentry))? as usize
         } else {
-            int_ok(ret)
-        };
-        if !ok {
             return None;
-        }
-        let dentry = func_arg(ctx.as_ptr(), vfs!(mkdir_dentry))? as usize;
+        };
         report_below_watched(dentry, kind::CREATE)
     }
 
