@@ -309,7 +309,15 @@ mod programs {
             return None;
         }
         let dentry = kptr(sk, offset!(unix_sock_dentry))?;
-        report_below_watched(dentry, kind::BIND)
+        report_below_watched(dentry, kind::BIND, Names::Remember)
+    }
+
+    /// Whether an event's name goes into NAMES: the tracepoint programs need it to match later
+    /// calls by name; the fentry/fexit programs see every dentry and never look names up.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Names {
+        Remember,
+        Skip,
     }
 
     /// Reports the entry at `dentry` (just created: a socket, a directory, a rename's target) if
@@ -317,7 +325,7 @@ mod programs {
     /// the sub-directory (created but not yet watched) on the way up that holds it, which the
     /// watcher then watches and walks. Walks up at most [`MAX_DEPTH`] directories.
     #[inline(always)]
-    fn report_below_watched(dentry: usize, what: u32) -> Option<()> {
+    fn report_below_watched(dentry: usize, what: u32, names: Names) -> Option<()> {
         let mut entry_dentry = dentry;
         let mut watched = None;
         for _ in 0..MAX_DEPTH {
@@ -339,12 +347,12 @@ mod programs {
         } else {
             kind::CREATE
         };
-        report_dentry(entry_dentry, parent, what)
+        report_dentry(entry_dentry, parent, what, names)
     }
 
     /// Submits an exact event for the entry at `dentry` in the watched directory `parent`.
     #[inline(always)]
-    fn report_dentry(dentry: usize, parent: DirKey, what: u32) -> Option<()> {
+    fn report_dentry(dentry: usize, parent: DirKey, what: u32, names: Names) -> Option<()> {
         let name = kptr(dentry, offset!(dentry_name))?;
         let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
@@ -365,7 +373,7 @@ mod programs {
                 name as *const u8,
                 &mut *addr_of_mut!((*event).name.bytes),
             );
-            if what != kind::REMOVE {
+            if what != kind::REMOVE && names == Names::Remember {
                 remember_name(&(*event).name);
             }
         }
@@ -871,7 +879,7 @@ mod programs {
             return None;
         }
         let dentry = func_arg(ctx.as_ptr(), vfs!(mknod_dentry))? as usize;
-        report_below_watched(dentry, kind::CREATE)
+        report_below_watched(dentry, kind::CREATE, Names::Skip)
     }
 
     /// A directory created: joins the watched set at once (`mkdir -p a/b/c` reports `a`).
@@ -898,7 +906,7 @@ mod programs {
         } else {
             return None;
         };
-        report_below_watched(dentry, kind::CREATE)
+        report_below_watched(dentry, kind::CREATE, Names::Skip)
     }
 
     /// An entry unlinked.
@@ -924,7 +932,7 @@ mod programs {
         let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
         // SAFETY: presence check only.
         unsafe { WATCHED.get(&parent) }?;
-        report_dentry(dentry, parent, kind::REMOVE)
+        report_dentry(dentry, parent, kind::REMOVE, Names::Skip)
     }
 
     /// Before a rename: the source's directory and name, which the move overwrites, parked for
@@ -985,7 +993,7 @@ mod programs {
     fn try_vfs_rename_target(ctx: &FExitContext) -> Option<()> {
         let rd = func_arg(ctx.as_ptr(), vfs!(rename_data))? as usize;
         let moved = kptr(rd, vfs!(renamedata_old_dentry) as usize)?;
-        report_below_watched(moved, kind::CREATE)
+        report_below_watched(moved, kind::CREATE, Names::Skip)
     }
 
     #[panic_handler]

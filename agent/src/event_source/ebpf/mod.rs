@@ -110,6 +110,9 @@ impl EbpfOptions {
 /// The running eBPF source. Dropping it detaches the programs and stops its reader.
 pub struct EbpfSource {
     filters: Arc<Filters>,
+    /// Whether the attached programs match calls by name (the tracepoints do; fentry/fexit see
+    /// every dentry and need no name table).
+    matches_names: bool,
     description: String,
     /// Loss counters and ring occupancy, for [`EventSource::stats`].
     stats: DeliveryStats,
@@ -190,6 +193,7 @@ pub fn open(
     );
     Ok(EbpfSource {
         filters,
+        matches_names: loaded.hooks.family == HookFamily::Tracepoints,
         description,
         stats,
         timings: loaded.timings,
@@ -258,7 +262,7 @@ impl EventSource for EbpfSource {
     }
 
     fn entry_present(&self, _dir: &WatchedDir, name: &std::ffi::OsStr) {
-        if !self.filters.remember_name(name) {
+        if self.matches_names && !self.filters.remember_name(name) {
             tracing::warn!(
                 name = %name.to_string_lossy(),
                 "eBPF name table is full: clearing it and rescanning"
