@@ -247,6 +247,36 @@ impl Default for SyscallNumbers {
     }
 }
 
+/// Where the VFS functions the fentry/fexit programs hook keep what those programs read: argument
+/// positions (counted from 0) and `struct renamedata` offsets. Their signatures change between
+/// kernels (an idmap argument was added in 5.12, `vfs_mkdir` returns a dentry since 6.15, renames
+/// take a `struct renamedata *`), so userspace resolves them from the running kernel's BTF like
+/// [`KernelOffsets`]; a kernel where one cannot be resolved does not get the fentry programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfsArgs {
+    /// `vfs_unlink`'s `struct dentry *` argument.
+    pub unlink_dentry: u32,
+    /// `vfs_rmdir`'s `struct dentry *` argument.
+    pub rmdir_dentry: u32,
+    /// `vfs_mkdir`'s `struct dentry *` argument.
+    pub mkdir_dentry: u32,
+    /// 1 when `vfs_mkdir` returns a `struct dentry *` (or an `ERR_PTR`) instead of an `int`.
+    pub mkdir_returns_ptr: u32,
+    /// `vfs_mknod`'s `struct dentry *` argument (unix `bind` creates its inode through it).
+    pub mknod_dentry: u32,
+    /// `vfs_mknod`'s `umode_t mode` argument.
+    pub mknod_mode: u32,
+    /// `vfs_rename`'s `struct renamedata *` argument.
+    pub rename_data: u32,
+    /// `renamedata.old_dentry`.
+    pub renamedata_old_dentry: u32,
+    /// `renamedata.new_dentry`.
+    pub renamedata_new_dentry: u32,
+    /// `renamedata.flags` (`unsigned int`: `RENAME_EXCHANGE`, `RENAME_NOREPLACE`, ...).
+    pub renamedata_flags: u32,
+}
+
 /// Everything the programs need from userspace at load time, set as one read-only global.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -264,6 +294,8 @@ pub struct Config {
     pub batch_ns: u64,
     /// Which `__syscall_nr` is which path syscall.
     pub syscalls: SyscallNumbers,
+    /// Argument positions and offsets for the fentry/fexit programs (unused by the tracepoints).
+    pub vfs: VfsArgs,
 }
 
 impl Config {
@@ -276,6 +308,18 @@ impl Config {
         wakeup_bytes: 0,
         batch_ns: 0,
         syscalls: SyscallNumbers::UNSET,
+        vfs: VfsArgs {
+            unlink_dentry: 0,
+            rmdir_dentry: 0,
+            mkdir_dentry: 0,
+            mkdir_returns_ptr: 0,
+            mknod_dentry: 0,
+            mknod_mode: 0,
+            rename_data: 0,
+            renamedata_old_dentry: 0,
+            renamedata_new_dentry: 0,
+            renamedata_flags: 0,
+        },
     };
 }
 
@@ -289,6 +333,7 @@ mod user {
     unsafe impl aya::Pod for super::KernelOffsets {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::SyscallNumbers {}
+    unsafe impl aya::Pod for super::VfsArgs {}
 }
 
 #[cfg(test)]
@@ -311,7 +356,11 @@ mod tests {
         assert_eq!(core::mem::size_of::<Event>(), 4 * 4 + 8 + 16 + NAME_LEN);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 18 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
-        assert_eq!(core::mem::size_of::<Config>(), 18 * 4 + 8 + 16 + 10 * 4);
+        assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);
+        assert_eq!(
+            core::mem::size_of::<Config>(),
+            18 * 4 + 8 + 16 + 10 * 4 + 10 * 4
+        );
     }
 
     #[test]

@@ -32,14 +32,15 @@ mod programs {
     use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
     use agent_ebpf::{Config, DirKey, Event, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope};
+    use aya_ebpf::EbpfContext;
     use aya_ebpf::helpers::generated::bpf_probe_read_kernel as raw_probe_read_kernel;
     use aya_ebpf::helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     };
-    use aya_ebpf::macros::{fentry, map, tracepoint};
+    use aya_ebpf::macros::{fentry, fexit, map, tracepoint};
     use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
-    use aya_ebpf::programs::{FEntryContext, TracePointContext};
+    use aya_ebpf::programs::{FEntryContext, FExitContext, TracePointContext};
 
     /// Kernels refuse `bpf_probe_read_kernel` to programs without a GPL-compatible license.
     #[unsafe(no_mangle)]
@@ -50,8 +51,9 @@ mod programs {
     #[unsafe(no_mangle)]
     static CONFIG: Config = Config::UNSET;
 
+    /// Sized by the loader (`EbpfOptions::ring_buffer_bytes`); this is only the object's default.
     #[map]
-    static EVENTS: RingBuf = RingBuf::with_byte_size(4 << 20, 0);
+    static EVENTS: RingBuf = RingBuf::with_byte_size(2 << 20, 0);
 
     #[map]
     static WATCHED: HashMap<DirKey, u8> = HashMap::with_max_entries(16384, 0);
@@ -91,6 +93,8 @@ mod programs {
     struct Scratch {
         path: [u8; PATH_BUF_LEN],
         event: Event,
+        /// The component before the last one, for [`parent_known`].
+        parent: NameKey,
         start: u64,
         len: u64,
         dfd: i64,
@@ -211,10 +215,19 @@ mod programs {
         kptr(fs, offset!(fs_pwd_dentry))
     }
 
-    /// Ring-buffer wake-up policy: wake the reader at once when it was idle (last woken at least
-    /// `batch_ns` ago) or when `wakeup_bytes` are queued; otherwise let the event ride along with the
-    /// previous wake-up, which the reader follows with one more drain `batch_ns` later. Bursts cost
-    /// one wake-up per `batch_ns`, a lone event none of its latency, and an idle agent nothing.
+    /// Bytes one record takes in the ring: its 8-byte header and the event, 8-aligned.
+    const RECORD_BYTES: u64 = ((core::mem::size_of::<Event>() + 8 + 7) & !7) as u64;
+
+    /// Ring-buffer wake-up policy, called with this record reserved: wake the reader at once when
+    /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
+    /// - or it has consumed everything but this record (it is idle or about to be) and was last
+    ///   woken at least `batch_ns / 16` ago (so a steady trickle under load is not held back a whole
+    ///   batch delay, while wake-ups stay at most 16 per batch delay);
+    /// - or `wakeup_bytes` are queued (a burst: drain before the ring fills);
+    ///
+    /// otherwise let the record ride along with the previous wake-up: the reader drains once more
+    /// `batch_ns` after every drain that found work, which bounds its latency. An idle agent gets
+    /// no wake-ups at all.
     fn wake_flags() -> u64 {
         let now = now_ns();
         let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
@@ -224,9 +237,10 @@ mod programs {
         // SAFETY: the slot is shared between CPUs; a racy read or write only costs an extra or a
         // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
         let elapsed = now.wrapping_sub(unsafe { *last });
-        if queued >= config_u64(addr_of!(CONFIG.wakeup_bytes))
-            || elapsed >= config_u64(addr_of!(CONFIG.batch_ns))
-        {
+        let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
+        let caught_up = queued <= RECORD_BYTES && elapsed >= batch_ns / 16;
+        if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
+            // SAFETY: as above.
             unsafe { *last = now };
             BPF_RB_FORCE_WAKEUP
         } else {
@@ -294,10 +308,25 @@ mod programs {
         if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX {
             return None;
         }
-        // Walk up from the socket to the first watched directory: the socket itself when its
-        // directory is watched, otherwise the sub-directory (created but not yet watched) that
-        // holds it, which the watcher then watches and walks.
-        let mut entry_dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        let dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        report_below_watched(dentry, kind::BIND, Names::Remember)
+    }
+
+    /// Whether an event's name goes into NAMES: the tracepoint programs need it to match later
+    /// calls by name; the fentry/fexit programs see every dentry and never look names up.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Names {
+        Remember,
+        Skip,
+    }
+
+    /// Reports the entry at `dentry` (just created: a socket, a directory, a rename's target) if
+    /// it is under a watched directory: the entry itself when its directory is watched, otherwise
+    /// the sub-directory (created but not yet watched) on the way up that holds it, which the
+    /// watcher then watches and walks. Walks up at most [`MAX_DEPTH`] directories.
+    #[inline(always)]
+    fn report_below_watched(dentry: usize, what: u32, names: Names) -> Option<()> {
+        let mut entry_dentry = dentry;
         let mut watched = None;
         for _ in 0..MAX_DEPTH {
             let parent_dentry = kptr(entry_dentry, offset!(dentry_parent))?;
@@ -313,8 +342,19 @@ mod programs {
             entry_dentry = parent_dentry;
         }
         let parent = watched?;
-        let name = kptr(entry_dentry, offset!(dentry_name))?;
-        let name_len = kread::<u32>(entry_dentry, offset!(dentry_name_len))?;
+        let what = if entry_dentry == dentry {
+            what
+        } else {
+            kind::CREATE
+        };
+        report_dentry(entry_dentry, parent, what, names)
+    }
+
+    /// Submits an exact event for the entry at `dentry` in the watched directory `parent`.
+    #[inline(always)]
+    fn report_dentry(dentry: usize, parent: DirKey, what: u32, names: Names) -> Option<()> {
+        let name = kptr(dentry, offset!(dentry_name))?;
+        let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
             count_loss(loss::RING_FULL);
             return None;
@@ -322,7 +362,7 @@ mod programs {
         let event = entry.as_mut_ptr();
         // SAFETY: `event` points at a reserved, exclusively owned ring-buffer record.
         unsafe {
-            (*event).kind = kind::BIND;
+            (*event).kind = what;
             (*event).scope = scope::EXACT;
             (*event).tgid = current_tgid();
             (*event).name_len = name_len;
@@ -333,7 +373,9 @@ mod programs {
                 name as *const u8,
                 &mut *addr_of_mut!((*event).name.bytes),
             );
-            remember_name(&(*event).name);
+            if what != kind::REMOVE && names == Names::Remember {
+                remember_name(&(*event).name);
+            }
         }
         entry.submit(wake_flags());
         Some(())
@@ -359,9 +401,10 @@ mod programs {
         Remove,
         /// A socket inode appears (`mknod S_IFSOCK`): rare enough to report any path by name.
         CreateSocket,
-        /// A directory appears (`mkdir`): common system-wide, so only a path relative to a watched
-        /// directory is reported. A socket later bound inside the new directory is still found by
-        /// the bind programs' walk up to the watched ancestor.
+        /// A directory appears (`mkdir`): common system-wide, so a multi-component path is reported
+        /// only when its parent component is a name in NAMES (a watched directory's, plausibly).
+        /// A socket later bound inside a new directory is found by the bind programs' walk up to
+        /// the watched ancestor in any case.
         CreateDir,
         /// The target of a rename: any path is classified, and the caller decides whether a
         /// name-only target is reported (see `rename_target_enter`).
@@ -489,7 +532,6 @@ mod programs {
     #[inline(always)]
     fn classify(scratch: &mut Scratch, dfd: i64, path: u64, op: PathOp) -> Option<()> {
         let single = last_component(scratch, path)?;
-        let event = &mut scratch.event;
         if single {
             // "name": its parent is the start directory, which the kernel can name exactly.
             let start = if dfd == AT_FDCWD {
@@ -500,22 +542,26 @@ mod programs {
             let parent = dir_key(start)?;
             // SAFETY: presence check only.
             unsafe { WATCHED.get(&parent) }?;
-            event.scope = scope::EXACT;
-            event.parent = parent;
+            scratch.event.scope = scope::EXACT;
+            scratch.event.parent = parent;
         } else {
-            // "dir/name" or "/abs/name": only the name can be checked.
-            let known = || {
-                // SAFETY: presence check only.
-                unsafe { NAMES.get(&event.name) }.map(|_| ())
-            };
+            // "dir/name" or "/abs/name": only names can be checked.
             match op {
-                PathOp::Remove => known()?,
+                PathOp::Remove => {
+                    // SAFETY: presence check only.
+                    unsafe { NAMES.get(&scratch.event.name) }?;
+                }
                 PathOp::CreateSocket | PathOp::MoveTo => {}
-                PathOp::CreateDir => return None,
+                PathOp::CreateDir => {
+                    if !parent_known(scratch) {
+                        return None;
+                    }
+                }
             }
-            event.scope = scope::NAME_ONLY;
-            event.parent = DirKey { dev: 0, ino: 0 };
+            scratch.event.scope = scope::NAME_ONLY;
+            scratch.event.parent = DirKey { dev: 0, ino: 0 };
         }
+        let event = &mut scratch.event;
         event.kind = if op == PathOp::Remove {
             kind::REMOVE
         } else {
@@ -540,8 +586,9 @@ mod programs {
     // a target reported only because its source was in the tree is emitted if the source was.
 
     /// The target of a rename appears (with `RENAME_EXCHANGE` too: the source's entry lands there).
-    /// A multi-component target is reported by name if the name is known (it replaces an entry) or,
-    /// decided at exit, if the source was in the tree (a move within it).
+    /// A multi-component target is reported by name if the name is known (it replaces an entry),
+    /// if its parent component is a known name (a move into a watched directory from anywhere,
+    /// to a new name), or, decided at exit, if the source was in the tree (a move within it).
     #[tracepoint]
     pub fn rename_target_enter(ctx: TracePointContext) -> u32 {
         let _ = try_rename_target_enter(&ctx);
@@ -567,7 +614,7 @@ mod programs {
         classify(scratch, dfd, new, PathOp::MoveTo)?;
         // SAFETY: presence check only.
         let known = unsafe { NAMES.get(&scratch.event.name) }.is_some();
-        if scratch.event.scope == scope::EXACT || known {
+        if scratch.event.scope == scope::EXACT || known || parent_known(scratch) {
             park(&PENDING_TARGET, &scratch.event);
         } else {
             park(&PENDING_IF_SOURCE, &scratch.event);
@@ -589,13 +636,14 @@ mod programs {
 
     /// Copies the last component of the user string at `path` into `scratch.event.name` (NUL
     /// padded) and its length into `name_len`. Returns whether the path is that single component.
+    /// The path stays in `scratch.path` and the component's start in `scratch.start`, for
+    /// [`parent_known`].
     ///
     /// Written for the verifier, whose work is (instructions per iteration) x (iterations): the
-    /// last slash is found eight bytes per step (a word holds a slash iff `(x - ONES) & !x & HIGHS`
-    /// is non-zero for `x = word ^ SLASHES`), then byte by byte within that one word; the name is
-    /// copied by a helper rather than a loop; loops are bounded by constants, indexes are masked,
-    /// and positions found by one loop go through memory before the next so their ranges do not
-    /// multiply the states the verifier explores.
+    /// last slash is found eight bytes per step (see [`component_start`]); the name is copied by a
+    /// helper rather than a loop; loops are bounded by constants, indexes are masked, and positions
+    /// found by one loop go through memory before the next so their ranges do not multiply the
+    /// states the verifier explores.
     #[inline(always)]
     fn last_component(scratch: &mut Scratch, path: u64) -> Option<bool> {
         // SAFETY: bpf_probe_read_user_str fails instead of faulting on a bad address.
@@ -612,6 +660,52 @@ mod programs {
         if end == 0 {
             return None;
         }
+        let (start, single) = component_start(scratch, end);
+        if single && end >= NAME_LEN {
+            return None;
+        }
+        let name = addr_of_mut!(scratch.event.name);
+        let len = copy_component(scratch, start, end, name)?;
+        scratch.event.name_len = len as u32;
+        Some(single)
+    }
+
+    /// Whether the directory component before the last one (`b` in `/a/b/name`), copied into
+    /// `scratch.parent`, is a name present under the tree, NAMES holding every watched directory's
+    /// name (the root's too, as an entry of its watched parent). Called after [`last_component`]
+    /// found a multi-component path; lets a move or `mkdir` into the tree by a path the kernel
+    /// cannot resolve pass the filter when its target directory is plausibly watched, while moves
+    /// and `mkdir`s between unrelated directories stay filtered out in the kernel.
+    #[inline(always)]
+    fn parent_known(scratch: &mut Scratch) -> bool {
+        // SAFETY: a plain field of the scratch slot, written by `last_component`.
+        let mut end = unsafe { read_volatile(addr_of!(scratch.start)) } as usize & PATH_MASK;
+        // The slash before the last component, and any repeated ones ("a//name").
+        for _ in 0..4 {
+            if end > 0 && scratch.path[(end - 1) & PATH_MASK] == b'/' {
+                end -= 1;
+            }
+        }
+        if end == 0 {
+            // "/name": the parent is the filesystem root, never a watched directory's name.
+            return false;
+        }
+        let (start, _) = component_start(scratch, end);
+        let parent = addr_of_mut!(scratch.parent);
+        if copy_component(scratch, start, end, parent).is_none() {
+            return false;
+        }
+        // SAFETY: presence check only.
+        unsafe { NAMES.get(&scratch.parent) }.is_some()
+    }
+
+    /// Where the component that ends at `end` (exclusive) in `scratch.path` starts: after the last
+    /// slash before `end` within a name's reach, or 0; and whether there was no such slash.
+    ///
+    /// The slash is found a word at a time (a word holds a slash iff `(x - ONES) & !x & HIGHS` is
+    /// non-zero for `x = word ^ SLASHES`), then byte by byte within that one word.
+    #[inline(always)]
+    fn component_start(scratch: &mut Scratch, end: usize) -> (usize, bool) {
         // The word holding the last slash before `end`, if any within reach of a name.
         let last_word = (end - 1) / 8;
         let words = scratch.path.as_ptr().cast::<u64>();
@@ -630,7 +724,7 @@ mod programs {
                 *words.add(index)
             } ^ SLASHES;
             if back == 0 {
-                // Bytes at or past `end` (the NUL, stale bytes) must not match.
+                // Bytes at or past `end` (the NUL, stale bytes, the name after it) must not match.
                 let valid = end - w * 8;
                 if valid < 8 {
                     x |= !0u64 << ((8 * valid) & 63);
@@ -641,25 +735,32 @@ mod programs {
                 break;
             }
         }
-        let mut start = 0;
-        let mut single = true;
         if let Some(w) = slash_word {
             // The bit trick can flag a byte above a real slash too; find the real one exactly.
             for i in (0..8).rev() {
                 let at = w * 8 + i;
                 if at < end && scratch.path[at & PATH_MASK] == b'/' {
-                    start = at + 1;
-                    single = false;
-                    break;
+                    return (at + 1, false);
                 }
             }
         }
-        if single && end >= NAME_LEN {
-            return None;
-        }
+        (0, true)
+    }
+
+    /// Copies `scratch.path[start..end]` NUL-padded into `dst` (a name buffer in the scratch slot)
+    /// and records `start` in `scratch.start`; returns the length, or `None` if it is empty or too
+    /// long for a name.
+    #[inline(always)]
+    fn copy_component(
+        scratch: &mut Scratch,
+        start: usize,
+        end: usize,
+        dst: *mut NameKey,
+    ) -> Option<usize> {
         scratch.start = start as u64;
         scratch.len = end.saturating_sub(start) as u64;
-        // SAFETY: plain fields of the scratch slot; see the doc comment for why they are reloaded.
+        // SAFETY: plain fields of the scratch slot; reloaded so the verifier meets fresh unknowns
+        // instead of the product of the loops' ranges.
         let (start, len) = unsafe {
             (
                 read_volatile(addr_of!(scratch.start)) as usize,
@@ -669,21 +770,18 @@ mod programs {
         if len == 0 || len >= NAME_LEN {
             return None;
         }
-        scratch.event.name.bytes = [0; NAME_LEN];
+        // SAFETY: `dst` is a name buffer inside the scratch slot, exclusively ours.
+        unsafe { (*dst).bytes = [0; NAME_LEN] };
         // SAFETY: copies `len` (< NAME_LEN, masked so the verifier sees it) bytes within the scratch
         // slot: from `path[start..]` (start + len <= end < PATH_BUF_LEN) to the name buffer.
         let copied = unsafe {
             raw_probe_read_kernel(
-                addr_of_mut!(scratch.event.name.bytes).cast(),
+                addr_of_mut!((*dst).bytes).cast(),
                 (len & (NAME_LEN - 1)) as u32,
                 scratch.path.as_ptr().add(start & PATH_MASK).cast(),
             )
         };
-        if copied != 0 {
-            return None;
-        }
-        scratch.event.name_len = len as u32;
-        Some(single)
+        (copied == 0).then_some(len)
     }
 
     /// Reports the parked path events of this thread if its syscall succeeded.
@@ -728,14 +826,174 @@ mod programs {
     }
 
     // ---------------------------------------------------------------------------------------------
-    // hook detection
+    // fentry/fexit on the VFS: the preferred family, where the kernel allows it
 
-    /// Never attached: the agent loads it to learn whether this kernel accepts fentry programs on
-    /// the VFS (kernel policy can refuse them with EPERM even where BPF is otherwise allowed). The
-    /// event programs themselves run on syscall tracepoints in this build.
-    #[fentry(function = "vfs_unlink")]
-    pub fn fentry_probe(_ctx: FEntryContext) -> u32 {
+    // These see the dentry an operation acts on, so every path form (relative, `..`, chroot,
+    // another mount namespace, a multi-component path into a directory just created) lands on the
+    // parent's identity with no path scan and no name table. Unix `bind` creates its inode with
+    // `vfs_mknod(S_IFSOCK)`, so one program covers `bind` and `mknod`. Argument positions and
+    // `struct renamedata` offsets come from the running kernel's BTF ([`VfsArgs`](agent_ebpf::VfsArgs)).
+    //
+    // NOT VERIFIED on the build machine: its kernel refuses fentry/fexit with EPERM, so the loader
+    // falls back to the tracepoints above there (and says why).
+
+    /// Argument `n` of the traced function, read with a helper from the program's context (an
+    /// array of u64 on the trampoline's stack) so it is a plain number to the verifier: `n` comes
+    /// from CONFIG, and offset arithmetic on it follows.
+    #[inline(always)]
+    fn func_arg(ctx: *mut core::ffi::c_void, n: u32) -> Option<u64> {
+        if n >= 12 {
+            return None;
+        }
+        let slot = (ctx as *const u64).wrapping_add((n & 15) as usize);
+        // SAFETY: bpf_probe_read_kernel fails instead of faulting; `slot` is within the context.
+        unsafe { bpf_probe_read_kernel(slot) }.ok()
+    }
+
+    macro_rules! vfs {
+        ($field:ident) => {
+            // SAFETY: see `offset!`.
+            unsafe { read_volatile(addr_of!(CONFIG.vfs.$field)) }
+        };
+    }
+
+    /// Whether an `int`-returning VFS function succeeded (0; the upper half of the register is
+    /// not defined for an `int`).
+    fn int_ok(ret: Result<u64, i32>) -> bool {
+        matches!(ret, Ok(r) if r as u32 == 0)
+    }
+
+    /// A socket inode created: `bind` of a unix socket to a path, or `mknod(S_IFSOCK)`.
+    #[fexit(function = "vfs_mknod")]
+    pub fn vfs_mknod_exit(ctx: FExitContext) -> u32 {
+        let _ = try_vfs_mknod_exit(&ctx);
         0
+    }
+
+    fn try_vfs_mknod_exit(ctx: &FExitContext) -> Option<()> {
+        if is_agent() || !int_ok(ctx.ret::<u64>()) {
+            return None;
+        }
+        let mode = func_arg(ctx.as_ptr(), vfs!(mknod_mode))?;
+        if mode & S_IFMT != S_IFSOCK {
+            return None;
+        }
+        let dentry = func_arg(ctx.as_ptr(), vfs!(mknod_dentry))? as usize;
+        report_below_watched(dentry, kind::CREATE, Names::Skip)
+    }
+
+    /// A directory created: joins the watched set at once (`mkdir -p a/b/c` reports `a`).
+    #[fexit(function = "vfs_mkdir")]
+    pub fn vfs_mkdir_exit(ctx: FExitContext) -> u32 {
+        let _ = try_vfs_mkdir_exit(&ctx);
+        0
+    }
+
+    fn try_vfs_mkdir_exit(ctx: &FExitContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let ret = ctx.ret::<u64>();
+        let dentry = if vfs!(mkdir_returns_ptr) != 0 {
+            // The new directory's dentry (which may not be the argument's, then released), or an
+            // ERR_PTR (the top 4095 values).
+            match ret {
+                Ok(r) if r != 0 && r < (-4095i64) as u64 => r as usize,
+                _ => return None,
+            }
+        } else if int_ok(ret) {
+            func_arg(ctx.as_ptr(), vfs!(mkdir_dentry))? as usize
+        } else {
+            return None;
+        };
+        report_below_watched(dentry, kind::CREATE, Names::Skip)
+    }
+
+    /// An entry unlinked.
+    #[fexit(function = "vfs_unlink")]
+    pub fn vfs_unlink_exit(ctx: FExitContext) -> u32 {
+        let _ = try_vfs_removal_exit(&ctx, vfs!(unlink_dentry));
+        0
+    }
+
+    /// A directory removed.
+    #[fexit(function = "vfs_rmdir")]
+    pub fn vfs_rmdir_exit(ctx: FExitContext) -> u32 {
+        let _ = try_vfs_removal_exit(&ctx, vfs!(rmdir_dentry));
+        0
+    }
+
+    fn try_vfs_removal_exit(ctx: &FExitContext, dentry_arg: u32) -> Option<()> {
+        if is_agent() || !int_ok(ctx.ret::<u64>()) {
+            return None;
+        }
+        // The dentry is negative now, but keeps its parent and name.
+        let dentry = func_arg(ctx.as_ptr(), dentry_arg)? as usize;
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        report_dentry(dentry, parent, kind::REMOVE, Names::Skip)
+    }
+
+    /// Before a rename: the source's directory and name, which the move overwrites, parked for
+    /// the thread until [`vfs_rename_exit`].
+    #[fentry(function = "vfs_rename")]
+    pub fn vfs_rename_enter(ctx: FEntryContext) -> u32 {
+        let _ = try_vfs_rename_enter(&ctx);
+        0
+    }
+
+    fn try_vfs_rename_enter(ctx: &FEntryContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let rd = func_arg(ctx.as_ptr(), vfs!(rename_data))? as usize;
+        let old = kptr(rd, vfs!(renamedata_old_dentry) as usize)?;
+        let flags = kread::<u32>(rd, vfs!(renamedata_flags) as usize)?;
+        let parent = dir_key(kptr(old, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
+        let event = unsafe { &mut (*scratch).event };
+        let name = kptr(old, offset!(dentry_name))?;
+        event.name.bytes = [0; NAME_LEN];
+        // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
+        let len =
+            unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut event.name.bytes) }
+                .ok()?
+                .len();
+        event.name_len = len as u32;
+        // The source of a RENAME_EXCHANGE is replaced, not removed (the watcher stats it anyway).
+        event.kind = if u64::from(flags) & RENAME_EXCHANGE != 0 {
+            kind::CREATE
+        } else {
+            kind::REMOVE
+        };
+        event.scope = scope::EXACT;
+        event.parent = parent;
+        event.tgid = current_tgid();
+        park(&PENDING, event);
+        Some(())
+    }
+
+    /// After a rename: the parked source, if it succeeded, and the target, which the source's
+    /// dentry now is (`d_move` gave it the target's parent and name).
+    #[fexit(function = "vfs_rename")]
+    pub fn vfs_rename_exit(ctx: FExitContext) -> u32 {
+        let succeeded = int_ok(ctx.ret::<u64>());
+        let thread = bpf_get_current_pid_tgid();
+        report_parked(&PENDING, thread, succeeded);
+        if succeeded && !is_agent() {
+            let _ = try_vfs_rename_target(&ctx);
+        }
+        0
+    }
+
+    fn try_vfs_rename_target(ctx: &FExitContext) -> Option<()> {
+        let rd = func_arg(ctx.as_ptr(), vfs!(rename_data))? as usize;
+        let moved = kptr(rd, vfs!(renamedata_old_dentry) as usize)?;
+        report_below_watched(moved, kind::CREATE, Names::Skip)
     }
 
     #[panic_handler]

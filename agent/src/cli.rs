@@ -169,7 +169,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub max_concurrent: Option<usize>,
 
-    /// eBPF ring buffer size in bytes, a power of two [default: 4194304].
+    /// eBPF ring buffer size in bytes, a power of two [default: 2097152].
     #[arg(long)]
     pub ring_buffer_bytes: Option<usize>,
 
@@ -279,7 +279,7 @@ impl RunArgs {
             ring_buffer_bytes: self
                 .ring_buffer_bytes
                 .or(file.ring_buffer_bytes)
-                .unwrap_or(4 << 20),
+                .unwrap_or(0),
         };
         let t = &file.timeouts;
         let plugin_defaults = Timeouts::default();

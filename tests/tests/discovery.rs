@@ -10,8 +10,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 per_source!(
-    follows_a_socket_renamed_into_within_and_out_of_the_directory [ebpf: #[ignore = "eBPF gap: a socket or tree renamed in from an unwatched directory by a multi-component path passes the kernel filter only when its name is already known; the 30 s safety pass finds it"]],
-    registers_sockets_placed_at_once_in_trees_made_with_mkdir_p [ebpf: #[ignore = "eBPF gap: a socket or tree renamed in from an unwatched directory by a multi-component path passes the kernel filter only when its name is already known; the 30 s safety pass finds it (the mkdir -p part passes; the tree moved in whole does not)"]],
+    follows_a_socket_renamed_into_within_and_out_of_the_directory,
+    registers_sockets_placed_at_once_in_trees_made_with_mkdir_p,
     deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created,
     re_creates_a_removed_root_directory_and_registers_plugins_in_it_again,
     ignores_regular_files_and_fifos,

@@ -52,6 +52,15 @@ async fn auto_picks_ebpf_where_the_kernel_and_build_allow_it() {
         }
         panic!("{test}: auto chose {source:?} instead of ebpf:\n{why}");
     }
+    // Which hooks: fentry/fexit where the kernel allows them, else syscall tracepoints with the
+    // reason the preferred family was passed over (this machine: EPERM by kernel policy).
+    let attached = open.field("attached").unwrap_or_default();
+    assert!(
+        attached.contains("hooks: fentry/fexit: fexit vfs_mknod")
+            || (attached.contains("hooks: syscall tracepoints (passed over fentry/fexit: ")
+                && attached.contains("tracepoint syscalls/sys_exit_bind")),
+        "{test}: the open line does not say which hooks are attached and why: {attached}"
+    );
     let chosen = log.matching_since(Mark(0), |l| {
         l.message() == "event source chosen automatically"
     });

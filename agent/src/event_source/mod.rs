@@ -56,6 +56,9 @@ impl fmt::Display for SourceKind {
 pub struct Observed {
     /// `CLOCK_MONOTONIC` nanoseconds at the kernel event (`bpf_ktime_get_ns`).
     pub kernel_ns: Option<u64>,
+    /// `CLOCK_MONOTONIC` nanoseconds when the source's reader took the event off the kernel's
+    /// queue (eBPF), so latency splits into kernel -> reader and reader -> consumer.
+    pub read_ns: Option<u64>,
 }
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds: the clock `bpf_ktime_get_ns` reads, so kernel event

@@ -12,7 +12,7 @@
 
 use std::path::Path;
 
-use agent_ebpf::KernelOffsets;
+use agent_ebpf::{KernelOffsets, VfsArgs};
 use anyhow::{Context, bail};
 use btf_rs::{Btf, Type};
 
@@ -22,6 +22,32 @@ pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 /// The running kernel's type information, parsed once per load.
 pub struct KernelBtf {
     btf: Btf,
+}
+
+/// A kernel function's parameter names in order, and whether it returns a pointer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signature {
+    /// Parameter names as the kernel's BTF spells them.
+    pub parameters: Vec<String>,
+    /// Whether the return type is a pointer.
+    pub returns_ptr: bool,
+}
+
+impl Signature {
+    /// Position of the parameter called `name`, as a program argument index.
+    fn position(&self, function: &str, name: &str) -> anyhow::Result<u32> {
+        let index = self
+            .parameters
+            .iter()
+            .position(|p| p == name)
+            .with_context(|| {
+                format!(
+                    "{function}({}) has no parameter `{name}`",
+                    self.parameters.join(", ")
+                )
+            })?;
+        u32::try_from(index).context("parameter index overflows u32")
+    }
 }
 
 /// A member located inside a struct: byte offset from the struct's start, and byte size.
@@ -75,6 +101,39 @@ impl KernelBtf {
             };
         }
         bail!("empty member path for struct {name}")
+    }
+
+    /// The signature of kernel function `name`: each parameter's name, and whether it returns a
+    /// pointer (rather than an integer).
+    pub fn function(&self, name: &str) -> anyhow::Result<Signature> {
+        let types = self
+            .btf
+            .resolve_types_by_name(name)
+            .with_context(|| format!("kernel BTF has no function `{name}`"))?;
+        let func = types
+            .into_iter()
+            .find_map(|t| match t {
+                Type::Func(f) => Some(f),
+                _ => None,
+            })
+            .with_context(|| format!("kernel BTF has no function `{name}`"))?;
+        let Type::FuncProto(proto) = self.btf.resolve_chained_type(&func)? else {
+            bail!("kernel BTF's `{name}` has no prototype");
+        };
+        let parameters = proto
+            .parameters
+            .iter()
+            .map(|p| self.btf.resolve_name(p).unwrap_or_default())
+            .collect();
+        let returns = self.btf.resolve_type_by_id(proto.return_type_id());
+        let returns_ptr = matches!(
+            returns.map(|t| self.strip_qualifiers(t)),
+            Ok(Ok(Type::Ptr(_)))
+        );
+        Ok(Signature {
+            parameters,
+            returns_ptr,
+        })
     }
 
     /// The definition (not a forward declaration) of `struct name`.
@@ -291,6 +350,49 @@ pub fn resolve_offsets(btf: &KernelBtf) -> anyhow::Result<KernelOffsets> {
     Ok(offsets)
 }
 
+/// Resolves what the fentry/fexit programs read from the VFS functions' arguments on this kernel.
+/// Fails (and the loader then passes over the fentry family, saying why) when a signature is not
+/// the shape the programs expect, e.g. a kernel older than `struct renamedata`.
+pub fn resolve_vfs_args(btf: &KernelBtf) -> anyhow::Result<VfsArgs> {
+    let unlink = btf.function("vfs_unlink")?;
+    let rmdir = btf.function("vfs_rmdir")?;
+    let mkdir = btf.function("vfs_mkdir")?;
+    let mknod = btf.function("vfs_mknod")?;
+    let rename = btf.function("vfs_rename")?;
+    let pointer = |member: Member, what: &str| {
+        anyhow::ensure!(
+            member.size == 8,
+            "{what} is {} bytes, not a pointer",
+            member.size
+        );
+        Ok(member.offset)
+    };
+    let flags = btf.member("renamedata", "flags")?;
+    anyhow::ensure!(
+        flags.size == 4,
+        "renamedata.flags is {} bytes, not 4",
+        flags.size
+    );
+    Ok(VfsArgs {
+        unlink_dentry: unlink.position("vfs_unlink", "dentry")?,
+        rmdir_dentry: rmdir.position("vfs_rmdir", "dentry")?,
+        mkdir_dentry: mkdir.position("vfs_mkdir", "dentry")?,
+        mkdir_returns_ptr: u32::from(mkdir.returns_ptr),
+        mknod_dentry: mknod.position("vfs_mknod", "dentry")?,
+        mknod_mode: mknod.position("vfs_mknod", "mode")?,
+        rename_data: rename.position("vfs_rename", "rd")?,
+        renamedata_old_dentry: pointer(
+            btf.member("renamedata", "old_dentry")?,
+            "renamedata.old_dentry",
+        )?,
+        renamedata_new_dentry: pointer(
+            btf.member("renamedata", "new_dentry")?,
+            "renamedata.new_dentry",
+        )?,
+        renamedata_flags: flags.offset,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,6 +419,36 @@ mod tests {
         assert!(
             matches!(offsets, Ok((parent, dentry)) if parent > 0 && dentry > 0),
             "{offsets:?}"
+        );
+    }
+
+    #[test]
+    fn the_vfs_functions_the_fentry_programs_hook_are_resolved_on_this_kernel() {
+        let Some(btf) = running_kernel() else { return };
+        let unlink = btf.function("vfs_unlink").map_err(|e| format!("{e:#}"));
+        eprintln!("vfs_unlink: {unlink:?}");
+        assert!(
+            matches!(&unlink, Ok(s) if s.parameters.iter().any(|p| p == "dentry") && !s.returns_ptr),
+            "{unlink:?}"
+        );
+        let args = resolve_vfs_args(&btf).map_err(|e| format!("{e:#}"));
+        eprintln!("{args:?}");
+        // The dentry follows at least the directory inode; a rename's dentries are not first.
+        assert!(
+            matches!(&args, Ok(a) if a.unlink_dentry >= 1 && a.renamedata_new_dentry > a.renamedata_old_dentry),
+            "{args:?}"
+        );
+    }
+
+    #[test]
+    fn a_missing_function_is_a_clear_error() {
+        let Some(btf) = running_kernel() else { return };
+        let err = btf
+            .function("vfs_no_such_function_xyz")
+            .map_err(|e| format!("{e:#}"));
+        assert!(
+            matches!(&err, Err(m) if m.contains("vfs_no_such_function_xyz")),
+            "{err:?}"
         );
     }
 

@@ -131,9 +131,4 @@ impl Filters {
     pub fn path_of(&self, key: &DirKey) -> Option<PathBuf> {
         lock(&self.paths).get(key).cloned()
     }
-
-    /// How many directories are watched.
-    pub fn watched_count(&self) -> usize {
-        lock(&self.paths).len()
-    }
 }

@@ -6,27 +6,24 @@
 //!   --> Selection { family, passed_over: why each preferred family was not used } --> describe()
 //! ```
 //!
-//! fentry/fexit on `vfs_*` (and BPF LSM) see the dentry an operation acts on, so they need no path
-//! scan and no per-thread parking between entry and exit; but kernels may refuse them by policy
-//! (EPERM at load, as on the build machine) or lack BTF for the target. Syscall tracepoints exist
-//! everywhere. Detection loads a minimal fentry program on `vfs_unlink`; this build implements the
-//! event programs on syscall tracepoints only, so a kernel that accepts fentry still gets
-//! tracepoints, and `describe()` says so.
+//! fentry/fexit on `vfs_*` see the dentry an operation acts on, so they need no path scan and no
+//! name table: every path form lands on the parent directory's identity. But kernels may refuse
+//! them by policy (EPERM at load, as on the build machine), lack BTF for the targets, or have VFS
+//! signatures the programs do not know. Syscall tracepoints exist everywhere. Detection is the real
+//! thing: the fentry/fexit event programs are loaded and attached; if any of them fails, those
+//! already attached are detached and the tracepoint programs are used, and `describe()` (the
+//! `status` command, the "event source open" log line) names the family and why the preferred one
+//! was passed over.
 
 use std::fmt;
 
 use anyhow::{Context, bail};
 use aya::Ebpf;
-use aya::programs::FEntry;
 
 /// Environment variable that sets [`HookChoice`] when [`EbpfOptions`](super::EbpfOptions) leaves it
 /// unset: `auto`, `fentry` or `tracepoints`. For operators pinning a hook family, and for tests
 /// that make the preferred family mandatory to prove the fallback to another event source.
 pub const HOOKS_ENV: &str = "PLUGIN_AGENT_EBPF_HOOKS";
-
-/// Program the fentry probe loads, and the kernel function it targets.
-const FENTRY_PROBE: &str = "fentry_probe";
-const FENTRY_PROBE_TARGET: &str = "vfs_unlink";
 
 /// A family of kernel hooks the event programs can run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +37,7 @@ pub enum HookFamily {
 impl fmt::Display for HookFamily {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            HookFamily::Fentry => "fentry",
+            HookFamily::Fentry => "fentry/fexit",
             HookFamily::Tracepoints => "syscall tracepoints",
         })
     }
@@ -106,18 +103,29 @@ impl fmt::Display for Selection {
     }
 }
 
-/// Picks the first family in `choice` that the kernel allows and this build implements.
-pub fn select(ebpf: &mut Ebpf, choice: HookChoice) -> anyhow::Result<Selection> {
+/// Attaches the first family in `choice` that the kernel allows: `attach` loads and attaches one
+/// family's programs (returning the hooks attached), `detach` undoes a family that failed half way,
+/// so a refused family leaves nothing behind.
+pub fn select(
+    ebpf: &mut Ebpf,
+    choice: HookChoice,
+    mut attach: impl FnMut(&mut Ebpf, HookFamily) -> anyhow::Result<Vec<String>>,
+    mut detach: impl FnMut(&mut Ebpf, HookFamily),
+) -> anyhow::Result<(Selection, Vec<String>)> {
     let mut passed_over = Vec::new();
     for &family in choice.candidates() {
-        match usable(ebpf, family) {
-            Ok(()) => {
-                return Ok(Selection {
+        match attach(ebpf, family) {
+            Ok(attached) => {
+                let selection = Selection {
                     family,
                     passed_over,
-                });
+                };
+                return Ok((selection, attached));
             }
-            Err(err) => passed_over.push(format!("{family}: {err:#}")),
+            Err(err) => {
+                detach(ebpf, family);
+                passed_over.push(format!("{family}: {err:#}"));
+            }
         }
     }
     bail!(
@@ -126,42 +134,22 @@ pub fn select(ebpf: &mut Ebpf, choice: HookChoice) -> anyhow::Result<Selection> 
     )
 }
 
-fn usable(ebpf: &mut Ebpf, family: HookFamily) -> anyhow::Result<()> {
-    match family {
-        HookFamily::Tracepoints => Ok(()),
-        HookFamily::Fentry => {
-            probe_fentry(ebpf)?;
-            bail!(
-                "the kernel accepts fentry, but this build implements the event programs on \
-                 syscall tracepoints only"
-            )
-        }
+/// Says what the kernel's refusal to load a BTF-typed (fentry/fexit) program means.
+pub fn btf_program_error(
+    program: &str,
+    function: &str,
+    err: aya::programs::ProgramError,
+) -> anyhow::Error {
+    let errno = std::error::Error::source(&err)
+        .and_then(|cause| cause.downcast_ref::<std::io::Error>())
+        .and_then(std::io::Error::raw_os_error);
+    let what = format!("{program} on {function}");
+    match errno {
+        Some(libc::EPERM) => anyhow::anyhow!(
+            "{what} refused by the kernel (EPERM: fentry/fexit disallowed by policy on this node)"
+        ),
+        _ => anyhow::Error::new(err).context(format!("{what} cannot be loaded")),
     }
-}
-
-/// Loads (never attaches) the fentry probe: fails with the kernel's reason when fentry is refused.
-fn probe_fentry(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry targets")?;
-    let program: &mut FEntry = ebpf
-        .program_mut(FENTRY_PROBE)
-        .with_context(|| format!("the eBPF object has no program {FENTRY_PROBE}"))?
-        .try_into()
-        .with_context(|| format!("eBPF program {FENTRY_PROBE} is not an fentry program"))?;
-    program.load(FENTRY_PROBE_TARGET, &btf).map_err(|err| {
-        let errno = std::error::Error::source(&err)
-            .and_then(|cause| cause.downcast_ref::<std::io::Error>())
-            .and_then(std::io::Error::raw_os_error);
-        let what = format!("fentry program on {FENTRY_PROBE_TARGET}");
-        match errno {
-            Some(libc::EPERM) => anyhow::anyhow!(
-                "{what} refused by the kernel (EPERM: fentry disallowed by policy on this node)"
-            ),
-            _ => anyhow::Error::new(err).context(format!("{what} cannot be loaded")),
-        }
-    })?;
-    // Loaded only to learn the answer; unload so it holds no kernel memory.
-    let _ = program.unload();
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! Loads the kernel programs with this kernel's offsets and attaches them to their hooks.
 //!
 //! ```text
-//! embedded object + btf::resolve_offsets + EbpfOptions --EbpfLoader (CONFIG, map sizes)--> Ebpf
-//!   --tracefs::ensure_mounted, TracePoint::load/attach--> programs firing on syscalls/sys_*_{bind,unlink*}
+//! embedded object + btf::{resolve_offsets, resolve_vfs_args} + EbpfOptions
+//!   --EbpfLoader (CONFIG, map sizes)--> Ebpf
+//!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename} (FEntry/FExit load+attach)
+//!                    else tracefs::ensure_mounted + TracePoint load/attach on syscalls/sys_{enter,exit}_*
 //! ```
 //!
 //! Failures are reported in operator terms: which hook, what the kernel said, what to grant.
@@ -10,12 +12,12 @@
 use std::io;
 use std::time::{Duration, Instant};
 
-use agent_ebpf::{Config, SyscallNumbers, names};
+use agent_ebpf::{Config, SyscallNumbers, VfsArgs, names};
 use anyhow::{Context, bail};
-use aya::programs::{ProgramError, TracePoint};
+use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
-use super::btf::{KernelBtf, resolve_offsets};
+use super::btf::{KernelBtf, resolve_offsets, resolve_vfs_args};
 use super::hooks::{self, HookChoice, HookFamily, Selection};
 use super::tracefs;
 
@@ -28,7 +30,7 @@ static OBJECT: Option<&[u8]> = Some(aya::include_bytes_aligned!(env!(
 static OBJECT: Option<&[u8]> = None;
 
 /// A syscall tracepoint program and the tracepoints it is attached to.
-struct Hook {
+struct TracepointHook {
     program: &'static str,
     tracepoints: &'static [&'static str],
 }
@@ -36,16 +38,16 @@ struct Hook {
 /// Every program in the object and where it goes. One program serves every syscall whose entry
 /// (or exit) it handles alike, told apart by `__syscall_nr`: each program is verified once, and
 /// the path scan is most of the verifier's work.
-const HOOKS: &[Hook] = &[
-    Hook {
+const TRACEPOINT_HOOKS: &[TracepointHook] = &[
+    TracepointHook {
         program: "bind_enter",
         tracepoints: &["sys_enter_bind"],
     },
-    Hook {
+    TracepointHook {
         program: "bind_exit",
         tracepoints: &["sys_exit_bind"],
     },
-    Hook {
+    TracepointHook {
         program: "path_enter",
         tracepoints: &[
             "sys_enter_unlink",
@@ -60,7 +62,7 @@ const HOOKS: &[Hook] = &[
             "sys_enter_renameat2",
         ],
     },
-    Hook {
+    TracepointHook {
         program: "rename_target_enter",
         tracepoints: &[
             "sys_enter_rename",
@@ -68,7 +70,7 @@ const HOOKS: &[Hook] = &[
             "sys_enter_renameat2",
         ],
     },
-    Hook {
+    TracepointHook {
         program: "path_exit",
         tracepoints: &[
             "sys_exit_unlink",
@@ -82,6 +84,49 @@ const HOOKS: &[Hook] = &[
             "sys_exit_renameat",
             "sys_exit_renameat2",
         ],
+    },
+];
+
+/// An fentry or fexit program of the preferred family and the kernel function it traces.
+struct FunctionHook {
+    program: &'static str,
+    /// fexit (after the function returned, with its result) or fentry (before it ran).
+    exit: bool,
+    function: &'static str,
+}
+
+/// The fentry/fexit event programs: one per VFS function that makes or removes an entry. Unix
+/// `bind` creates its socket inode through `vfs_mknod`.
+const FUNCTION_HOOKS: &[FunctionHook] = &[
+    FunctionHook {
+        program: "vfs_mknod_exit",
+        exit: true,
+        function: "vfs_mknod",
+    },
+    FunctionHook {
+        program: "vfs_mkdir_exit",
+        exit: true,
+        function: "vfs_mkdir",
+    },
+    FunctionHook {
+        program: "vfs_unlink_exit",
+        exit: true,
+        function: "vfs_unlink",
+    },
+    FunctionHook {
+        program: "vfs_rmdir_exit",
+        exit: true,
+        function: "vfs_rmdir",
+    },
+    FunctionHook {
+        program: "vfs_rename_enter",
+        exit: false,
+        function: "vfs_rename",
+    },
+    FunctionHook {
+        program: "vfs_rename_exit",
+        exit: true,
+        function: "vfs_rename",
     },
 ];
 
@@ -202,6 +247,9 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     let started = Instant::now();
     let btf = KernelBtf::running_kernel()?;
     let offsets = resolve_offsets(&btf).context("the running kernel's layout is not supported")?;
+    // Only the fentry/fexit family needs these; a kernel where they cannot be found still gets
+    // the tracepoints.
+    let vfs = resolve_vfs_args(&btf).map_err(|err| format!("{err:#}"));
     drop(btf);
     timings.btf = started.elapsed();
     let started = Instant::now();
@@ -211,6 +259,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         wakeup_bytes: params.wakeup_bytes,
         batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
         syscalls: syscall_numbers(),
+        vfs: vfs.clone().unwrap_or_default(),
         ..Config::UNSET
     };
     let mut ebpf = EbpfLoader::new()
@@ -222,17 +271,113 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
     timings.object = started.elapsed();
 
-    let selection = hooks::select(&mut ebpf, params.hooks)?;
-    if selection.family != HookFamily::Tracepoints {
+    let mut mounted_tracefs = false;
+    let (selection, attached) = hooks::select(
+        &mut ebpf,
+        params.hooks,
+        |ebpf, family| match family {
+            HookFamily::Fentry => attach_functions(ebpf, &vfs, &mut timings),
+            HookFamily::Tracepoints => {
+                mounted_tracefs = tracefs::ensure_mounted()?;
+                attach_tracepoints(ebpf, &mut timings)
+            }
+        },
+        |ebpf, family| {
+            if family == HookFamily::Fentry {
+                detach_functions(ebpf);
+            }
+        },
+    )?;
+    Ok(Loaded {
+        ebpf,
+        attached,
+        mounted_tracefs,
+        timings,
+        hooks: selection,
+    })
+}
+
+/// Loads and attaches the fentry/fexit programs; fails at the first the kernel refuses.
+fn attach_functions(
+    ebpf: &mut Ebpf,
+    vfs: &Result<VfsArgs, String>,
+    timings: &mut LoadTimings,
+) -> anyhow::Result<Vec<String>> {
+    if let Err(reason) = vfs {
         bail!(
-            "hook family {} has no event programs in this build",
-            selection.family
+            "the VFS functions' signatures on this kernel are not the ones the programs know: {reason}"
         );
     }
-
-    let mounted_tracefs = tracefs::ensure_mounted()?;
+    // aya's own BTF view, which fentry/fexit loads resolve their target functions in.
+    let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry/fexit targets")?;
     let mut attached = Vec::new();
-    for hook in HOOKS {
+    for hook in FUNCTION_HOOKS {
+        let started = Instant::now();
+        let program = ebpf
+            .program_mut(hook.program)
+            .with_context(|| format!("the eBPF object has no program {}", hook.program))?;
+        let refused = |err| hooks::btf_program_error(hook.program, hook.function, err);
+        let insns = if hook.exit {
+            let program: &mut FExit = program
+                .try_into()
+                .with_context(|| format!("eBPF program {} is not fexit", hook.program))?;
+            program.load(hook.function, &btf).map_err(refused)?;
+            program.attach().map_err(|err| {
+                with_hint(
+                    anyhow::Error::new(err),
+                    &format!("cannot attach fexit {}", hook.function),
+                )
+            })?;
+            program
+                .info()
+                .ok()
+                .and_then(|i| i.verified_instruction_count())
+        } else {
+            let program: &mut FEntry = program
+                .try_into()
+                .with_context(|| format!("eBPF program {} is not fentry", hook.program))?;
+            program.load(hook.function, &btf).map_err(refused)?;
+            program.attach().map_err(|err| {
+                with_hint(
+                    anyhow::Error::new(err),
+                    &format!("cannot attach fentry {}", hook.function),
+                )
+            })?;
+            program
+                .info()
+                .ok()
+                .and_then(|i| i.verified_instruction_count())
+        };
+        timings
+            .programs
+            .push((hook.program.to_string(), started.elapsed(), insns));
+        let kind = if hook.exit { "fexit" } else { "fentry" };
+        attached.push(format!("{kind} {}", hook.function));
+    }
+    Ok(attached)
+}
+
+/// Unloads (and so detaches) whatever of the fentry/fexit family got loaded.
+fn detach_functions(ebpf: &mut Ebpf) {
+    for hook in FUNCTION_HOOKS {
+        let Some(program) = ebpf.program_mut(hook.program) else {
+            continue;
+        };
+        // A program that never loaded has nothing to unload; errors here change nothing.
+        if hook.exit {
+            if let Ok(program) = <&mut FExit>::try_from(program) {
+                let _ = program.unload();
+            }
+        } else if let Ok(program) = <&mut FEntry>::try_from(program) {
+            let _ = program.unload();
+        }
+    }
+}
+
+/// Loads the tracepoint programs and attaches each to its syscall tracepoints.
+fn attach_tracepoints(ebpf: &mut Ebpf, timings: &mut LoadTimings) -> anyhow::Result<Vec<String>> {
+    let mut attached = Vec::new();
+    for hook in TRACEPOINT_HOOKS {
         let program: &mut TracePoint = ebpf
             .program_mut(hook.program)
             .with_context(|| format!("the eBPF object has no program {}", hook.program))?
@@ -264,13 +409,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         }
         timings.attach += started.elapsed();
     }
-    Ok(Loaded {
-        ebpf,
-        attached,
-        mounted_tracefs,
-        timings,
-        hooks: selection,
-    })
+    Ok(attached)
 }
 
 /// A program the verifier refused: keep the end of its log, where the reason is.

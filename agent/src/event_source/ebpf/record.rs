@@ -46,6 +46,7 @@ pub fn translate(
     }
     let observed = Observed {
         kernel_ns: Some(event.ktime_ns),
+        read_ns: None,
     };
     match event.scope {
         scope::EXACT => {
@@ -88,7 +89,10 @@ mod tests {
         (*key == DirKey { dev: 1, ino: 2 }).then(|| PathBuf::from("/plugins"))
     }
 
-    const AT_7: Observed = Observed { kernel_ns: Some(7) };
+    const AT_7: Observed = Observed {
+        kernel_ns: Some(7),
+        read_ns: None,
+    };
 
     #[test]
     fn exact_bind_becomes_created_under_the_watched_path() {
