@@ -313,13 +313,21 @@ impl Watcher {
             .filter(|d| d.starts_with(dir))
             .cloned()
             .collect();
-        for path in gone {
-            if let Some(watched) = self.dirs.remove(&path) {
+        for path in &gone {
+            if let Some(watched) = self.dirs.remove(path) {
                 self.source.unwatch(&watched);
             }
             self.stats
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
+        }
+        // Sockets are only ever recorded from directories in `dirs` (a walk watches a directory
+        // before it reads it; events come from watched directories; a rescan prunes both
+        // together), so a path that was not a watched directory has no sockets below it. Every
+        // removed socket comes through here: without this, each removal would scan the whole
+        // desired state (deregistering 10,000 plugins: 50 million path comparisons).
+        if gone.is_empty() {
+            return;
         }
         for path in self.desired.remove_under(dir) {
             self.telemetry
