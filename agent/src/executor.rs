@@ -191,6 +191,7 @@ pub struct OperationExecutor {
     events: EventBus,
     telemetry: Arc<Telemetry>,
     cancel: CancellationToken,
+    trimmer: crate::memory::Trimmer,
 }
 
 impl OperationExecutor {
@@ -224,6 +225,7 @@ impl OperationExecutor {
             events,
             telemetry,
             cancel,
+            trimmer: crate::memory::Trimmer::default(),
         });
         let weak = Arc::downgrade(&executor);
         handlers.subscribe(move |plugin_type| {
@@ -636,8 +638,14 @@ impl OperationExecutor {
     }
 
     fn finish(&self, path: &Path) {
-        self.lock_in_flight().remove(path);
+        let idle = {
+            let mut in_flight = self.lock_in_flight();
+            in_flight.remove(path);
+            in_flight.is_empty()
+        };
         self.queue.mark(path.to_path_buf());
+        // After a burst, give what its operations freed back to the kernel (see `memory`).
+        self.trimmer.finished(idle);
     }
 
     fn lock_in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, OperationKind>> {

@@ -168,7 +168,7 @@ async fn exchange(
         let _ = body.flow_control().release_capacity(data.len());
         if received.len() + data.len() > max_message + 5 {
             return Err(CallError::Protocol(format!(
-                "the answer is larger than {max_message} bytes"
+                "message length too large: the answer exceeds {max_message} bytes"
             )));
         }
         received.extend_from_slice(&data);
@@ -203,7 +203,7 @@ fn unframe(mut data: Bytes, max_message: usize) -> Result<Bytes, CallError> {
     }
     if len > max_message {
         return Err(CallError::Protocol(format!(
-            "the answer is larger than {max_message} bytes"
+            "message length too large: the answer exceeds {max_message} bytes"
         )));
     }
     if data.len() != len {
