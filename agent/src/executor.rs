@@ -192,6 +192,10 @@ pub struct OperationExecutor {
     telemetry: Arc<Telemetry>,
     cancel: CancellationToken,
     trimmer: crate::memory::Trimmer,
+    /// Pending backoff retries by path, cancelled when the socket leaves the tree: a storm of
+    /// short-lived sockets that fail (not plugins) would otherwise leave thousands of timers that
+    /// wake the idle agent long after the sockets are gone.
+    retry_timers: Mutex<HashMap<PathBuf, CancellationToken>>,
 }
 
 impl OperationExecutor {
@@ -226,6 +230,7 @@ impl OperationExecutor {
             telemetry,
             cancel,
             trimmer: crate::memory::Trimmer::default(),
+            retry_timers: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&executor);
         handlers.subscribe(move |plugin_type| {
@@ -335,6 +340,9 @@ impl OperationExecutor {
     pub fn forget(&self, path: &Path) {
         self.backoff.forget_path(path);
         self.telemetry.discovery.forget(path);
+        if let Some(timer) = self.lock_retry_timers().remove(path) {
+            timer.cancel();
+        }
     }
 
     /// The backoff of a socket, for status reporting.
@@ -533,12 +541,21 @@ impl OperationExecutor {
         );
         self.telemetry.metrics.backoff(backoff.delay);
         warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
-        let queue = self.queue.clone();
-        let cancel = self.cancel.clone();
+        let cancel = self.cancel.child_token();
+        if let Some(previous) = self
+            .lock_retry_timers()
+            .insert(path.to_path_buf(), cancel.clone())
+        {
+            previous.cancel();
+        }
+        let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
             tokio::select! {
-                _ = tokio::time::sleep_until(backoff.retry_at) => queue.mark(path),
+                _ = tokio::time::sleep_until(backoff.retry_at) => {
+                    this.lock_retry_timers().remove(&path);
+                    this.queue.mark(path);
+                }
                 _ = cancel.cancelled() => {}
             }
         });
@@ -646,6 +663,12 @@ impl OperationExecutor {
         self.queue.mark(path.to_path_buf());
         // After a burst, give what its operations freed back to the kernel (see `memory`).
         self.trimmer.finished(idle);
+    }
+
+    fn lock_retry_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
+        self.retry_timers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn lock_in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, OperationKind>> {
