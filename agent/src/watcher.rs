@@ -224,7 +224,9 @@ impl Watcher {
                 let since_event = observed
                     .kernel_ns
                     .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-                info!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
+                // One info line per registration outcome is the executor's; discovery is detail
+                // (also on the admin event stream).
+                debug!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
                 self.events
                     .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
                 self.announce(path);
@@ -242,7 +244,7 @@ impl Watcher {
             let since_event = observed
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-            info!(socket_path = %path.display(), ?since_event, "socket removed");
+            debug!(socket_path = %path.display(), ?since_event, "socket removed");
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, path));
             self.queue.mark(path.to_path_buf());
@@ -333,7 +335,7 @@ impl Watcher {
             self.telemetry
                 .discovery
                 .record(&path, Found::Removed, Via::Event, None);
-            info!(socket_path = %path.display(), "socket removed with its directory");
+            debug!(socket_path = %path.display(), "socket removed with its directory");
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
             self.queue.mark(path);

@@ -51,23 +51,33 @@ pub struct ActualState {
 /// Entries by path, and the paths of each plugin (type, name): completing a registration marks
 /// the plugin's other sockets superseded by looking at just those, not at every entry (a burst of
 /// 10,000 registrations would otherwise compare 50 million entries).
+///
+/// Memory per registered plugin is what the entry holds plus two table slots: entries are boxed
+/// (a table grows to a power of two, so inline ~300-byte entries cost up to twice that each), and
+/// the name index is keyed by a hash of (type, name), its candidates checked on use.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<PathBuf, RegisteredPlugin>,
-    by_name: HashMap<PluginKey, Vec<PathBuf>>,
+    by_path: HashMap<PathBuf, Box<RegisteredPlugin>>,
+    by_name: HashMap<u64, Vec<PathBuf>>,
 }
 
-/// (plugin type, plugin name).
-type PluginKey = (String, String);
-
-fn key_of(plugin: &Plugin) -> PluginKey {
-    (plugin.plugin_type.clone(), plugin.name.clone())
+/// Hash of (plugin type, plugin name): the name index's key.
+fn key_of(plugin: &Plugin) -> u64 {
+    use std::hash::{BuildHasher as _, Hash as _, Hasher as _};
+    let mut hasher = NAME_HASH.build_hasher();
+    plugin.plugin_type.hash(&mut hasher);
+    plugin.name.hash(&mut hasher);
+    hasher.finish()
 }
+
+/// Fixed keys: the index lives in one process and a collision only adds a candidate to check.
+const NAME_HASH: std::hash::BuildHasherDefault<std::collections::hash_map::DefaultHasher> =
+    std::hash::BuildHasherDefault::new();
 
 impl Plugins {
     fn insert(&mut self, path: &Path, entry: RegisteredPlugin) {
         let key = key_of(&entry.plugin);
-        if let Some(old) = self.by_path.insert(path.to_path_buf(), entry) {
+        if let Some(old) = self.by_path.insert(path.to_path_buf(), Box::new(entry)) {
             self.unindex(path, &old);
         }
         self.by_name
@@ -79,7 +89,7 @@ impl Plugins {
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
         let entry = self.by_path.remove(path)?;
         self.unindex(path, &entry);
-        Some(entry)
+        Some(*entry)
     }
 
     fn unindex(&mut self, path: &Path, entry: &RegisteredPlugin) {
@@ -90,6 +100,8 @@ impl Plugins {
             }
             if paths.is_empty() {
                 self.by_name.remove(&key);
+            } else if paths.capacity() > 2 * paths.len() {
+                paths.shrink_to_fit();
             }
         }
     }
@@ -128,7 +140,7 @@ impl ActualState {
 
     /// The entry for `path`.
     pub fn get(&self, path: &Path) -> Option<RegisteredPlugin> {
-        self.lock().by_path.get(path).cloned()
+        self.lock().by_path.get(path).map(|entry| (**entry).clone())
     }
 
     /// Kubelet's `PluginExistsWithCorrectUUID`: registered, and for this generation.
@@ -143,15 +155,22 @@ impl ActualState {
     /// plugin type and name is now superseded by it.
     pub fn supersede_others(&self, path: &Path) {
         let plugins = &mut *self.lock();
-        let Some(key) = plugins.by_path.get(path).map(|e| key_of(&e.plugin)) else {
+        let Some(newest) = plugins.by_path.get(path) else {
             return;
         };
-        let Some(same_plugin) = plugins.by_name.get(&key) else {
+        let (key, plugin_type, name) = (
+            key_of(&newest.plugin),
+            newest.plugin.plugin_type.clone(),
+            newest.plugin.name.clone(),
+        );
+        let Some(candidates) = plugins.by_name.get(&key) else {
             return;
         };
-        for other_path in same_plugin {
+        for other_path in candidates {
             if other_path.as_os_str() != path.as_os_str()
                 && let Some(other) = plugins.by_path.get_mut(other_path)
+                && other.plugin.plugin_type == plugin_type
+                && other.plugin.name == name
             {
                 other.superseded = true;
             }
@@ -163,7 +182,7 @@ impl ActualState {
         self.lock()
             .by_path
             .iter()
-            .map(|(p, e)| (p.clone(), e.clone()))
+            .map(|(p, e)| (p.clone(), (**e).clone()))
             .collect()
     }
 
