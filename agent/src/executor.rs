@@ -522,16 +522,20 @@ impl OperationExecutor {
             },
             _ => FailureKind::Other,
         };
-        if matches!(
+        // A socket that vanished (or was replaced) is not a failed registration: no event, no
+        // warning. Usually its removal reaches the watcher at once and forget() drops the retry.
+        // But if the watcher missed it, desired state still names this socket instance, and
+        // retrying at once would spin (every attempt ends here immediately): it backs off like a
+        // failure until the watcher's next rescan corrects desired state.
+        let vanished = matches!(
             error,
             RegisterError::Plugin(RegistrationError::SocketGone(_))
-        ) {
-            debug!(%error, "socket vanished during registration");
-            return;
+        );
+        if !vanished {
+            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
+            event.error = Some(error.to_string());
+            self.events.publish(event);
         }
-        let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
-        event.error = Some(error.to_string());
-        self.events.publish(event);
         let backoff = self.backoff.fail(
             path,
             desired.socket,
@@ -540,7 +544,11 @@ impl OperationExecutor {
             Instant::now(),
         );
         self.telemetry.metrics.backoff(backoff.delay);
-        warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
+        if vanished {
+            debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");
+        } else {
+            warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
+        }
         let cancel = self.cancel.child_token();
         if let Some(previous) = self
             .lock_retry_timers()
