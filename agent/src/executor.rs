@@ -191,6 +191,11 @@ pub struct OperationExecutor {
     events: EventBus,
     telemetry: Arc<Telemetry>,
     cancel: CancellationToken,
+    trimmer: crate::memory::Trimmer,
+    /// Pending backoff retries by path, cancelled when the socket leaves the tree: a storm of
+    /// short-lived sockets that fail (not plugins) would otherwise leave thousands of timers that
+    /// wake the idle agent long after the sockets are gone.
+    retry_timers: Mutex<HashMap<PathBuf, CancellationToken>>,
 }
 
 impl OperationExecutor {
@@ -224,6 +229,8 @@ impl OperationExecutor {
             events,
             telemetry,
             cancel,
+            trimmer: crate::memory::Trimmer::default(),
+            retry_timers: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&executor);
         handlers.subscribe(move |plugin_type| {
@@ -333,6 +340,9 @@ impl OperationExecutor {
     pub fn forget(&self, path: &Path) {
         self.backoff.forget_path(path);
         self.telemetry.discovery.forget(path);
+        if let Some(timer) = self.lock_retry_timers().remove(path) {
+            timer.cancel();
+        }
     }
 
     /// The backoff of a socket, for status reporting.
@@ -512,16 +522,20 @@ impl OperationExecutor {
             },
             _ => FailureKind::Other,
         };
-        if matches!(
+        // A socket that vanished (or was replaced) is not a failed registration: no event, no
+        // warning. Usually its removal reaches the watcher at once and forget() drops the retry.
+        // But if the watcher missed it, desired state still names this socket instance, and
+        // retrying at once would spin (every attempt ends here immediately): it backs off like a
+        // failure until the watcher's next rescan corrects desired state.
+        let vanished = matches!(
             error,
             RegisterError::Plugin(RegistrationError::SocketGone(_))
-        ) {
-            debug!(%error, "socket vanished during registration");
-            return;
+        );
+        if !vanished {
+            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
+            event.error = Some(error.to_string());
+            self.events.publish(event);
         }
-        let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
-        event.error = Some(error.to_string());
-        self.events.publish(event);
         let backoff = self.backoff.fail(
             path,
             desired.socket,
@@ -530,13 +544,26 @@ impl OperationExecutor {
             Instant::now(),
         );
         self.telemetry.metrics.backoff(backoff.delay);
-        warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
-        let queue = self.queue.clone();
-        let cancel = self.cancel.clone();
+        if vanished {
+            debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");
+        } else {
+            warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
+        }
+        let cancel = self.cancel.child_token();
+        if let Some(previous) = self
+            .lock_retry_timers()
+            .insert(path.to_path_buf(), cancel.clone())
+        {
+            previous.cancel();
+        }
+        let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
             tokio::select! {
-                _ = tokio::time::sleep_until(backoff.retry_at) => queue.mark(path),
+                _ = tokio::time::sleep_until(backoff.retry_at) => {
+                    this.lock_retry_timers().remove(&path);
+                    this.queue.mark(path);
+                }
                 _ = cancel.cancelled() => {}
             }
         });
@@ -636,8 +663,20 @@ impl OperationExecutor {
     }
 
     fn finish(&self, path: &Path) {
-        self.lock_in_flight().remove(path);
+        let idle = {
+            let mut in_flight = self.lock_in_flight();
+            in_flight.remove(path);
+            in_flight.is_empty()
+        };
         self.queue.mark(path.to_path_buf());
+        // After a burst, give what its operations freed back to the kernel (see `memory`).
+        self.trimmer.finished(idle);
+    }
+
+    fn lock_retry_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
+        self.retry_timers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn lock_in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, OperationKind>> {

@@ -17,6 +17,7 @@ pub mod event_source;
 pub mod events;
 pub mod executor;
 pub mod handler;
+pub mod memory;
 pub mod privileges;
 pub mod reconciler;
 pub mod registration;

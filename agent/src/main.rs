@@ -8,6 +8,7 @@ use plugin_agent::telemetry::logging;
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     raise_nofile_limit();
+    plugin_agent::memory::limit_arenas();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

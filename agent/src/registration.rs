@@ -19,9 +19,11 @@
 //!
 //! A peer that sent bytes but no `GetInfo` answer within 1 s is a hung plugin: that is a failure.
 
+mod unary;
+
 use crate::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, registration_client::RegistrationClient,
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use std::io;
 use std::path::{Path, PathBuf};
@@ -32,8 +34,13 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
 use tracing::{Instrument as _, info_span};
+use unary::UnaryClient;
+
+/// The `pluginregistration.Registration` methods (the package is the same for v1alpha1, v1beta1
+/// and v1: kubelet's wire contract).
+const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
 
 /// Deadlines for the calls to a plugin.
 #[derive(Debug, Clone, Copy)]
@@ -100,9 +107,10 @@ pub enum RegistrationError {
     Notify(String),
 }
 
-/// A connection to one plugin's registration socket, for one registration attempt.
+/// A connection to one plugin's registration socket, for one registration attempt. Closed when
+/// dropped.
 pub struct PluginConnection {
-    client: RegistrationClient<Channel>,
+    client: UnaryClient<HeardStream>,
     timeouts: Timeouts,
 }
 
@@ -123,8 +131,13 @@ impl PluginConnection {
                 .instrument(info_span!("dial"))
                 .await?;
             let remaining = budget_end.saturating_duration_since(Instant::now());
-            let channel = match tokio::time::timeout(remaining, channel_over(stream)).await {
-                Ok(Ok(channel)) => channel,
+            let mut client = match tokio::time::timeout(
+                remaining,
+                UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
+            )
+            .await
+            {
+                Ok(Ok(client)) => client,
                 Ok(Err(e)) => {
                     return Err(dial_error(
                         socket,
@@ -140,21 +153,18 @@ impl PluginConnection {
                     ));
                 }
             };
-            let mut client = RegistrationClient::new(channel)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES);
-            let mut request = tonic::Request::new(InfoRequest {});
-            request.set_timeout(timeouts.get_info);
-            let answer = match tokio::time::timeout(timeouts.get_info, client.get_info(request))
-                .instrument(info_span!("GetInfo"))
-                .await
+            let answer = match tokio::time::timeout(
+                timeouts.get_info,
+                client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
+            )
+            .instrument(info_span!("GetInfo"))
+            .await
             {
-                Ok(Ok(response)) => {
-                    let info = response.into_inner();
+                Ok(Ok(info)) => {
                     validate_info(&info)?;
                     return Ok((PluginConnection { client, timeouts }, info));
                 }
-                Ok(Err(status)) => status_text(&status),
+                Ok(Err(e)) => e.to_string(),
                 Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
             };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
@@ -173,22 +183,22 @@ impl PluginConnection {
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
     pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), RegistrationError> {
-        let mut request = tonic::Request::new(RegistrationStatus {
+        let request = RegistrationStatus {
             plugin_registered: registered,
             error: error.to_string(),
-        });
-        request.set_timeout(self.timeouts.notify);
+        };
+        let timeout = self.timeouts.notify;
         match tokio::time::timeout(
-            self.timeouts.notify,
-            self.client.notify_registration_status(request),
+            timeout,
+            self.client
+                .call::<_, RegistrationStatusResponse>(NOTIFY, &request, timeout),
         )
         .await
         {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(status)) => Err(RegistrationError::Notify(status_text(&status))),
+            Ok(Err(e)) => Err(RegistrationError::Notify(e.to_string())),
             Err(_) => Err(RegistrationError::Notify(format!(
-                "no answer within {:?}",
-                self.timeouts.notify
+                "no answer within {timeout:?}"
             ))),
         }
     }
@@ -199,14 +209,6 @@ fn dial_error(socket: &Path, reason: String, started: Instant) -> RegistrationEr
         path: socket.to_path_buf(),
         reason,
         elapsed: started.elapsed(),
-    }
-}
-
-fn status_text(status: &tonic::Status) -> String {
-    if status.message().is_empty() {
-        format!("{:?}", status.code())
-    } else {
-        format!("{:?}: {}", status.code(), status.message())
     }
 }
 
@@ -292,26 +294,6 @@ async fn connect_when_listening(
             _ => return Err(dial_error(socket, error.to_string(), started)),
         }
     }
-}
-
-/// Builds a tonic channel over an already connected stream (no reconnects: one attempt, one
-/// connection).
-async fn channel_over(stream: HeardStream) -> Result<Channel, tonic::transport::Error> {
-    let slot = Arc::new(std::sync::Mutex::new(Some(stream)));
-    // The URI is required by the API but unused: the connector hands over the connected stream.
-    Endpoint::from_static("http://plugin.invalid")
-        .connect_with_connector(tower::service_fn(move |_uri| {
-            let stream = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-            async move {
-                stream.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
-                    io::Error::new(
-                        io::ErrorKind::NotConnected,
-                        "the registration connection broke (one connection per attempt: no reconnect)",
-                    )
-                })
-            }
-        }))
-        .await
 }
 
 /// A Unix stream that records what the peer has sent first.

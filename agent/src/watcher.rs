@@ -224,7 +224,9 @@ impl Watcher {
                 let since_event = observed
                     .kernel_ns
                     .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-                info!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
+                // One info line per registration outcome is the executor's; discovery is detail
+                // (also on the admin event stream).
+                debug!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
                 self.events
                     .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
                 self.announce(path);
@@ -242,7 +244,7 @@ impl Watcher {
             let since_event = observed
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-            info!(socket_path = %path.display(), ?since_event, "socket removed");
+            debug!(socket_path = %path.display(), ?since_event, "socket removed");
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, path));
             self.queue.mark(path.to_path_buf());
@@ -313,19 +315,27 @@ impl Watcher {
             .filter(|d| d.starts_with(dir))
             .cloned()
             .collect();
-        for path in gone {
-            if let Some(watched) = self.dirs.remove(&path) {
+        for path in &gone {
+            if let Some(watched) = self.dirs.remove(path) {
                 self.source.unwatch(&watched);
             }
             self.stats
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
+        // Sockets are only ever recorded from directories in `dirs` (a walk watches a directory
+        // before it reads it; events come from watched directories; a rescan prunes both
+        // together), so a path that was not a watched directory has no sockets below it. Every
+        // removed socket comes through here: without this, each removal would scan the whole
+        // desired state (deregistering 10,000 plugins: 50 million path comparisons).
+        if gone.is_empty() {
+            return;
+        }
         for path in self.desired.remove_under(dir) {
             self.telemetry
                 .discovery
                 .record(&path, Found::Removed, Via::Event, None);
-            info!(socket_path = %path.display(), "socket removed with its directory");
+            debug!(socket_path = %path.display(), "socket removed with its directory");
             self.events
                 .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
             self.queue.mark(path);

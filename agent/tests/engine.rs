@@ -391,3 +391,37 @@ async fn different_sockets_register_concurrently() {
         "the stale socket should still be dialling"
     );
 }
+
+#[tokio::test]
+async fn a_desired_socket_that_is_gone_backs_off_instead_of_spinning() {
+    let h = start_agent(&["CSIPlugin"]).await;
+    // Desired state names a socket the watcher never saw go (a missed removal event): every
+    // attempt finds it gone at once. It must back off, not be retried in a loop.
+    let path = h.dir.path().join("gone.sock");
+    let socket = plugin_agent::state::SocketId {
+        dev: 1,
+        ino: 42,
+        birth_ns: None,
+        handle: None,
+    };
+    h.agent
+        .desired
+        .add_or_update(&path, socket, None)
+        .expect("desired");
+    let desired = h.agent.desired.get(&path).expect("desired");
+    assert_eq!(
+        h.agent.executor.register(&path, desired.clone()),
+        Start::Started
+    );
+    tokio::time::timeout(WAIT, async {
+        while h.agent.executor.backoff_of(&path, &desired).is_none() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the attempt ends in backoff");
+    assert!(matches!(
+        h.agent.executor.register(&path, desired),
+        Start::BackingOff { .. }
+    ));
+}

@@ -1,4 +1,5 @@
-//! `accept-all`: a built-in handler that accepts every plugin and logs it, for operators who only
+//! `accept-all`: a built-in handler that accepts every plugin (and logs it at debug: the executor
+//! logs each outcome at info), for operators who only
 //! need discovery, and for benchmarks that measure the agent rather than a handler.
 
 use super::{HandlerError, Plugin, PluginHandler};
@@ -14,7 +15,7 @@ impl PluginHandler for AcceptAll {
     }
 
     async fn register(&self, plugin: &Plugin) -> Result<(), HandlerError> {
-        tracing::info!(
+        tracing::debug!(
             socket_path = %plugin.socket_path, plugin_name = %plugin.name, plugin_type = %plugin.plugin_type,
             endpoint = %plugin.endpoint, versions = ?plugin.supported_versions, "plugin registered (accept-all)"
         );
@@ -22,7 +23,7 @@ impl PluginHandler for AcceptAll {
     }
 
     async fn deregister(&self, plugin: &Plugin) -> Result<(), HandlerError> {
-        tracing::info!(
+        tracing::debug!(
             socket_path = %plugin.socket_path, plugin_name = %plugin.name, plugin_type = %plugin.plugin_type,
             "plugin deregistered (accept-all)"
         );

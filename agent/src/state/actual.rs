@@ -45,7 +45,66 @@ impl std::fmt::Debug for RegisteredPlugin {
 /// The cache itself; cheap to share behind an `Arc`.
 #[derive(Debug, Default)]
 pub struct ActualState {
-    plugins: Mutex<HashMap<PathBuf, RegisteredPlugin>>,
+    plugins: Mutex<Plugins>,
+}
+
+/// Entries by path, and the paths of each plugin (type, name): completing a registration marks
+/// the plugin's other sockets superseded by looking at just those, not at every entry (a burst of
+/// 10,000 registrations would otherwise compare 50 million entries).
+///
+/// Memory per registered plugin is what the entry holds plus two table slots: entries are boxed
+/// (a table grows to a power of two, so inline ~300-byte entries cost up to twice that each), and
+/// the name index is keyed by a hash of (type, name), its candidates checked on use.
+#[derive(Debug, Default)]
+struct Plugins {
+    by_path: HashMap<PathBuf, Box<RegisteredPlugin>>,
+    by_name: HashMap<u64, Vec<PathBuf>>,
+}
+
+/// Hash of (plugin type, plugin name): the name index's key.
+fn key_of(plugin: &Plugin) -> u64 {
+    use std::hash::{BuildHasher as _, Hash as _, Hasher as _};
+    let mut hasher = NAME_HASH.build_hasher();
+    plugin.plugin_type.hash(&mut hasher);
+    plugin.name.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Fixed keys: the index lives in one process and a collision only adds a candidate to check.
+const NAME_HASH: std::hash::BuildHasherDefault<std::collections::hash_map::DefaultHasher> =
+    std::hash::BuildHasherDefault::new();
+
+impl Plugins {
+    fn insert(&mut self, path: &Path, entry: RegisteredPlugin) {
+        let key = key_of(&entry.plugin);
+        if let Some(old) = self.by_path.insert(path.to_path_buf(), Box::new(entry)) {
+            self.unindex(path, &old);
+        }
+        self.by_name
+            .entry(key)
+            .or_default()
+            .push(path.to_path_buf());
+    }
+
+    fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
+        let entry = self.by_path.remove(path)?;
+        self.unindex(path, &entry);
+        Some(*entry)
+    }
+
+    fn unindex(&mut self, path: &Path, entry: &RegisteredPlugin) {
+        let key = key_of(&entry.plugin);
+        if let Some(paths) = self.by_name.get_mut(&key) {
+            if let Some(at) = paths.iter().position(|p| p.as_os_str() == path.as_os_str()) {
+                paths.swap_remove(at);
+            }
+            if paths.is_empty() {
+                self.by_name.remove(&key);
+            } else if paths.capacity() > 2 * paths.len() {
+                paths.shrink_to_fit();
+            }
+        }
+    }
 }
 
 impl ActualState {
@@ -66,14 +125,14 @@ impl ActualState {
             registered_at: SystemTime::now(),
             superseded: false,
         };
-        self.lock().insert(path.to_path_buf(), entry.clone());
+        self.lock().insert(path, entry.clone());
         entry
     }
 
     /// Removes the entry for `path` if it is the registration of `generation`; returns it.
     pub fn remove(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
         let mut plugins = self.lock();
-        match plugins.get(path) {
+        match plugins.by_path.get(path) {
             Some(entry) if entry.generation == generation => plugins.remove(path),
             _ => None,
         }
@@ -81,12 +140,13 @@ impl ActualState {
 
     /// The entry for `path`.
     pub fn get(&self, path: &Path) -> Option<RegisteredPlugin> {
-        self.lock().get(path).cloned()
+        self.lock().by_path.get(path).map(|entry| (**entry).clone())
     }
 
     /// Kubelet's `PluginExistsWithCorrectUUID`: registered, and for this generation.
     pub fn is_registered(&self, path: &Path, generation: Uuid) -> bool {
         self.lock()
+            .by_path
             .get(path)
             .is_some_and(|entry| entry.generation == generation)
     }
@@ -94,17 +154,23 @@ impl ActualState {
     /// The registration at `path` completed: every *other* socket's registration of the same
     /// plugin type and name is now superseded by it.
     pub fn supersede_others(&self, path: &Path) {
-        let mut plugins = self.lock();
-        let Some(newest) = plugins
-            .get(path)
-            .map(|e| (e.plugin.plugin_type.clone(), e.plugin.name.clone()))
-        else {
+        let plugins = &mut *self.lock();
+        let Some(newest) = plugins.by_path.get(path) else {
             return;
         };
-        for (other_path, other) in plugins.iter_mut() {
-            if other_path != path
-                && other.plugin.plugin_type == newest.0
-                && other.plugin.name == newest.1
+        let (key, plugin_type, name) = (
+            key_of(&newest.plugin),
+            newest.plugin.plugin_type.clone(),
+            newest.plugin.name.clone(),
+        );
+        let Some(candidates) = plugins.by_name.get(&key) else {
+            return;
+        };
+        for other_path in candidates {
+            if other_path.as_os_str() != path.as_os_str()
+                && let Some(other) = plugins.by_path.get_mut(other_path)
+                && other.plugin.plugin_type == plugin_type
+                && other.plugin.name == name
             {
                 other.superseded = true;
             }
@@ -114,14 +180,15 @@ impl ActualState {
     /// Every registered path and its entry, in no particular order.
     pub fn snapshot(&self) -> Vec<(PathBuf, RegisteredPlugin)> {
         self.lock()
+            .by_path
             .iter()
-            .map(|(p, e)| (p.clone(), e.clone()))
+            .map(|(p, e)| (p.clone(), (**e).clone()))
             .collect()
     }
 
     /// Number of registered plugins.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().by_path.len()
     }
 
     /// True when nothing is registered.
@@ -129,7 +196,7 @@ impl ActualState {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, RegisteredPlugin>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Plugins> {
         // Single inserts/removes: a poisoned map is still consistent.
         self.plugins
             .lock()
@@ -239,5 +306,44 @@ mod tests {
         assert!(state.get(v1).expect("v1").superseded);
         assert!(!state.get(v2).expect("v2").superseded);
         assert!(!state.get(Path::new("/r/bar.sock")).expect("bar").superseded);
+    }
+
+    #[test]
+    fn removed_and_replaced_entries_leave_the_name_index() {
+        let state = ActualState::default();
+        let (a, b) = (Path::new("/r/a.sock"), Path::new("/r/b.sock"));
+        let first = state.add(
+            a,
+            Uuid::new_v4(),
+            id(1),
+            plugin("foo", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        // Re-registration at the same path under another name: the old name no longer points here.
+        state.add(
+            a,
+            Uuid::new_v4(),
+            id(2),
+            plugin("bar", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        assert!(state.remove(a, first.generation).is_none());
+        let second = state.add(
+            b,
+            Uuid::new_v4(),
+            id(3),
+            plugin("foo", "/r/b.sock"),
+            Arc::new(AcceptAll),
+        );
+        state.supersede_others(b);
+        assert!(
+            !state.get(a).expect("a").superseded,
+            "a is bar now, not foo"
+        );
+        state.remove(b, second.generation);
+        let current = state.get(a).expect("a").generation;
+        state.remove(a, current);
+        assert!(state.is_empty());
+        assert!(state.lock().by_name.is_empty());
     }
 }
