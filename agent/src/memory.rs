@@ -44,8 +44,9 @@ impl Trimmer {
     }
 }
 
-/// Returns free memory at the top and inside every malloc arena to the kernel.
-fn trim() {
+/// Returns free memory at the top and inside every malloc arena to the kernel: after a burst,
+/// and after the eBPF source's load, whose BTF parsing briefly takes tens of MiB.
+pub fn trim() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only releases memory malloc holds free; it takes the arenas' locks.
     unsafe {

@@ -150,7 +150,9 @@ pub fn open(
         },
     };
     let mut loaded = loader::load(&params)?;
-    release_load_memory();
+    // Parsing the kernel's BTF (for offsets and signatures, and again in aya for fentry/fexit
+    // targets) takes tens of MiB for a moment; glibc would keep them mapped for the agent's life.
+    crate::memory::trim();
     tracing::info!(timings = %loaded.timings, "eBPF programs loaded");
     let ebpf = &mut loaded.ebpf;
 
@@ -200,18 +202,6 @@ pub fn open(
         _ebpf: Mutex::new(loaded.ebpf),
         stop_reader,
     })
-}
-
-/// Gives back to the kernel the heap the load used and freed: parsing the kernel's BTF (once for
-/// offsets and signatures, once more in aya for fentry/fexit targets) takes tens of MiB for a
-/// moment, and glibc keeps freed memory mapped, which left the agent's RSS about 25 MiB higher
-/// with eBPF than with fanotify for its whole life.
-fn release_load_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only returns free heap pages to the kernel; no pointer is invalidated.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 fn take_map<T>(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<T>
