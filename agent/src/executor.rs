@@ -24,6 +24,7 @@ use crate::registration::{PluginConnection, RegistrationError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::Telemetry;
+use crate::telemetry::discovery::Via;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -267,7 +268,11 @@ impl OperationExecutor {
         if attempt > 1 {
             self.telemetry.metrics.retry();
         }
-        let source = self.telemetry.discovery.source_of(&path);
+        let source = self.telemetry.discovery.label(if desired.by_event {
+            Via::Event
+        } else {
+            Via::Scan
+        });
         let span = info_span!(
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
@@ -417,7 +422,7 @@ impl OperationExecutor {
             return Err(error);
         }
         let entry = self.actual.add(
-            path,
+            desired.path.clone(),
             desired.generation,
             desired.socket,
             plugin.clone(),

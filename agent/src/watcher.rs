@@ -211,7 +211,10 @@ impl Watcher {
         observed: Observed,
         via: Via,
     ) {
-        match self.desired.add_or_update(path, socket, observed.kernel_ns) {
+        match self
+            .desired
+            .add_observed(path, socket, observed.kernel_ns, via == Via::Event)
+        {
             Ok(Change::Unchanged) => {}
             Ok(change) => {
                 let found = match change {

@@ -6,7 +6,7 @@
 
 use super::SocketId;
 use crate::handler::{Plugin, PluginHandler};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -52,13 +52,15 @@ pub struct ActualState {
 /// the plugin's other sockets superseded by looking at just those, not at every entry (a burst of
 /// 10,000 registrations would otherwise compare 50 million entries).
 ///
-/// Memory per registered plugin is what the entry holds plus two table slots: entries are boxed
-/// (a table grows to a power of two, so inline ~300-byte entries cost up to twice that each), and
-/// the name index is keyed by a hash of (type, name), its candidates checked on use.
+/// Memory per registered plugin is what the entry holds plus a table slot and an index element:
+/// entries are boxed (a table grows to a power of two, so inline ~300-byte entries cost up to
+/// twice that each); the path is one allocation shared by the key, the index and the desired
+/// state's entry; the name index is an ordered set of (hash of (type, name), path), its candidates
+/// checked on use, so it holds no allocation per plugin besides its B-tree nodes.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<PathBuf, Box<RegisteredPlugin>>,
-    by_name: HashMap<u64, Vec<PathBuf>>,
+    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>>,
+    by_name: BTreeSet<(u64, Arc<Path>)>,
 }
 
 /// Hash of (plugin type, plugin name): the name index's key.
@@ -75,43 +77,44 @@ const NAME_HASH: std::hash::BuildHasherDefault<std::collections::hash_map::Defau
     std::hash::BuildHasherDefault::new();
 
 impl Plugins {
-    fn insert(&mut self, path: &Path, entry: RegisteredPlugin) {
+    fn insert(&mut self, path: Arc<Path>, entry: RegisteredPlugin) {
         let key = key_of(&entry.plugin);
-        if let Some(old) = self.by_path.insert(path.to_path_buf(), Box::new(entry)) {
-            self.unindex(path, &old);
-        }
-        self.by_name
-            .entry(key)
-            .or_default()
-            .push(path.to_path_buf());
+        // An entry already there keeps its key: take the same allocation for the index.
+        let path = match self.by_path.remove_entry(&*path) {
+            Some((old_path, old)) => {
+                self.by_name
+                    .remove(&(key_of(&old.plugin), old_path.clone()));
+                old_path
+            }
+            None => path,
+        };
+        self.by_name.insert((key, path.clone()));
+        self.by_path.insert(path, Box::new(entry));
     }
 
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
-        let entry = self.by_path.remove(path)?;
-        self.unindex(path, &entry);
+        let (path, entry) = self.by_path.remove_entry(path)?;
+        self.by_name.remove(&(key_of(&entry.plugin), path));
+        super::desired::shrink_if_sparse(&mut self.by_path);
         Some(*entry)
     }
 
-    fn unindex(&mut self, path: &Path, entry: &RegisteredPlugin) {
-        let key = key_of(&entry.plugin);
-        if let Some(paths) = self.by_name.get_mut(&key) {
-            if let Some(at) = paths.iter().position(|p| p.as_os_str() == path.as_os_str()) {
-                paths.swap_remove(at);
-            }
-            if paths.is_empty() {
-                self.by_name.remove(&key);
-            } else if paths.capacity() > 2 * paths.len() {
-                paths.shrink_to_fit();
-            }
-        }
+    /// Paths indexed under `key` (a hash: check the candidates).
+    fn candidates(&self, key: u64) -> impl Iterator<Item = &Arc<Path>> {
+        let from: Arc<Path> = Arc::from(Path::new(""));
+        self.by_name
+            .range((key, from)..)
+            .take_while(move |(k, _)| *k == key)
+            .map(|(_, p)| p)
     }
 }
 
 impl ActualState {
-    /// Records a registration for `path` (replacing any entry there) and returns it.
+    /// Records a registration for `path` (replacing any entry there) and returns it. Give the
+    /// desired state's `Arc<Path>` to share its allocation.
     pub fn add(
         &self,
-        path: &Path,
+        path: impl Into<Arc<Path>>,
         generation: Uuid,
         socket: SocketId,
         plugin: Plugin,
@@ -125,7 +128,7 @@ impl ActualState {
             registered_at: SystemTime::now(),
             superseded: false,
         };
-        self.lock().insert(path, entry.clone());
+        self.lock().insert(path.into(), entry.clone());
         entry
     }
 
@@ -163,12 +166,13 @@ impl ActualState {
             newest.plugin.plugin_type.clone(),
             newest.plugin.name.clone(),
         );
-        let Some(candidates) = plugins.by_name.get(&key) else {
-            return;
-        };
-        for other_path in candidates {
-            if other_path.as_os_str() != path.as_os_str()
-                && let Some(other) = plugins.by_path.get_mut(other_path)
+        let others: Vec<Arc<Path>> = plugins
+            .candidates(key)
+            .filter(|other| other.as_os_str() != path.as_os_str())
+            .cloned()
+            .collect();
+        for other_path in others {
+            if let Some(other) = plugins.by_path.get_mut(&other_path)
                 && other.plugin.plugin_type == plugin_type
                 && other.plugin.name == name
             {
@@ -182,7 +186,7 @@ impl ActualState {
         self.lock()
             .by_path
             .iter()
-            .map(|(p, e)| (p.clone(), (**e).clone()))
+            .map(|(p, e)| (p.to_path_buf(), (**e).clone()))
             .collect()
     }
 
@@ -345,5 +349,53 @@ mod tests {
         state.remove(a, current);
         assert!(state.is_empty());
         assert!(state.lock().by_name.is_empty());
+    }
+
+    #[test]
+    fn one_path_allocation_serves_key_index_and_caller() {
+        let state = ActualState::default();
+        let path: Arc<Path> = Arc::from(Path::new("/r/a.sock"));
+        state.add(
+            path.clone(),
+            Uuid::new_v4(),
+            id(1),
+            plugin("foo", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        // Re-adding with another allocation of the same path keeps the first one.
+        state.add(
+            Path::new("/r/a.sock"),
+            Uuid::new_v4(),
+            id(2),
+            plugin("foo", "/r/a.sock"),
+            Arc::new(AcceptAll),
+        );
+        let plugins = state.lock();
+        let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");
+        assert!(Arc::ptr_eq(key, &path));
+        assert_eq!(plugins.by_name.len(), 1);
+        assert!(plugins.by_name.iter().all(|(_, p)| Arc::ptr_eq(p, &path)));
+        // The caller's handle, the key and the index element: nothing else holds the path.
+        assert_eq!(Arc::strong_count(&path), 3);
+    }
+
+    #[test]
+    fn same_name_on_many_paths_are_all_candidates() {
+        let state = ActualState::default();
+        let paths: Vec<String> = (0..5).map(|i| format!("/r/{i}.sock")).collect();
+        for (i, p) in paths.iter().enumerate() {
+            state.add(
+                Path::new(p),
+                Uuid::new_v4(),
+                id(i as u64),
+                plugin("foo", p),
+                Arc::new(AcceptAll),
+            );
+        }
+        state.supersede_others(Path::new("/r/4.sock"));
+        for p in &paths[..4] {
+            assert!(state.get(Path::new(p)).expect("entry").superseded);
+        }
+        assert!(!state.get(Path::new("/r/4.sock")).expect("4").superseded);
     }
 }

@@ -7,13 +7,16 @@
 use super::SocketId;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use uuid::Uuid;
 
 /// A socket that should be registered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredPlugin {
+    /// The socket path: the same allocation as the state's key, shared with the actual state's
+    /// entry once registered (one copy of each path per plugin, not one per table).
+    pub path: Arc<Path>,
     /// New on every add of a new socket instance at this path.
     pub generation: Uuid,
     /// The socket's identity when it was seen.
@@ -22,6 +25,8 @@ pub struct DesiredPlugin {
     pub seen_at: SystemTime,
     /// `CLOCK_MONOTONIC` ns of the kernel event that led to it, for latency accounting.
     pub kernel_ns: Option<u64>,
+    /// Found through an event of the agent's source (else by a scan): the `event_source` label.
+    pub by_event: bool,
 }
 
 /// What [`DesiredState::add_or_update`] did.
@@ -46,40 +51,68 @@ pub enum DesiredStateError {
 /// The cache itself; cheap to share behind an `Arc`.
 #[derive(Debug, Default)]
 pub struct DesiredState {
-    plugins: Mutex<HashMap<PathBuf, DesiredPlugin>>,
+    plugins: Mutex<HashMap<Arc<Path>, DesiredPlugin>>,
+}
+
+/// Tables shrink after removals once they are at most a quarter full and past this capacity: a
+/// burst of 10,000 removals does not leave its table behind.
+pub(crate) const SHRINK_ABOVE: usize = 64;
+
+/// Gives a map's spare room back after a burst of removals (see [`SHRINK_ABOVE`]).
+pub(crate) fn shrink_if_sparse<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > SHRINK_ABOVE && map.capacity() > 4 * map.len() {
+        map.shrink_to_fit();
+    }
 }
 
 impl DesiredState {
-    /// Records the socket at `path`; a different instance than the one recorded gets a new
-    /// generation, the same instance changes nothing.
+    /// Records the socket at `path`, found by a scan; a different instance than the one
+    /// recorded gets a new generation, the same instance changes nothing.
     pub fn add_or_update(
         &self,
         path: &Path,
         socket: SocketId,
         kernel_ns: Option<u64>,
     ) -> Result<Change, DesiredStateError> {
+        self.add_observed(path, socket, kernel_ns, false)
+    }
+
+    /// [`Self::add_or_update`], saying whether an event of the source (`by_event`) or a scan
+    /// found the socket.
+    pub fn add_observed(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        kernel_ns: Option<u64>,
+        by_event: bool,
+    ) -> Result<Change, DesiredStateError> {
         if path.as_os_str().is_empty() {
             return Err(DesiredStateError::EmptyPath);
         }
         let mut plugins = self.lock();
-        let change = match plugins.get(path) {
+        let (change, path) = match plugins.get(path) {
             Some(existing) if existing.socket == socket => return Ok(Change::Unchanged),
-            Some(_) => Change::Replaced,
-            None => Change::Added,
+            Some(existing) => (Change::Replaced, existing.path.clone()),
+            None => (Change::Added, Arc::from(path)),
         };
         let plugin = DesiredPlugin {
+            path: path.clone(),
             generation: Uuid::new_v4(),
             socket,
             seen_at: SystemTime::now(),
             kernel_ns,
+            by_event,
         };
-        plugins.insert(path.to_path_buf(), plugin);
+        plugins.insert(path, plugin);
         Ok(change)
     }
 
     /// Forgets `path`; returns whether it was desired.
     pub fn remove(&self, path: &Path) -> bool {
-        self.lock().remove(path).is_some()
+        let mut plugins = self.lock();
+        let removed = plugins.remove(path).is_some();
+        shrink_if_sparse(&mut plugins);
+        removed
     }
 
     /// Forgets every path at or below `dir`; returns the paths removed.
@@ -88,11 +121,12 @@ impl DesiredState {
         let gone: Vec<PathBuf> = plugins
             .keys()
             .filter(|p| p.starts_with(dir))
-            .cloned()
+            .map(|p| p.to_path_buf())
             .collect();
         for path in &gone {
-            plugins.remove(path);
+            plugins.remove(path.as_path());
         }
+        shrink_if_sparse(&mut plugins);
         gone
     }
 
@@ -110,7 +144,7 @@ impl DesiredState {
     pub fn snapshot(&self) -> Vec<(PathBuf, DesiredPlugin)> {
         self.lock()
             .iter()
-            .map(|(p, d)| (p.clone(), d.clone()))
+            .map(|(p, d)| (p.to_path_buf(), d.clone()))
             .collect()
     }
 
@@ -124,7 +158,7 @@ impl DesiredState {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, DesiredPlugin>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, DesiredPlugin>> {
         // A panic while holding the lock cannot leave the map half-updated (single inserts/removes),
         // so a poisoned lock is still consistent.
         self.plugins
@@ -244,5 +278,43 @@ mod tests {
         );
         assert!(state.contains(Path::new("/r/ab.sock")));
         assert_eq!(state.len(), 2);
+    }
+
+    #[test]
+    fn entry_shares_its_key_and_remembers_how_it_was_found() {
+        let state = DesiredState::default();
+        state
+            .add_observed(Path::new("/r/a.sock"), id(1), None, true)
+            .expect("add");
+        let first = state.get(Path::new("/r/a.sock")).expect("desired");
+        assert_eq!(&*first.path, Path::new("/r/a.sock"));
+        assert!(first.by_event);
+        // A replacement keeps the key's allocation (one copy of the path per socket).
+        state
+            .add_or_update(Path::new("/r/a.sock"), id(2), None)
+            .expect("replace");
+        let second = state.get(Path::new("/r/a.sock")).expect("desired");
+        assert!(Arc::ptr_eq(&first.path, &second.path));
+        assert!(!second.by_event, "found by a scan this time");
+        let lock = state.lock();
+        let (key, _) = lock.get_key_value(Path::new("/r/a.sock")).expect("key");
+        assert!(Arc::ptr_eq(key, &second.path));
+    }
+
+    #[test]
+    fn table_shrinks_after_a_burst_of_removals() {
+        let state = DesiredState::default();
+        let paths: Vec<PathBuf> = (0..1000)
+            .map(|i| PathBuf::from(format!("/r/{i}.sock")))
+            .collect();
+        for (i, p) in paths.iter().enumerate() {
+            state.add_or_update(p, id(i as u64), None).expect("add");
+        }
+        let full = state.lock().capacity();
+        for p in &paths[..990] {
+            assert!(state.remove(p));
+        }
+        assert_eq!(state.len(), 10);
+        assert!(state.lock().capacity() < full / 4);
     }
 }

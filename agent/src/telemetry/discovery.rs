@@ -12,8 +12,9 @@
 //! it ends at once, and the `register` or `deregister` spans of the operations it caused are its
 //! children, so one trace tells the whole story of a socket instance, retries included.
 //!
-//! One entry per desired path, replaced on every discovery: the table is as bounded as the
-//! desired state.
+//! One entry per desired path, replaced on every discovery, and only while traces are exported:
+//! the table is as bounded as the desired state, and empty otherwise (the `event_source` label
+//! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
 use crate::event_source::{SourceKind, monotonic_now_ns};
 use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
@@ -55,8 +56,7 @@ impl Found {
 
 #[derive(Debug, Clone)]
 struct Record {
-    source: &'static str,
-    context: Option<Context>,
+    context: Context,
 }
 
 /// See the module docs.
@@ -96,9 +96,13 @@ impl Discoveries {
 
     /// The watcher verified a change at `path`; `kernel_ns` is the kernel event's
     /// `CLOCK_MONOTONIC` timestamp when the source provides one.
+    /// Without traces nothing is kept.
     pub fn record(&self, path: &Path, found: Found, via: Via, kernel_ns: Option<u64>) {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return;
+        };
         let source = self.label(via);
-        let context = self.tracer.as_ref().map(|tracer| {
+        let context = {
             let started = kernel_ns
                 .map(|ns| {
                     let ago = Duration::from_nanos(monotonic_now_ns().saturating_sub(ns));
@@ -119,24 +123,24 @@ impl Discoveries {
                 .start(tracer);
             span.end();
             Context::new().with_remote_span_context(span.span_context().clone())
-        });
-        self.lock()
-            .insert(path.to_path_buf(), Record { source, context });
-    }
-
-    /// The `source` label of the latest discovery at `path` (`scan` when none is recorded).
-    pub fn source_of(&self, path: &Path) -> &'static str {
-        self.lock().get(path).map(|r| r.source).unwrap_or("scan")
+        };
+        self.lock().insert(path.to_path_buf(), Record { context });
     }
 
     /// The context operations at `path` are children of, when traces are on.
     pub fn parent_of(&self, path: &Path) -> Option<Context> {
-        self.lock().get(path).and_then(|r| r.context.clone())
+        self.tracer.as_ref()?;
+        self.lock().get(path).map(|r| r.context.clone())
     }
 
     /// `path` is neither desired nor registered: drop its record.
     pub fn forget(&self, path: &Path) {
-        self.lock().remove(path);
+        if self.tracer.is_none() {
+            return;
+        }
+        let mut records = self.lock();
+        records.remove(path);
+        crate::state::desired::shrink_if_sparse(&mut records);
     }
 
     /// Paths with a record, for tests of boundedness.
@@ -162,13 +166,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scans_and_events_are_labelled_apart_and_records_are_forgotten() {
+    fn scans_and_events_are_labelled_apart() {
+        let d = Discoveries::new(SourceKind::Fanotify, false);
+        assert_eq!(d.label(Via::Scan), "scan");
+        assert_eq!(d.label(Via::Event), "fanotify");
+    }
+
+    #[test]
+    fn without_traces_nothing_is_kept() {
         let d = Discoveries::new(SourceKind::Fanotify, false);
         d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
-        d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, None);
-        assert_eq!(d.source_of(Path::new("/r/a.sock")), "scan");
-        assert_eq!(d.source_of(Path::new("/r/b.sock")), "fanotify");
+        d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, Some(1));
+        assert!(d.is_empty());
         assert!(d.parent_of(Path::new("/r/b.sock")).is_none());
+    }
+
+    #[test]
+    fn traced_records_give_parents_and_are_forgotten() {
+        let d = Discoveries::new(SourceKind::Fanotify, true);
+        d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
+        d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, None);
+        assert_eq!(d.len(), 2);
+        assert!(d.parent_of(Path::new("/r/b.sock")).is_some());
         d.forget(Path::new("/r/a.sock"));
         d.forget(Path::new("/r/b.sock"));
         assert!(d.is_empty());
