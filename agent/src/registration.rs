@@ -19,11 +19,12 @@
 //!
 //! A peer that sent bytes but no `GetInfo` answer within 1 s is a hung plugin: that is a failure.
 
-mod client;
+mod unary;
 
 use crate::state::{EntryKind, SocketId};
-use client::{Client, status_text};
-use plugin_agent_proto::pluginregistration::{PluginInfo, RegistrationStatus};
+use plugin_agent_proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -34,6 +35,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 use tracing::{Instrument as _, info_span};
+use unary::UnaryClient;
+
+/// The `pluginregistration.Registration` methods (the package is the same for v1alpha1, v1beta1
+/// and v1: kubelet's wire contract).
+const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
 
 /// Deadlines for the calls to a plugin.
 #[derive(Debug, Clone, Copy)]
@@ -103,7 +110,7 @@ pub enum RegistrationError {
 /// A connection to one plugin's registration socket, for one registration attempt. Closed when
 /// dropped.
 pub struct PluginConnection {
-    client: Client<HeardStream>,
+    client: UnaryClient<HeardStream>,
     timeouts: Timeouts,
 }
 
@@ -126,7 +133,7 @@ impl PluginConnection {
             let remaining = budget_end.saturating_duration_since(Instant::now());
             let mut client = match tokio::time::timeout(
                 remaining,
-                Client::handshake(stream, MAX_MESSAGE_BYTES),
+                UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
             )
             .await
             {
@@ -148,7 +155,7 @@ impl PluginConnection {
             };
             let answer = match tokio::time::timeout(
                 timeouts.get_info,
-                client.get_info(timeouts.get_info),
+                client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
             )
             .instrument(info_span!("GetInfo"))
             .await
@@ -157,7 +164,7 @@ impl PluginConnection {
                     validate_info(&info)?;
                     return Ok((PluginConnection { client, timeouts }, info));
                 }
-                Ok(Err(status)) => status_text(&status),
+                Ok(Err(e)) => e.to_string(),
                 Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
             };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
@@ -183,12 +190,13 @@ impl PluginConnection {
         let timeout = self.timeouts.notify;
         match tokio::time::timeout(
             timeout,
-            self.client.notify(request, timeout),
+            self.client
+                .call::<_, RegistrationStatusResponse>(NOTIFY, &request, timeout),
         )
         .await
         {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(status)) => Err(RegistrationError::Notify(status_text(&status))),
+            Ok(Err(e)) => Err(RegistrationError::Notify(e.to_string())),
             Err(_) => Err(RegistrationError::Notify(format!(
                 "no answer within {timeout:?}"
             ))),
