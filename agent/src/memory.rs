@@ -10,6 +10,9 @@
 //! - [`Trimmer`]: once the executor has no operation running after a batch of them, free pages in
 //!   every arena are returned to the kernel (`malloc_trim`), at most once per batch, so an idle
 //!   agent does nothing and a steady churn trims about once per [`TRIM_AFTER`] operations.
+//!
+//! And one measure for the agent's own tables (desired, actual, discovery records):
+//! [`shrink_if_sparse`] gives a map's spare room back after a burst of removals.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -51,6 +54,17 @@ pub fn trim() {
     // SAFETY: malloc_trim only releases memory malloc holds free; it takes the arenas' locks.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Tables shrink after removals once they are at most a quarter full and past this capacity: a
+/// burst of 10,000 removals does not leave its table behind.
+pub const SHRINK_ABOVE: usize = 64;
+
+/// Gives a map's spare room back after a burst of removals (see [`SHRINK_ABOVE`]).
+pub fn shrink_if_sparse<K: Eq + std::hash::Hash, V>(map: &mut std::collections::HashMap<K, V>) {
+    if map.capacity() > SHRINK_ABOVE && map.capacity() > 4 * map.len() {
+        map.shrink_to_fit();
     }
 }
 

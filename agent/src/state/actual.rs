@@ -95,7 +95,7 @@ impl Plugins {
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
         let (path, entry) = self.by_path.remove_entry(path)?;
         self.by_name.remove(&(key_of(&entry.plugin), path));
-        super::desired::shrink_if_sparse(&mut self.by_path);
+        crate::memory::shrink_if_sparse(&mut self.by_path);
         Some(*entry)
     }
 

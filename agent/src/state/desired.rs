@@ -54,17 +54,6 @@ pub struct DesiredState {
     plugins: Mutex<HashMap<Arc<Path>, DesiredPlugin>>,
 }
 
-/// Tables shrink after removals once they are at most a quarter full and past this capacity: a
-/// burst of 10,000 removals does not leave its table behind.
-pub(crate) const SHRINK_ABOVE: usize = 64;
-
-/// Gives a map's spare room back after a burst of removals (see [`SHRINK_ABOVE`]).
-pub(crate) fn shrink_if_sparse<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
-    if map.capacity() > SHRINK_ABOVE && map.capacity() > 4 * map.len() {
-        map.shrink_to_fit();
-    }
-}
-
 impl DesiredState {
     /// Records the socket at `path`, found by a scan; a different instance than the one
     /// recorded gets a new generation, the same instance changes nothing.
@@ -111,7 +100,7 @@ impl DesiredState {
     pub fn remove(&self, path: &Path) -> bool {
         let mut plugins = self.lock();
         let removed = plugins.remove(path).is_some();
-        shrink_if_sparse(&mut plugins);
+        crate::memory::shrink_if_sparse(&mut plugins);
         removed
     }
 
@@ -126,7 +115,7 @@ impl DesiredState {
         for path in &gone {
             plugins.remove(path.as_path());
         }
-        shrink_if_sparse(&mut plugins);
+        crate::memory::shrink_if_sparse(&mut plugins);
         gone
     }
 

@@ -140,7 +140,7 @@ impl Discoveries {
         }
         let mut records = self.lock();
         records.remove(path);
-        crate::state::desired::shrink_if_sparse(&mut records);
+        crate::memory::shrink_if_sparse(&mut records);
     }
 
     /// Paths with a record, for tests of boundedness.
