@@ -21,6 +21,7 @@ pub mod memory;
 pub mod privileges;
 pub mod reconciler;
 pub mod registration;
+pub mod runtime;
 pub mod state;
 pub mod telemetry;
 pub mod unix_channel;

@@ -9,10 +9,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     raise_nofile_limit();
     plugin_agent::memory::limit_arenas();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match plugin_agent::runtime::build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("plugin-agent: cannot start the async runtime: {e}");

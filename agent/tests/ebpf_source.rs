@@ -913,6 +913,11 @@ async fn a_full_ring_buffer_becomes_a_rescan_and_counted_drops() {
     assert_eq!(after.ring_buffer_used_bytes, Some(0), "{after:?}");
 }
 
+/// The online CPU count.
+fn online_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// Binds and unlinks as fast as one helper process can for a few seconds and prints how many
 /// events per second the agent received, and whether any were lost. Run with
 /// `cargo test --test ebpf_source -- --ignored --nocapture bench`.
@@ -1285,9 +1290,12 @@ async fn the_default_ring_loses_nothing_under_full_churn_from_two_processes() {
 /// Detection latency at idle and sustained throughput under churn, eBPF vs fanotify vs inotify in
 /// one run; writes JSON to `$BENCH_SOURCES_OUT` (default: stdout only). Run by
 /// `cargo xtask bench-sources`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// It runs on the agent's own runtime (`plugin_agent::runtime::build`), whose scheduling is part of
+/// what is measured; the eBPF idle latency is also measured on a plain tokio runtime, side by side,
+/// for what the runtime's short scheduler slice buys.
+#[test]
 #[ignore = "benchmark: run by cargo xtask bench-sources"]
-async fn bench_sources() {
+fn bench_sources() {
     if !can_run() {
         return;
     }
@@ -1299,6 +1307,81 @@ async fn bench_sources() {
     };
     let samples = env("BENCH_SOURCES_SAMPLES", 500);
     let pairs = env("BENCH_SOURCES_PAIRS", 100_000);
+    let plain = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a plain tokio runtime")
+        .block_on(async {
+            tokio::spawn(async move {
+                let mut m = Measured::open(SourceKind::Ebpf, 4096).await;
+                idle_latency(&mut m, samples, Duration::from_millis(5))
+                    .await
+                    .json()
+            })
+            .await
+            .expect("the measurement task")
+        });
+    eprintln!("eBPF idle on a plain tokio runtime: {plain}");
+    let floor = serde_json::json!({
+        "same_cpu_us": wake_up_floor(samples, 0, 0),
+        "other_cpu_us": (online_cpus() > 1).then(|| wake_up_floor(samples, 0, 1)),
+    });
+    eprintln!("wake-up floor: {floor}");
+    plugin_agent::runtime::build()
+        .expect("the agent's runtime")
+        .block_on(measure_sources(samples, pairs, plain, floor));
+}
+
+/// The machine's floor for any event source: one thread writes an eventfd every 5 ms, another
+/// blocked on it wakes; p50/p99 of write -> wake, with the two pinned to `writer_cpu` and
+/// `reader_cpu`. Waking a thread on an idle CPU is what an idle agent pays on every event.
+fn wake_up_floor(samples: u64, writer_cpu: usize, reader_cpu: usize) -> serde_json::Value {
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+    let pin = |cpu: usize| {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).expect("cpu index");
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+            .unwrap_or_else(|err| panic!("pin to CPU {cpu}: {err}"));
+    };
+    let eventfd =
+        std::sync::Arc::new(EventFd::from_flags(EfdFlags::EFD_SEMAPHORE).expect("eventfd"));
+    let (sent_tx, sent_rx) = std::sync::mpsc::channel::<u64>();
+    let reader = {
+        let eventfd = std::sync::Arc::clone(&eventfd);
+        std::thread::spawn(move || {
+            pin(reader_cpu);
+            let mut delays = Vec::new();
+            for _ in 0..samples {
+                eventfd.read().expect("eventfd read");
+                let woke = monotonic_now_ns();
+                let sent = sent_rx.recv().expect("sent time");
+                delays.push(woke.saturating_sub(sent) as f64 / 1000.0);
+            }
+            delays
+        })
+    };
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            pin(writer_cpu);
+            for _ in 0..samples {
+                std::thread::sleep(Duration::from_millis(5));
+                sent_tx.send(monotonic_now_ns()).expect("send time");
+                eventfd.write(1).expect("eventfd write");
+            }
+        });
+    });
+    let mut delays = reader.join().expect("floor reader");
+    delays.sort_by(f64::total_cmp);
+    let at = |q: f64| delays[((delays.len() - 1) as f64 * q) as usize];
+    serde_json::json!({ "p50": at(0.5), "p99": at(0.99) })
+}
+
+async fn measure_sources(
+    samples: u64,
+    pairs: u64,
+    ebpf_idle_on_plain_runtime: serde_json::Value,
+    wake_up_floor: serde_json::Value,
+) {
     let mut rows = Vec::new();
     for kind in [SourceKind::Ebpf, SourceKind::Fanotify, SourceKind::Inotify] {
         // Consumed in a spawned task, as the agent's watcher is (not on the test's own thread,
@@ -1309,7 +1392,11 @@ async fn bench_sources() {
         eprintln!("{row}");
         rows.push(row);
     }
-    let report = serde_json::json!({ "sources": rows });
+    let report = serde_json::json!({
+        "sources": rows,
+        "ebpf_idle_latency_on_plain_tokio_runtime": ebpf_idle_on_plain_runtime,
+        "wake_up_floor": wake_up_floor,
+    });
     let text = serde_json::to_string_pretty(&report).expect("serialise the report");
     match std::env::var_os("BENCH_SOURCES_OUT") {
         Some(path) => std::fs::write(&path, text).expect("write BENCH_SOURCES_OUT"),

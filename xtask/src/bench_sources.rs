@@ -6,7 +6,10 @@
 //! - idle: binds sockets 5 ms apart from a helper process and measures detection latency: kernel
 //!   timestamp -> receipt (eBPF only: fanotify and inotify carry none), split into kernel ->
 //!   reader (ring wake-up and the reader's scheduling) and reader -> receipt (the channel), and for
-//!   every source the helper's `CLOCK_MONOTONIC` right after `bind` returned -> receipt;
+//!   every source the helper's `CLOCK_MONOTONIC` right after `bind` returned -> receipt (0 when
+//!   the agent had the event before `bind` returned to the helper); eBPF also once more on a plain
+//!   tokio runtime, side by side with the agent's (see `plugin_agent::runtime`); and the machine's
+//!   floor: an eventfd wake-up 5 ms apart, writer and reader pinned to the same CPU or two;
 //! - churn: runs 100,000 bind+unlink pairs from two processes while consuming, and measures
 //!   events/s until an end sentinel arrives, with every rescan (recovered loss) and the kernel drop
 //!   counter; meanwhile a third helper binds a socket every 2 ms, measured as above (latency under
@@ -97,6 +100,26 @@ fn print_table(report: &serde_json::Value) {
                 pair(&latency["reader_to_consumer_us"]),
             );
         }
+    }
+    let plain = &report["ebpf_idle_latency_on_plain_tokio_runtime"];
+    if !plain.is_null() {
+        println!(
+            "{:<9} {:<7} {:>14} {:>14} {:>14} {:>14}   (plain tokio runtime, no short slice)",
+            "ebpf",
+            "idle",
+            pair(&plain["from_syscall_return_us"]),
+            pair(&plain["from_kernel_timestamp_us"]),
+            pair(&plain["kernel_to_reader_us"]),
+            pair(&plain["reader_to_consumer_us"]),
+        );
+    }
+    let floor = &report["wake_up_floor"];
+    if !floor.is_null() {
+        println!(
+            "wake-up floor of this machine (eventfd, 5 ms apart): same CPU {}, other CPU {}",
+            pair(&floor["same_cpu_us"]),
+            pair(&floor["other_cpu_us"]),
+        );
     }
     println!();
     println!(
