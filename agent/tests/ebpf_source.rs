@@ -1355,7 +1355,7 @@ fn wake_up_floor(samples: u64, writer_cpu: usize, reader_cpu: usize) -> serde_js
                 eventfd.read().expect("eventfd read");
                 let woke = monotonic_now_ns();
                 let sent = sent_rx.recv().expect("sent time");
-                delays.push(woke.saturating_sub(sent) as f64 / 1000.0);
+                delays.push(woke.saturating_sub(sent));
             }
             delays
         })
@@ -1371,9 +1371,11 @@ fn wake_up_floor(samples: u64, writer_cpu: usize, reader_cpu: usize) -> serde_js
         });
     });
     let mut delays = reader.join().expect("floor reader");
-    delays.sort_by(f64::total_cmp);
-    let at = |q: f64| delays[((delays.len() - 1) as f64 * q) as usize];
-    serde_json::json!({ "p50": at(0.5), "p99": at(0.99) })
+    delays.sort_unstable();
+    serde_json::json!({
+        "p50": percentile(&delays, 50) as f64 / 1000.0,
+        "p99": percentile(&delays, 99) as f64 / 1000.0,
+    })
 }
 
 async fn measure_sources(

@@ -85,32 +85,29 @@ fn print_table(report: &serde_json::Value) {
         "{:<9} {:<7} {:>14} {:>14} {:>14} {:>14}",
         "source", "load", "return->recv", "kernel->recv", "kernel->reader", "reader->recv"
     );
+    let latency_row = |source: &str, load: &str, latency: &serde_json::Value, note: &str| {
+        println!(
+            "{:<9} {:<7} {:>14} {:>14} {:>14} {:>14}{note}",
+            source,
+            load,
+            pair(&latency["from_syscall_return_us"]),
+            pair(&latency["from_kernel_timestamp_us"]),
+            pair(&latency["kernel_to_reader_us"]),
+            pair(&latency["reader_to_consumer_us"]),
+        );
+    };
     for row in &rows {
-        for (load, latency) in [
-            ("idle", &row["idle_latency"]),
-            ("churn", &row["loaded_latency"]),
-        ] {
-            println!(
-                "{:<9} {:<7} {:>14} {:>14} {:>14} {:>14}",
-                row["source"].as_str().unwrap_or("?"),
-                load,
-                pair(&latency["from_syscall_return_us"]),
-                pair(&latency["from_kernel_timestamp_us"]),
-                pair(&latency["kernel_to_reader_us"]),
-                pair(&latency["reader_to_consumer_us"]),
-            );
-        }
+        let source = row["source"].as_str().unwrap_or("?");
+        latency_row(source, "idle", &row["idle_latency"], "");
+        latency_row(source, "churn", &row["loaded_latency"], "");
     }
     let plain = &report["ebpf_idle_latency_on_plain_tokio_runtime"];
     if !plain.is_null() {
-        println!(
-            "{:<9} {:<7} {:>14} {:>14} {:>14} {:>14}   (plain tokio runtime, no short slice)",
+        latency_row(
             "ebpf",
             "idle",
-            pair(&plain["from_syscall_return_us"]),
-            pair(&plain["from_kernel_timestamp_us"]),
-            pair(&plain["kernel_to_reader_us"]),
-            pair(&plain["reader_to_consumer_us"]),
+            plain,
+            "   (plain tokio runtime, no short slice)",
         );
     }
     let floor = &report["wake_up_floor"];
