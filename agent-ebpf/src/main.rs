@@ -18,7 +18,9 @@
 //! against the names present under the tree (the agent turns those into "check this name" hints).
 //!
 //! Every kernel struct member is read at an offset the agent resolved from the running kernel's BTF
-//! and set in [`CONFIG`](agent_ebpf::Config): Rust eBPF has no CO-RE relocations. Every event that
+//! and set in [`CONFIG`](agent_ebpf::Config): Rust eBPF has no CO-RE relocations. The programs are
+//! written for the oldest verifier they are tested on (Debian's 6.1, `cargo xtask vm-test`): no
+//! ring-buffer memory as a map key, and array indexes masked where the verifier sees the mask. Every event that
 //! cannot be recorded bumps a `LOSSES` counter, which the agent turns into a rescan.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
@@ -95,6 +97,8 @@ mod programs {
         event: Event,
         /// The component before the last one, for [`parent_known`].
         parent: NameKey,
+        /// A reported entry's name on its way to NAMES (see [`report_dentry`]).
+        name: NameKey,
         start: u64,
         len: u64,
         dfd: i64,
@@ -355,6 +359,18 @@ mod programs {
     fn report_dentry(dentry: usize, parent: DirKey, what: u32, names: Names) -> Option<()> {
         let name = kptr(dentry, offset!(dentry_name))?;
         let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
+        // The name is read into scratch memory, not into the ring record: kernels before 6.4 do
+        // not take ring-buffer memory as a map key (verifier: "R2 type=alloc_mem expected=...").
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run, and no
+        // caller of this function holds a reference into its `name`.
+        let key = unsafe { &mut *addr_of_mut!((*scratch).name) };
+        key.bytes = [0; NAME_LEN];
+        // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
+        let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut key.bytes) };
+        if what != kind::REMOVE && names == Names::Remember {
+            remember_name(key);
+        }
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
             count_loss(loss::RING_FULL);
             return None;
@@ -368,14 +384,7 @@ mod programs {
             (*event).name_len = name_len;
             (*event).ktime_ns = now_ns();
             (*event).parent = parent;
-            (*event).name.bytes = [0; NAME_LEN];
-            let _ = bpf_probe_read_kernel_str_bytes(
-                name as *const u8,
-                &mut *addr_of_mut!((*event).name.bytes),
-            );
-            if what != kind::REMOVE && names == Names::Remember {
-                remember_name(&(*event).name);
-            }
+            core::ptr::copy_nonoverlapping(key, addr_of_mut!((*event).name), 1);
         }
         entry.submit(wake_flags());
         Some(())
@@ -653,7 +662,7 @@ mod programs {
                 .len();
         // Trailing slashes ("dir/") do not belong to the name.
         for _ in 0..8 {
-            if end > 1 && scratch.path[(end - 1) & PATH_MASK] == b'/' {
+            if end > 1 && path_byte(scratch, end - 1) == b'/' {
                 end -= 1;
             }
         }
@@ -682,7 +691,7 @@ mod programs {
         let mut end = unsafe { read_volatile(addr_of!(scratch.start)) } as usize & PATH_MASK;
         // The slash before the last component, and any repeated ones ("a//name").
         for _ in 0..4 {
-            if end > 0 && scratch.path[(end - 1) & PATH_MASK] == b'/' {
+            if end > 0 && path_byte(scratch, end - 1) == b'/' {
                 end -= 1;
             }
         }
@@ -739,12 +748,24 @@ mod programs {
             // The bit trick can flag a byte above a real slash too; find the real one exactly.
             for i in (0..8).rev() {
                 let at = w * 8 + i;
-                if at < end && scratch.path[at & PATH_MASK] == b'/' {
+                if at < end && path_byte(scratch, at) == b'/' {
                     return (at + 1, false);
                 }
             }
         }
         (0, true)
+    }
+
+    /// `scratch.path[index]`, the index masked where the verifier sees it. The index goes through
+    /// memory first, so the compiler cannot drop the mask as redundant after a comparison that
+    /// already bounds it (`at < end`, `end > 0`): verifiers before 6.8 learn no bounds from
+    /// comparing two registers or from `x != 0`, and reject the access without the mask.
+    #[inline(always)]
+    fn path_byte(scratch: &mut Scratch, index: usize) -> u8 {
+        scratch.word = index as u64;
+        // SAFETY: a plain field of the scratch slot, just written.
+        let index = unsafe { read_volatile(addr_of!(scratch.word)) } as usize & PATH_MASK;
+        scratch.path[index]
     }
 
     /// Copies `scratch.path[start..end]` NUL-padded into `dst` (a name buffer in the scratch slot)
@@ -834,8 +855,8 @@ mod programs {
     // `vfs_mknod(S_IFSOCK)`, so one program covers `bind` and `mknod`. Argument positions and
     // `struct renamedata` offsets come from the running kernel's BTF ([`VfsArgs`](agent_ebpf::VfsArgs)).
     //
-    // NOT VERIFIED on the build machine: its kernel refuses fentry/fexit with EPERM, so the loader
-    // falls back to the tracepoints above there (and says why).
+    // The build machine's kernel refuses fentry/fexit (EPERM) and the loader falls back to the
+    // tracepoints above there (and says why); `cargo xtask vm-test` runs these on Debian's 6.1.
 
     /// Argument `n` of the traced function, read with a helper from the program's context (an
     /// array of u64 on the trampoline's stack) so it is a plain number to the verifier: `n` comes

@@ -15,6 +15,7 @@ mod run;
 mod shell;
 mod soak;
 mod test;
+mod vm_test;
 
 use clap::{Parser, Subcommand};
 
@@ -46,6 +47,9 @@ enum Command {
     Bench(bench::Options),
     /// Event sources alone: detection latency and throughput, eBPF vs fanotify vs inotify.
     BenchSources(bench_sources::Options),
+    /// The eBPF source's kernel tests in a VM on Debian's stock kernel, once per hook family
+    /// (fentry/fexit, which this machine's kernel refuses, and syscall tracepoints).
+    VmTest(vm_test::Options),
     /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
     Soak(soak::Options),
 }
@@ -61,5 +65,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(options) => bench::bench(&options),
         Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),
+        Command::VmTest(options) => vm_test::vm_test(&options),
     }
 }

@@ -1,10 +1,13 @@
 //! `cargo xtask test`: everything CI checks, from a bare machine: install what is missing, build the
 //! eBPF object and the workspace with it embedded, lint, and run every test (privileged ones too).
 //!
+//! Then `cargo xtask vm-test` runs the eBPF source's tests on Debian's stock kernel in a VM, on both
+//! hook families (`--no-vm` skips it; a test filter in the cargo arguments does too).
+//!
 //! Privileged tests (eBPF load, fanotify) skip with a printed reason when they cannot run (not root,
 //! no eBPF built in); with `CI=true` they fail instead, so CI can never pass without running them.
 
-use crate::{build, build_ebpf, deps, lint, shell};
+use crate::{build, build_ebpf, deps, lint, shell, vm_test};
 
 /// Options for the test run.
 #[derive(clap::Args, Default)]
@@ -12,6 +15,9 @@ pub struct Options {
     /// Skip `cargo xtask lint`.
     #[arg(long)]
     pub no_lint: bool,
+    /// Skip `cargo xtask vm-test` (the eBPF tests on a second kernel, about 8 minutes under emulation).
+    #[arg(long)]
+    pub no_vm: bool,
     /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub cargo_args: Vec<String>,
@@ -29,5 +35,13 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
         .args(["test", "--workspace", "--no-fail-fast"])
         .args(&options.cargo_args);
     build::with_ebpf_object(&mut command, &object);
-    shell::run(&mut command)
+    let host = shell::run(&mut command);
+    // The second kernel runs even when a host test failed: its result says whether a failure is
+    // tied to one kernel.
+    let vm = if options.no_vm || !options.cargo_args.is_empty() {
+        Ok(())
+    } else {
+        vm_test::vm_test(&vm_test::Options::default())
+    };
+    host.and(vm)
 }

@@ -14,6 +14,10 @@
 //! already attached are detached and the tracepoint programs are used, and `describe()` (the
 //! `status` command, the "event source open" log line) names the family and why the preferred one
 //! was passed over.
+//!
+//! BPF LSM is not a family here: an LSM hook runs before the operation and cannot tell a failed
+//! call from a successful one, and it attaches through the same trampoline as fentry/fexit, so a
+//! kernel that allows it allows fexit too, which sees the result (docs/operations.md).
 
 use std::fmt;
 

@@ -110,9 +110,9 @@ impl EbpfOptions {
 /// The running eBPF source. Dropping it detaches the programs and stops its reader.
 pub struct EbpfSource {
     filters: Arc<Filters>,
-    /// Whether the attached programs match calls by name (the tracepoints do; fentry/fexit see
-    /// every dentry and need no name table).
-    matches_names: bool,
+    /// What the programs are attached to: the tracepoints match calls by name, fentry/fexit see
+    /// every dentry and need no name table.
+    family: HookFamily,
     description: String,
     /// Loss counters and ring occupancy, for [`EventSource::stats`].
     stats: DeliveryStats,
@@ -195,7 +195,7 @@ pub fn open(
     );
     Ok(EbpfSource {
         filters,
-        matches_names: loaded.hooks.family == HookFamily::Tracepoints,
+        family: loaded.hooks.family,
         description,
         stats,
         timings: loaded.timings,
@@ -219,6 +219,12 @@ impl EbpfSource {
     /// pays it, so tests and benchmarks report it.
     pub fn load_timings(&self) -> &LoadTimings {
         &self.timings
+    }
+
+    /// The hook family the kernel allowed: it decides how exact the events are (fentry/fexit report
+    /// every call by its directory's identity; the tracepoints report some calls by name only).
+    pub fn hook_family(&self) -> HookFamily {
+        self.family
     }
 }
 
@@ -252,7 +258,7 @@ impl EventSource for EbpfSource {
     }
 
     fn entry_present(&self, _dir: &WatchedDir, name: &std::ffi::OsStr) {
-        if self.matches_names && !self.filters.remember_name(name) {
+        if self.family == HookFamily::Tracepoints && !self.filters.remember_name(name) {
             tracing::warn!(
                 name = %name.to_string_lossy(),
                 "eBPF name table is full: clearing it and rescanning"
