@@ -20,8 +20,9 @@
 //! Every kernel struct member is read at an offset the agent resolved from the running kernel's BTF
 //! and set in [`CONFIG`](agent_ebpf::Config): Rust eBPF has no CO-RE relocations. The programs are
 //! written for the oldest verifier they are tested on (Debian's 6.1, `cargo xtask vm-test`): no
-//! ring-buffer memory as a map key, and array indexes masked where the verifier sees the mask. Every event that
-//! cannot be recorded bumps a `LOSSES` counter, which the agent turns into a rescan.
+//! ring-buffer memory as a map key, and array indexes masked where the verifier sees the mask.
+//! Every event that cannot be recorded bumps a `LOSSES` counter, which the agent turns into a
+//! rescan.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
 #[cfg(not(target_arch = "bpf"))]
@@ -359,8 +360,8 @@ mod programs {
     fn report_dentry(dentry: usize, parent: DirKey, what: u32, names: Names) -> Option<()> {
         let name = kptr(dentry, offset!(dentry_name))?;
         let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
-        // The name is read into scratch memory, not into the ring record: kernels before 6.4 do
-        // not take ring-buffer memory as a map key (verifier: "R2 type=alloc_mem expected=...").
+        // The name is read into scratch memory, not into the ring record: older verifiers (6.1's)
+        // do not take ring-buffer memory as a map key ("R2 type=alloc_mem expected=...").
         let scratch = SCRATCH.get_ptr_mut(0)?;
         // SAFETY: the per-CPU scratch slot is ours for the duration of this program run, and no
         // caller of this function holds a reference into its `name`.
@@ -758,7 +759,7 @@ mod programs {
 
     /// `scratch.path[index]`, the index masked where the verifier sees it. The index goes through
     /// memory first, so the compiler cannot drop the mask as redundant after a comparison that
-    /// already bounds it (`at < end`, `end > 0`): verifiers before 6.8 learn no bounds from
+    /// already bounds it (`at < end`, `end > 0`): older verifiers (6.1's) learn no bounds from
     /// comparing two registers or from `x != 0`, and reject the access without the mask.
     #[inline(always)]
     fn path_byte(scratch: &mut Scratch, index: usize) -> u8 {
