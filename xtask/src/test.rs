@@ -1,8 +1,8 @@
 //! `cargo xtask test`: everything CI checks, from a bare machine: install what is missing, build the
 //! eBPF object and the workspace with it embedded, lint, and run every test (privileged ones too).
 //!
-//! Then `cargo xtask vm-test` runs the eBPF source's tests on Debian's stock kernel in a VM, on both
-//! hook families (`--no-vm` skips it; a test filter in the cargo arguments does too).
+//! Then `cargo xtask vm-test` runs the eBPF tests on Debian's stock kernel in a VM, on both hook
+//! families (`--no-vm` skips it; a test filter in the cargo arguments does too).
 //!
 //! Privileged tests (eBPF load, fanotify) skip with a printed reason when they cannot run (not root,
 //! no eBPF built in); with `CI=true` they fail instead, so CI can never pass without running them.
@@ -15,7 +15,8 @@ pub struct Options {
     /// Skip `cargo xtask lint`.
     #[arg(long)]
     pub no_lint: bool,
-    /// Skip `cargo xtask vm-test` (the eBPF tests on a second kernel, about 8 minutes under emulation).
+    /// Skip `cargo xtask vm-test` (the eBPF tests on a second kernel, about 10 minutes under
+    /// emulation).
     #[arg(long)]
     pub no_vm: bool,
     /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).

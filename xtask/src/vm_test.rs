@@ -5,7 +5,8 @@
 //! apt: qemu-system-x86, busybox-static, linux-image-<Debian's current>-amd64 (downloaded, not installed)
 //!   -> target/vm-test/: vmlinuz + initramfs (busybox, the 9p modules, vm_init.sh)
 //!   -> qemu (TCG), the host's / shared over 9p -> RUNS, each with PLUGIN_AGENT_EBPF_HOOKS=<family>:
-//!      ebpf_source on fentry and on tracepoints; the agent's discovery e2e tests on fentry
+//!      ebpf_source on fentry and on tracepoints; the agent's eBPF discovery and upstream (kubelet
+//!      scenario) e2e tests on fentry; source selection on auto
 //!   -> target/vm-test/<run>.status (the test binary's exit code)
 //! ```
 //!
@@ -48,46 +49,66 @@ const MODULES: &[&str] = &[
 struct Run {
     /// Names the run and its status file.
     label: &'static str,
-    /// Which suite: `ebpf_source` (the source alone) or `discovery` (the agent end to end).
-    suite: Suite,
-    /// `PLUGIN_AGENT_EBPF_HOOKS`: the family is mandatory, so a run cannot pass on another one.
+    /// The integration test (`cargo test -p <package> --test <test>`).
+    package: &'static str,
+    test: &'static str,
+    /// `PLUGIN_AGENT_EBPF_HOOKS`: `fentry` or `tracepoints` make the family mandatory, so a run
+    /// cannot pass on the other one; `auto` lets the agent choose.
     family: &'static str,
     /// Test name filter.
     filter: &'static str,
-    /// Tests left out: they time the agent's gRPC deadlines against the plugin's, which emulation
-    /// slows by an order of magnitude; they say nothing about the hooks and run on the host.
+    /// Tests left out: they time the agent's 1 s `GetInfo` deadline against plugins starting
+    /// (ten at once, or just after listening), which emulation slows by an order of magnitude;
+    /// they say nothing about the hooks and run on the host.
     skip: &'static [&'static str],
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Suite {
-    EbpfSource,
-    Discovery,
-}
-
 /// The tracepoint family's end-to-end tests run on the host's kernel; fentry/fexit can run only
-/// here, so the agent's discovery tests (real agent, plugins, handlers) run on them too.
+/// here, so the agent's end-to-end tests that hinge on events (real agent, plugins, handlers) run
+/// on them too.
 const RUNS: &[Run] = &[
     Run {
         label: "ebpf_source-fentry",
-        suite: Suite::EbpfSource,
+        package: "plugin-agent",
+        test: "ebpf_source",
         family: "fentry",
         filter: "",
         skip: &[],
     },
     Run {
         label: "ebpf_source-tracepoints",
-        suite: Suite::EbpfSource,
+        package: "plugin-agent",
+        test: "ebpf_source",
         family: "tracepoints",
         filter: "",
         skip: &[],
     },
     Run {
         label: "discovery-fentry",
-        suite: Suite::Discovery,
+        package: "plugin-agent-tests",
+        test: "discovery",
         family: "fentry",
         filter: "ebpf::",
         skip: &["registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves"],
+    },
+    Run {
+        label: "upstream-fentry",
+        package: "plugin-agent-tests",
+        test: "upstream",
+        family: "fentry",
+        filter: "ebpf::",
+        skip: &[
+            "registers_10_sockets_that_exist_before_the_agent_starts",
+            "tracks_10_plugins_with_the_same_name_on_different_sockets",
+        ],
+    },
+    Run {
+        label: "source_selection-auto",
+        package: "plugin-agent-tests",
+        test: "source_selection",
+        family: "auto",
+        filter: "",
+        skip: &[],
     },
 ];
 
@@ -286,15 +307,9 @@ fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
     None
 }
 
-/// The test binaries, by suite.
-struct Binaries {
-    ebpf_source: PathBuf,
-    discovery: PathBuf,
-}
-
-/// Builds the eBPF object, the agent and test-plugin binaries the tests start, and the two test
-/// binaries.
-fn build_suites() -> anyhow::Result<Binaries> {
+/// Builds the eBPF object, the agent and test-plugin binaries the tests start, and every test
+/// binary in [`RUNS`]; returns their paths in the order of [`RUNS`].
+fn build_suites() -> anyhow::Result<Vec<PathBuf>> {
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     let mut bins = shell::cargo();
     bins.args([
@@ -307,10 +322,9 @@ fn build_suites() -> anyhow::Result<Binaries> {
     ]);
     build::with_ebpf_object(&mut bins, &object);
     shell::run(&mut bins)?;
-    Ok(Binaries {
-        ebpf_source: test_executable(&object, "plugin-agent", "ebpf_source")?,
-        discovery: test_executable(&object, "plugin-agent-tests", "discovery")?,
-    })
+    RUNS.iter()
+        .map(|run| test_executable(&object, run.package, run.test))
+        .collect()
 }
 
 /// Builds integration test `test` of `package` and returns its executable's path.
@@ -336,16 +350,12 @@ fn test_executable(object: &Path, package: &str, test: &str) -> anyhow::Result<P
 }
 
 /// The script the guest runs: every run in order, each exit code written to its status file.
-fn guest_script(binaries: &Binaries, dir: &Path) -> String {
+fn guest_script(binaries: &[PathBuf], dir: &Path) -> String {
     let mut script = format!(
         "cd {root}\nexport CI=true TMPDIR=/dev/shm RUST_BACKTRACE=1\n",
         root = shell::workspace_root().display()
     );
-    for run in RUNS {
-        let binary = match run.suite {
-            Suite::EbpfSource => &binaries.ebpf_source,
-            Suite::Discovery => &binaries.discovery,
-        };
+    for (run, binary) in RUNS.iter().zip(binaries) {
         let skip: String = run.skip.iter().map(|t| format!(" --skip {t}")).collect();
         script.push_str(&format!(
             "echo 'vm-test: {label}'\n\
