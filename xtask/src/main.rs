@@ -9,6 +9,7 @@ mod bench;
 mod bench_sources;
 mod build;
 mod build_ebpf;
+mod cross_test;
 mod deps;
 mod lint;
 mod run;
@@ -47,6 +48,8 @@ enum Command {
     Bench(bench::Options),
     /// Event sources alone: detection latency and throughput, eBPF vs fanotify vs inotify.
     BenchSources(bench_sources::Options),
+    /// The agent built for arm64 with the kernel object, its unit tests run under qemu-user.
+    CrossTest,
     /// The eBPF source's kernel tests in a VM on Debian's stock kernel, once per hook family
     /// (fentry/fexit, which this machine's kernel refuses, and syscall tracepoints).
     VmTest(vm_test::Options),
@@ -66,5 +69,6 @@ fn main() -> anyhow::Result<()> {
         Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),
         Command::VmTest(options) => vm_test::vm_test(&options),
+        Command::CrossTest => cross_test::cross_test(),
     }
 }

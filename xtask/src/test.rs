@@ -1,13 +1,14 @@
 //! `cargo xtask test`: everything CI checks, from a bare machine: install what is missing, build the
 //! eBPF object and the workspace with it embedded, lint, and run every test (privileged ones too).
 //!
-//! Then `cargo xtask vm-test` runs the eBPF tests on Debian's stock kernel in a VM, on both hook
-//! families (`--no-vm` skips it; a test filter in the cargo arguments does too).
+//! Then `cargo xtask cross-test` runs the agent's unit tests built for arm64 under qemu-user, and
+//! `cargo xtask vm-test` the eBPF tests on Debian's stock kernel in a VM, on both hook families
+//! (`--no-vm` skips both; a test filter in the cargo arguments does too).
 //!
 //! Privileged tests (eBPF load, fanotify) skip with a printed reason when they cannot run (not root,
 //! no eBPF built in); with `CI=true` they fail instead, so CI can never pass without running them.
 
-use crate::{build, build_ebpf, deps, lint, shell, vm_test};
+use crate::{build, build_ebpf, cross_test, deps, lint, shell, vm_test};
 
 /// Options for the test run.
 #[derive(clap::Args, Default)]
@@ -15,8 +16,8 @@ pub struct Options {
     /// Skip `cargo xtask lint`.
     #[arg(long)]
     pub no_lint: bool,
-    /// Skip `cargo xtask vm-test` (the eBPF tests on a second kernel, about 10 minutes under
-    /// emulation).
+    /// Skip `cargo xtask cross-test` and `vm-test` (arm64 unit tests, and the eBPF tests on a
+    /// second kernel: about 14 minutes under emulation).
     #[arg(long)]
     pub no_vm: bool,
     /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).
@@ -37,12 +38,12 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
         .args(&options.cargo_args);
     build::with_ebpf_object(&mut command, &object);
     let host = shell::run(&mut command);
-    // The second kernel runs even when a host test failed: its result says whether a failure is
-    // tied to one kernel.
-    let vm = if options.no_vm || !options.cargo_args.is_empty() {
-        Ok(())
-    } else {
-        vm_test::vm_test(&vm_test::Options::default())
-    };
-    host.and(vm)
+    // The other architecture and the second kernel run even when a host test failed: their
+    // results say whether a failure is tied to one of them.
+    if options.no_vm || !options.cargo_args.is_empty() {
+        return host;
+    }
+    let arm64 = cross_test::cross_test();
+    let vm = vm_test::vm_test(&vm_test::Options::default());
+    host.and(arm64).and(vm)
 }

@@ -158,6 +158,27 @@ fn syscall_numbers() -> SyscallNumbers {
     }
 }
 
+/// Whether this architecture has the syscall a `sys_{enter,exit}_<syscall>` tracepoint is named
+/// after. arm64 has only the `*at` forms of `unlink`, `rmdir`, `mknod`, `mkdir` and `rename`, so the
+/// kernel creates no tracepoint for the others, and attaching to one would fail the whole family.
+fn arch_has_tracepoint(tracepoint: &str) -> bool {
+    let numbers = syscall_numbers();
+    let syscall = tracepoint
+        .strip_prefix("sys_enter_")
+        .or_else(|| tracepoint.strip_prefix("sys_exit_"))
+        .unwrap_or(tracepoint);
+    let nr = match syscall {
+        "unlink" => numbers.unlink,
+        "rmdir" => numbers.rmdir,
+        "mknod" => numbers.mknod,
+        "mkdir" => numbers.mkdir,
+        "rename" => numbers.rename,
+        // bind and the `*at` forms exist on every architecture the agent builds for.
+        _ => 0,
+    };
+    nr >= 0
+}
+
 /// What [`load`] sizes and tunes.
 pub struct LoadParams {
     /// Ring buffer size in bytes (a power of two, multiple of the page size).
@@ -395,7 +416,11 @@ fn attach_tracepoints(ebpf: &mut Ebpf, timings: &mut LoadTimings) -> anyhow::Res
             .programs
             .push((hook.program.to_string(), started.elapsed(), insns));
         let started = Instant::now();
-        for tracepoint in hook.tracepoints {
+        for tracepoint in hook
+            .tracepoints
+            .iter()
+            .filter(|tracepoint| arch_has_tracepoint(tracepoint))
+        {
             program.attach("syscalls", tracepoint).map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
@@ -448,5 +473,48 @@ fn with_hint(err: anyhow::Error, what: &str) -> anyhow::Error {
             "{what}: permission denied; need CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN)"
         )),
         _ => err.context(what.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tracepoint_is_attached_where_the_architecture_has_its_syscall() {
+        let all: Vec<&str> = TRACEPOINT_HOOKS
+            .iter()
+            .flat_map(|hook| hook.tracepoints.iter().copied())
+            .collect();
+        let skipped: Vec<&str> = all
+            .iter()
+            .copied()
+            .filter(|tracepoint| !arch_has_tracepoint(tracepoint))
+            .collect();
+        let only_at_forms = [
+            "sys_enter_unlink",
+            "sys_enter_rmdir",
+            "sys_enter_mknod",
+            "sys_enter_mkdir",
+            "sys_enter_rename",
+            "sys_exit_unlink",
+            "sys_exit_rmdir",
+            "sys_exit_mknod",
+            "sys_exit_mkdir",
+            "sys_exit_rename",
+        ];
+        if cfg!(target_arch = "x86_64") {
+            assert_eq!(skipped, Vec::<&str>::new());
+        } else {
+            let mut skipped = skipped;
+            skipped.sort_unstable();
+            skipped.dedup();
+            let mut expected = only_at_forms.to_vec();
+            expected.sort_unstable();
+            assert_eq!(skipped, expected);
+        }
+        for tracepoint in ["sys_enter_bind", "sys_exit_unlinkat", "sys_enter_renameat2"] {
+            assert!(arch_has_tracepoint(tracepoint), "{tracepoint}");
+        }
     }
 }

@@ -1,0 +1,61 @@
+//! `cargo xtask cross-test`: the agent built for arm64 (aarch64), the kernel object embedded, and its
+//! unit tests run under qemu-user.
+//!
+//! arm64 nodes are common, and their syscall table differs: no `unlink`, `rmdir`, `mknod`, `mkdir`
+//! or `rename`, only the `*at` forms, so the tracepoint list and the syscall numbers the programs
+//! match must follow the architecture (the loader's tests check both ways). The eBPF object itself
+//! is the same bytes on every architecture. What this does not cover is loading the programs into
+//! an arm64 kernel: that would need an arm64 guest (see `vm-test` for x86_64).
+
+use std::process::Command;
+
+use anyhow::Context;
+
+use crate::{build, build_ebpf, deps, shell};
+
+/// Debian packages: the cross linker and C library, and qemu-user to run the tests.
+const APT_PACKAGES: &[&str] = &[
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "qemu-user",
+];
+
+const TARGET: &str = "aarch64-unknown-linux-gnu";
+
+/// Builds for arm64 and runs the agent's unit tests under qemu-user.
+pub fn cross_test() -> anyhow::Result<()> {
+    deps::install_missing()?;
+    deps::install_apt_packages(APT_PACKAGES)?;
+    add_rust_target()?;
+    let object = build_ebpf::build(&build_ebpf::Options::default())?;
+    let mut command = shell::cargo();
+    command
+        .args(["test", "-p", "plugin-agent", "--lib", "--target", TARGET])
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            "aarch64-linux-gnu-gcc",
+        )
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            "qemu-aarch64 -L /usr/aarch64-linux-gnu",
+        );
+    build::with_ebpf_object(&mut command, &object);
+    shell::run(&mut command)
+}
+
+/// `rustup target add`, unless the standard library for arm64 is already there.
+fn add_rust_target() -> anyhow::Result<()> {
+    let installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .context("run rustup")?;
+    if String::from_utf8_lossy(&installed.stdout)
+        .lines()
+        .any(|line| line.trim() == TARGET)
+    {
+        eprintln!("xtask: deps: rust target {TARGET} present");
+        return Ok(());
+    }
+    eprintln!("xtask: deps: adding rust target {TARGET}");
+    shell::run(Command::new("rustup").args(["target", "add", TARGET]))
+}
