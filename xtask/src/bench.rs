@@ -117,18 +117,7 @@ const MODES: &[Mode] = &[
 pub fn bench(options: &Options) -> anyhow::Result<()> {
     deps::install_missing()?;
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
-    let mut cargo = shell::cargo();
-    cargo.args([
-        "build",
-        "--release",
-        "-p",
-        "plugin-agent",
-        "-p",
-        "plugin-agent-tests",
-        "--bins",
-    ]);
-    build::with_ebpf_object(&mut cargo, &object);
-    shell::run(&mut cargo)?;
+    build::agent_and_test_bins(Some(&object), true)?;
 
     let root = shell::workspace_root();
     let release = root.join("target/release");

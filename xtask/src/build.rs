@@ -24,6 +24,27 @@ pub fn build(options: &Options) -> anyhow::Result<()> {
     shell::run(&mut command)
 }
 
+/// Builds the agent and the test binaries the end-to-end runs start (plugins, handlers, loadgen),
+/// with the eBPF object embedded when there is one.
+pub fn agent_and_test_bins(object: Option<&Path>, release: bool) -> anyhow::Result<()> {
+    let mut command = shell::cargo();
+    command.args([
+        "build",
+        "-p",
+        "plugin-agent",
+        "-p",
+        "plugin-agent-tests",
+        "--bins",
+    ]);
+    if release {
+        command.arg("--release");
+    }
+    if let Some(object) = object {
+        with_ebpf_object(&mut command, object);
+    }
+    shell::run(&mut command)
+}
+
 /// Points a cargo invocation at the eBPF object so the agent embeds it.
 pub fn with_ebpf_object(command: &mut std::process::Command, object: &Path) {
     command.env("PLUGIN_AGENT_EBPF_OBJ", object);

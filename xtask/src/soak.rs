@@ -16,7 +16,7 @@
 //! agent under the same churn and other faults: flat means its RSS at the end is within 16 MiB
 //! of its RSS at the start of that half. Logs of every process are kept in the run directory.
 
-use crate::shell;
+use crate::{build, shell};
 use anyhow::{Context, bail};
 use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
@@ -306,23 +306,13 @@ pub fn soak(options: &Options) -> anyhow::Result<()> {
         bail!("--duration is at most 10 minutes");
     }
     let object = shell::workspace_root().join("target/ebpf/bpfel-unknown-none/release/agent-ebpf");
-    let mut cargo = shell::cargo();
-    cargo.args([
-        "build",
-        "-p",
-        "plugin-agent",
-        "-p",
-        "plugin-agent-tests",
-        "--bins",
-    ]);
-    if object.is_file() {
-        cargo.env("PLUGIN_AGENT_EBPF_OBJ", &object);
-    } else {
+    let object = object.is_file().then_some(object.as_path());
+    if object.is_none() {
         eprintln!(
             "xtask: soak: no eBPF object (cargo xtask build-ebpf): --source auto will not use eBPF"
         );
     }
-    shell::run(&mut cargo)?;
+    build::agent_and_test_bins(object, false)?;
 
     let dir = std::env::temp_dir().join(format!("plugin-agent-soak-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

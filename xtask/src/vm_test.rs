@@ -119,19 +119,22 @@ pub struct Options {
     #[arg(long)]
     pub kernel_package: Option<String>,
     /// QEMU accelerator: `tcg` works everywhere; `kvm` where nested virtualisation does.
-    #[arg(long, default_value = "tcg,thread=multi")]
+    #[arg(long, default_value = DEFAULT_ACCEL)]
     pub accel: String,
     /// Give up on the guest after this many seconds.
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
     pub timeout_secs: u64,
 }
+
+const DEFAULT_ACCEL: &str = "tcg,thread=multi";
+const DEFAULT_TIMEOUT_SECS: u64 = 1500;
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             kernel_package: None,
-            accel: "tcg,thread=multi".into(),
-            timeout_secs: 1500,
+            accel: DEFAULT_ACCEL.into(),
+            timeout_secs: DEFAULT_TIMEOUT_SECS,
         }
     }
 }
@@ -311,17 +314,7 @@ fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
 /// binary in [`RUNS`]; returns their paths in the order of [`RUNS`].
 fn build_suites() -> anyhow::Result<Vec<PathBuf>> {
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
-    let mut bins = shell::cargo();
-    bins.args([
-        "build",
-        "-p",
-        "plugin-agent",
-        "-p",
-        "plugin-agent-tests",
-        "--bins",
-    ]);
-    build::with_ebpf_object(&mut bins, &object);
-    shell::run(&mut bins)?;
+    build::agent_and_test_bins(Some(&object), false)?;
     RUNS.iter()
         .map(|run| test_executable(&object, run.package, run.test))
         .collect()
