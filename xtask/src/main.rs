@@ -50,8 +50,8 @@ enum Command {
     BenchSources(bench_sources::Options),
     /// The agent built for arm64 with the kernel object, its unit tests run under qemu-user.
     CrossTest,
-    /// The eBPF source's kernel tests in a VM on Debian's stock kernel, once per hook family
-    /// (fentry/fexit, which this machine's kernel refuses, and syscall tracepoints).
+    /// eBPF tests in a VM on Debian's stock kernel: the source's on fentry/fexit (which this
+    /// machine's kernel refuses) and on tracepoints, the agent's end-to-end ones on fentry/fexit.
     VmTest(vm_test::Options),
     /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
     Soak(soak::Options),
