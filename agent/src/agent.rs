@@ -9,11 +9,13 @@ use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
 use crate::events::EventBus;
 use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
-use crate::reconciler::{ReconcileMode, ReconcileQueue, Reconciler};
+use crate::reconciler::{ReconcileMode, Reconciler};
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
+use crate::state::queue::ReconcileQueue;
+use crate::state::view::StateView;
 use crate::telemetry::Telemetry;
-use crate::watcher::{Watcher, WatcherStats};
+use crate::watcher::Watcher;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -78,9 +80,8 @@ pub struct RunningAgent {
     pub ready: watch::Receiver<bool>,
     /// Discovery and registration events, for the admin API and tests.
     pub events: EventBus,
-    /// Watcher counters (rescans, loss, watched directories).
-    pub watcher_stats: Arc<WatcherStats>,
-    /// Metrics and trace roots the watcher and executor record into.
+    /// Metrics, trace roots and watcher counters (rescans, loss, watched directories) that the
+    /// watcher and executor record into.
     pub telemetry: Arc<Telemetry>,
     /// Where `/metrics`, `/healthz` and `/readyz` are served (the bound address: port 0 resolved).
     pub metrics_addr: Option<SocketAddr>,
@@ -116,7 +117,6 @@ impl RunningAgent {
         let actual = Arc::new(ActualState::default());
         let queue = Arc::new(ReconcileQueue::default());
         let events = EventBus::default();
-        let watcher_stats = Arc::new(WatcherStats::default());
         let telemetry = Telemetry::new(source_kind);
         let executor = OperationExecutor::new(
             actual.clone(),
@@ -133,7 +133,6 @@ impl RunningAgent {
             desired.clone(),
             queue.clone(),
             events.clone(),
-            watcher_stats.clone(),
             telemetry.clone(),
         );
         let reconciler = Reconciler::new(
@@ -160,11 +159,13 @@ impl RunningAgent {
                         telemetry
                             .metrics
                             .registry(crate::telemetry::metrics::StateCollector {
-                                desired: desired.clone(),
-                                actual: actual.clone(),
+                                state: StateView {
+                                    desired: desired.clone(),
+                                    actual: actual.clone(),
+                                    backoff: executor.backoffs(),
+                                },
                                 handlers: handlers.clone(),
-                                executor: executor.clone(),
-                                watcher: watcher_stats.clone(),
+                                watcher: telemetry.watcher.clone(),
                                 source,
                             });
                     info!(addr = %bound, "serving /metrics, /healthz and /readyz");
@@ -201,7 +202,6 @@ impl RunningAgent {
             source_description,
             ready,
             events,
-            watcher_stats,
             telemetry,
             metrics_addr,
             config,
@@ -209,6 +209,15 @@ impl RunningAgent {
             cancel,
             tasks,
         })
+    }
+
+    /// The tables a plugin's state is derived from, for the admin API and tests.
+    pub fn state_view(&self) -> StateView {
+        StateView {
+            desired: self.desired.clone(),
+            actual: self.actual.clone(),
+            backoff: self.executor.backoffs(),
+        }
     }
 
     /// Waits for the first full scan of the plugin directory.

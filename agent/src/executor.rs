@@ -15,14 +15,14 @@
 //! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
 //! which wakes the reconciler: no polling.
 
-use crate::backoff::{BackoffTable, FailureKind};
 use crate::event_source::monotonic_now_ns;
 use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::handler::{HandlerError, HandlerRegistry, Plugin};
-use crate::reconciler::ReconcileQueue;
 use crate::registration::{PluginConnection, RegistrationError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
+use crate::state::backoff::{BackoffTable, FailureKind};
 use crate::state::desired::DesiredPlugin;
+use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::Via;
 use std::collections::HashMap;
@@ -185,7 +185,7 @@ pub struct OperationExecutor {
     queue: Arc<ReconcileQueue>,
     config: ExecutorConfig,
     in_flight: Mutex<HashMap<PathBuf, OperationKind>>,
-    backoff: BackoffTable,
+    backoff: Arc<BackoffTable>,
     slots: Arc<Semaphore>,
     name_locks: NameLocks,
     tasks: TaskTracker,
@@ -223,7 +223,7 @@ impl OperationExecutor {
             queue,
             config,
             in_flight: Mutex::new(HashMap::new()),
-            backoff: BackoffTable::default(),
+            backoff: Arc::default(),
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
@@ -350,13 +350,10 @@ impl OperationExecutor {
         }
     }
 
-    /// The backoff of a socket, for status reporting.
-    pub fn backoff_of(
-        &self,
-        path: &Path,
-        desired: &DesiredPlugin,
-    ) -> Option<crate::backoff::Backoff> {
-        self.backoff.get(path, desired.socket)
+    /// The backoff table this executor writes, for the views that derive a plugin's state
+    /// ([`crate::state::view::StateView`]).
+    pub fn backoffs(&self) -> Arc<BackoffTable> {
+        self.backoff.clone()
     }
 
     /// Whether an operation for `path` is running.

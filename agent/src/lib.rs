@@ -10,7 +10,6 @@
 
 pub mod admin;
 pub mod agent;
-pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod event_source;

@@ -21,11 +21,13 @@
 //! - A directory that cannot be read (permission denied) is logged and skipped; its siblings are
 //!   not affected.
 
-use crate::event_source::{EventSource, FsEvent, Observed, WatchedDir, monotonic_now_ns};
+use crate::event_source::{
+    EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
+};
 use crate::events::{AgentEvent, EventBus, EventKind};
-use crate::reconciler::ReconcileQueue;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
+use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::{Found, Via};
 use std::collections::{HashMap, HashSet};
@@ -33,7 +35,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -42,9 +44,6 @@ use tracing::{debug, info, warn};
 /// Most events handled per wake-up before desired-state changes are published to the reconciler
 /// (bounds latency under a storm while still batching).
 const BATCH: usize = 1024;
-
-/// The reason the reconciler's safety pass gives when it asks for a rescan (not a loss).
-pub const PERIODIC_RESCAN: &str = "periodic safety pass";
 
 /// See the module docs.
 pub struct Watcher {
@@ -61,21 +60,7 @@ pub struct Watcher {
     /// even while the event channel is full).
     rescan_requests: Arc<tokio::sync::Notify>,
     events: EventBus,
-    stats: Arc<WatcherStats>,
     telemetry: Arc<Telemetry>,
-}
-
-/// Watcher counters, shared with status reporting and metrics.
-#[derive(Debug, Default)]
-pub struct WatcherStats {
-    /// Full walks of the tree, start and safety passes included.
-    pub rescans: AtomicU64,
-    /// Rescans asked for by a source that lost events (overflow, ring buffer drops).
-    pub loss_rescans: AtomicU64,
-    /// Directories watched now.
-    pub watched_dirs: AtomicU64,
-    /// Hints received from the event source.
-    pub hints: AtomicU64,
 }
 
 impl Watcher {
@@ -84,16 +69,14 @@ impl Watcher {
     /// - `desired`: filled here;
     /// - `queue`: told about every path whose desired state changed;
     /// - `events`: discoveries, removals and rescans are published there;
-    /// - `stats`: counters read by status and metrics;
     /// - `telemetry`: each discovery and removal is recorded there (the root of the operation's
-    ///   trace), and each rescan counted.
+    ///   trace), each rescan, hint and watched directory counted.
     pub fn new(
         root: PathBuf,
         source: Arc<dyn EventSource>,
         desired: Arc<DesiredState>,
         queue: Arc<ReconcileQueue>,
         events: EventBus,
-        stats: Arc<WatcherStats>,
         telemetry: Arc<Telemetry>,
     ) -> Self {
         Watcher {
@@ -105,7 +88,6 @@ impl Watcher {
             anchor: None,
             rescan_requests: Arc::default(),
             events,
-            stats,
             telemetry,
         }
     }
@@ -123,7 +105,7 @@ impl Watcher {
         cancel: CancellationToken,
         on_ready: impl FnOnce(),
     ) -> anyhow::Result<()> {
-        self.rescan("start");
+        self.rescan(RescanReason::Start);
         on_ready();
         let mut batch = Vec::with_capacity(BATCH);
         let rescan_requests = self.rescan_requests.clone();
@@ -131,7 +113,7 @@ impl Watcher {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
                 _ = rescan_requests.notified() => {
-                    self.rescan(PERIODIC_RESCAN);
+                    self.rescan(RescanReason::Periodic);
                     continue;
                 }
                 received = events.recv_many(&mut batch, BATCH) => {
@@ -140,8 +122,9 @@ impl Watcher {
                     }
                 }
             }
-            let mut rescan: Option<String> = None;
-            self.stats
+            let mut rescan: Option<RescanReason> = None;
+            self.telemetry
+                .watcher
                 .hints
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
             for event in batch.drain(..) {
@@ -150,11 +133,11 @@ impl Watcher {
                         self.check(&path, observed)
                     }
                     FsEvent::NameChanged { name, observed } => self.check_name(&name, observed),
-                    FsEvent::Rescan { reason } => rescan = Some(reason),
+                    FsEvent::Rescan { reason } => rescan = Some(RescanReason::EventLoss(reason)),
                 }
             }
             if let Some(reason) = rescan {
-                self.rescan(&reason);
+                self.rescan(reason);
             }
         }
     }
@@ -182,7 +165,7 @@ impl Watcher {
                 self.forget_socket(path, observed, Via::Event);
                 self.forget_dir(path);
                 if path == self.root {
-                    self.rescan("the root directory was removed");
+                    self.rescan(RescanReason::RootRemoved);
                 }
             }
             Err(e) => {
@@ -284,7 +267,8 @@ impl Watcher {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
             self.dirs.insert(dir.to_path_buf(), watched);
-            self.stats
+            self.telemetry
+                .watcher
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
@@ -322,7 +306,8 @@ impl Watcher {
             if let Some(watched) = self.dirs.remove(path) {
                 self.source.unwatch(&watched);
             }
-            self.stats
+            self.telemetry
+                .watcher
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
@@ -380,12 +365,8 @@ impl Watcher {
     }
 
     /// Walks the whole tree and makes desired state and the watched set equal to it.
-    fn rescan(&mut self, reason: &str) {
-        self.stats.rescans.fetch_add(1, Ordering::Relaxed);
-        self.telemetry.metrics.rescan(reason);
-        if reason != "start" && reason != PERIODIC_RESCAN {
-            self.stats.loss_rescans.fetch_add(1, Ordering::Relaxed);
-        }
+    fn rescan(&mut self, reason: RescanReason) {
+        self.telemetry.rescan(&reason);
         let mut event = AgentEvent::new(EventKind::Rescan, &self.root);
         event.detail = Some(reason.to_string());
         self.events.publish(event);
@@ -406,7 +387,8 @@ impl Watcher {
             if let Some(watched) = self.dirs.remove(&dir) {
                 self.source.unwatch(&watched);
             }
-            self.stats
+            self.telemetry
+                .watcher
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
@@ -424,10 +406,11 @@ impl Watcher {
             self.announce(&path);
             self.socket_present(&path, socket, Observed::default(), Via::Scan);
         }
-        let level_info = reason == "start" || removed > 0 || self.desired.len() != before;
+        let level_info =
+            reason == RescanReason::Start || removed > 0 || self.desired.len() != before;
         if level_info {
             info!(
-                reason,
+                reason = %reason,
                 dirs = self.dirs.len(),
                 sockets = self.desired.len(),
                 removed,
@@ -435,7 +418,7 @@ impl Watcher {
             );
         } else {
             debug!(
-                reason,
+                reason = %reason,
                 dirs = self.dirs.len(),
                 sockets = self.desired.len(),
                 "scanned plugin directory"

@@ -3,10 +3,12 @@
 //! that records every call. Scenarios from kubelet's reconciler, executor and handler-contract
 //! tests, plus the cases kubelet gets wrong.
 
+use plugin_agent::admin::server::AdminService;
 use plugin_agent::agent::{AgentConfig, RunningAgent};
 use plugin_agent::event_source::{SourceChoice, SourceKind};
 use plugin_agent::executor::{ExecutorConfig, Start};
 use plugin_agent::handler::{HandlerError, HandlerRegistry, Plugin, PluginHandler};
+use plugin_agent_proto::pluginagent::v1::PluginState;
 use plugin_agent_proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
 };
@@ -414,7 +416,13 @@ async fn a_desired_socket_that_is_gone_backs_off_instead_of_spinning() {
         Start::Started
     );
     tokio::time::timeout(WAIT, async {
-        while h.agent.executor.backoff_of(&path, &desired).is_none() {
+        while h
+            .agent
+            .executor
+            .backoffs()
+            .get(&path, desired.socket)
+            .is_none()
+        {
             tokio::task::yield_now().await;
         }
     })
@@ -424,4 +432,174 @@ async fn a_desired_socket_that_is_gone_backs_off_instead_of_spinning() {
         h.agent.executor.register(&path, desired),
         Start::BackingOff { .. }
     ));
+}
+
+/// A handler that rejects its first validation, and holds the second until released: the
+/// plugin's retry is then running, with its backoff expired but not yet cleared.
+struct RetryGate {
+    validations: Mutex<u32>,
+    retrying: tokio::sync::Notify,
+    release: tokio::sync::Semaphore,
+}
+
+impl Default for RetryGate {
+    fn default() -> Self {
+        RetryGate {
+            validations: Mutex::new(0),
+            retrying: tokio::sync::Notify::new(),
+            release: tokio::sync::Semaphore::new(0),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl PluginHandler for RetryGate {
+    async fn validate(&self, _: &Plugin) -> Result<(), HandlerError> {
+        let attempt = {
+            let mut validations = self.validations.lock().expect("count");
+            *validations += 1;
+            *validations
+        };
+        if attempt == 1 {
+            return Err(HandlerError::rejected("not yet"));
+        }
+        self.retrying.notify_one();
+        let _ = self.release.acquire().await.expect("gate open");
+        Ok(())
+    }
+    async fn register(&self, _: &Plugin) -> Result<(), HandlerError> {
+        Ok(())
+    }
+    async fn deregister(&self, _: &Plugin) -> Result<(), HandlerError> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "retry gate".into()
+    }
+}
+
+/// The state the admin API lists for the only plugin.
+fn listed_state(agent: &RunningAgent) -> PluginState {
+    let plugins = AdminService::new(agent).list();
+    assert_eq!(plugins.len(), 1, "{plugins:?}");
+    PluginState::try_from(plugins[0].state).expect("known state")
+}
+
+/// `plugin_agent_plugins` series with a non-zero value, as (type, state, value) text.
+async fn metric_states(addr: std::net::SocketAddr) -> Vec<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.expect("response");
+    text.lines()
+        .filter(|l| l.starts_with("plugin_agent_plugins{") && !l.ends_with(" 0"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Reads the listed state, the metrics, then the listed state again until the two listings
+/// agree (the state did not move during the scrape), and returns both views.
+async fn list_and_metrics(
+    agent: &RunningAgent,
+    addr: std::net::SocketAddr,
+) -> (PluginState, Vec<String>) {
+    loop {
+        let before = listed_state(agent);
+        let metrics = metric_states(addr).await;
+        if listed_state(agent) == before {
+            return (before, metrics);
+        }
+    }
+}
+
+/// Waits for the next event of `kind` on the watch stream.
+async fn next_event(
+    events: &mut tokio::sync::broadcast::Receiver<plugin_agent::events::AgentEvent>,
+    kind: plugin_agent::events::EventKind,
+) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let event = events.recv().await.expect("event stream open");
+            if event.kind == kind {
+                return;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {kind:?}"));
+}
+
+#[tokio::test]
+async fn list_watch_and_metrics_agree_on_a_plugin_state_during_a_retry() {
+    use plugin_agent::events::EventKind;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gate = Arc::new(RetryGate::default());
+    let handlers = Arc::new(HandlerRegistry::default());
+    handlers.insert("CSIPlugin", gate.clone());
+    let mut config = AgentConfig::new(dir.path().to_path_buf());
+    config.source = SourceChoice::Only(SourceKind::Inotify);
+    config.metrics_addr = Some("127.0.0.1:0".parse().expect("address"));
+    let mut agent = RunningAgent::start(config, handlers)
+        .await
+        .expect("agent starts");
+    agent.wait_ready().await;
+    let addr = agent.metrics_addr.expect("metrics served");
+    let mut watch = agent.events.subscribe();
+    let _plugin = TestPlugin::serve(&dir.path().join("a.sock"), "CSIPlugin", "a");
+
+    // The first attempt fails: watch reports it; list and metrics say backing off until the
+    // retry starts (500 ms later), and never one without the other.
+    next_event(&mut watch, EventKind::RegistrationFailed).await;
+    let retrying = gate.retrying.notified();
+    tokio::pin!(retrying);
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let (listed, metrics) = list_and_metrics(&agent, addr).await;
+            match listed {
+                PluginState::BackingOff => {
+                    assert_eq!(
+                        metrics,
+                        ["plugin_agent_plugins{type=\"unknown\",state=\"backing_off\"} 1"]
+                    );
+                    break;
+                }
+                PluginState::Pending => {
+                    assert_eq!(
+                        metrics,
+                        ["plugin_agent_plugins{type=\"unknown\",state=\"pending\"} 1"]
+                    );
+                }
+                other => panic!("unexpected state {other:?} after a failed attempt"),
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the failure backs off");
+
+    // The retry runs (its backoff expired, not yet cleared): both say pending.
+    tokio::time::timeout(WAIT, retrying)
+        .await
+        .expect("the retry starts");
+    let (listed, metrics) = list_and_metrics(&agent, addr).await;
+    assert_eq!(listed, PluginState::Pending);
+    assert_eq!(
+        metrics,
+        ["plugin_agent_plugins{type=\"unknown\",state=\"pending\"} 1"]
+    );
+
+    // The retry succeeds: watch reports it, and both say registered.
+    gate.release.add_permits(1);
+    next_event(&mut watch, EventKind::Registered).await;
+    let (listed, metrics) = list_and_metrics(&agent, addr).await;
+    assert_eq!(listed, PluginState::Registered);
+    assert_eq!(
+        metrics,
+        ["plugin_agent_plugins{type=\"CSIPlugin\",state=\"registered\"} 1"]
+    );
+    agent.stop().await;
 }

@@ -9,11 +9,11 @@
 
 use plugin_agent::event_source::{EventSource, FsEvent, Observed, SourceKind, WatchedDir};
 use plugin_agent::events::EventBus;
-use plugin_agent::reconciler::ReconcileQueue;
 use plugin_agent::state::EntryKind;
 use plugin_agent::state::desired::DesiredState;
+use plugin_agent::state::queue::ReconcileQueue;
 use plugin_agent::telemetry::Telemetry;
-use plugin_agent::watcher::{Watcher, WatcherStats};
+use plugin_agent::watcher::Watcher;
 use proptest::prelude::*;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -180,7 +180,6 @@ fn watch(tree: &Tree, events: Vec<FsEvent>) -> BTreeSet<PathBuf> {
             desired.clone(),
             Arc::new(ReconcileQueue::default()),
             EventBus::default(),
-            Arc::new(WatcherStats::default()),
             Telemetry::new(SourceKind::Inotify),
         );
         let (tx, rx) = mpsc::channel(events.len() + 1);

@@ -4,17 +4,14 @@
 
 use super::MAX_MESSAGE_BYTES;
 use crate::agent::RunningAgent;
-use crate::backoff::Backoff;
 use crate::events::{AgentEvent, EventBus, EventKind};
-use crate::executor::OperationExecutor;
 use crate::handler::{self, HandlerRegistry, Plugin};
-use crate::state::actual::ActualState;
-use crate::state::desired::DesiredState;
-use crate::watcher::WatcherStats;
+use crate::state::backoff::Backoff;
+use crate::state::view::{PluginState, PluginStatus, StateView};
+use crate::telemetry::WatcherStats;
 use anyhow::Context;
 use plugin_agent_proto::pluginagent::v1 as api;
-use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -27,9 +24,7 @@ use tonic::{Request, Response, Status};
 /// The service; cheap to clone.
 #[derive(Clone)]
 pub struct AdminService {
-    desired: Arc<DesiredState>,
-    actual: Arc<ActualState>,
-    executor: Arc<OperationExecutor>,
+    state: StateView,
     handlers: Arc<HandlerRegistry>,
     events: EventBus,
     stats: Arc<WatcherStats>,
@@ -53,12 +48,10 @@ impl AdminService {
     /// A view of `agent`. Callers other than root and the agent's own user are refused.
     pub fn new(agent: &RunningAgent) -> Self {
         AdminService {
-            desired: agent.desired.clone(),
-            actual: agent.actual.clone(),
-            executor: agent.executor.clone(),
+            state: agent.state_view(),
             handlers: agent.handlers.clone(),
             events: agent.events.clone(),
-            stats: agent.watcher_stats.clone(),
+            stats: agent.telemetry.watcher.clone(),
             status: StaticStatus {
                 source: agent.source.to_string(),
                 source_description: agent.source_description.clone(),
@@ -90,64 +83,8 @@ impl AdminService {
 
     /// Every known socket, desired and registered, sorted by path.
     pub fn list(&self) -> Vec<api::PluginEntry> {
-        let desired: Vec<_> = self.desired.snapshot();
-        let actual: Vec<_> = self.actual.snapshot();
-        let paths: BTreeSet<PathBuf> = desired
-            .iter()
-            .map(|(p, _)| p.clone())
-            .chain(actual.iter().map(|(p, _)| p.clone()))
-            .collect();
-        paths.into_iter().map(|path| self.entry(&path)).collect()
-    }
-
-    fn entry(&self, path: &Path) -> api::PluginEntry {
-        let desired = self.desired.get(path);
-        let registered = self.actual.get(path);
-        let backoff = desired
-            .as_ref()
-            .and_then(|d| self.executor.backoff_of(path, d));
-        let backing_off = backoff
-            .as_ref()
-            .is_some_and(|b| b.retry_at > tokio::time::Instant::now());
-        let state = match (&desired, &registered) {
-            (Some(d), Some(r)) if d.generation == r.generation => api::PluginState::Registered,
-            (_, Some(_)) => api::PluginState::Deregistering,
-            _ if backing_off => api::PluginState::BackingOff,
-            _ => api::PluginState::Pending,
-        };
-        let socket = registered
-            .as_ref()
-            .map(|r| r.socket)
-            .or(desired.as_ref().map(|d| d.socket));
-        api::PluginEntry {
-            socket_path: path.display().to_string(),
-            socket_dev: socket.map(|s| s.dev).unwrap_or_default(),
-            socket_ino: socket.map(|s| s.ino).unwrap_or_default(),
-            state: state as i32,
-            plugin: registered.as_ref().map(|r| to_api(&r.plugin)),
-            generation: desired
-                .as_ref()
-                .map(|d| d.generation.to_string())
-                .unwrap_or_default(),
-            discovered_unix_ms: desired
-                .as_ref()
-                .map(|d| unix_ms(d.seen_at))
-                .unwrap_or_default(),
-            registered_unix_ms: registered
-                .as_ref()
-                .map(|r| unix_ms(r.registered_at))
-                .unwrap_or_default(),
-            last_error: backoff
-                .as_ref()
-                .map(|b| b.last_error.clone())
-                .unwrap_or_default(),
-            next_retry_unix_ms: backoff
-                .as_ref()
-                .filter(|_| backing_off)
-                .map(next_retry_ms)
-                .unwrap_or_default(),
-            failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
-        }
+        let now = tokio::time::Instant::now();
+        self.state.all(now).iter().map(to_api_entry).collect()
     }
 
     /// The status report.
@@ -159,8 +96,8 @@ impl AdminService {
             source_description: self.status.source_description.clone(),
             events_lost: self.stats.loss_rescans.load(Relaxed),
             rescans: self.stats.rescans.load(Relaxed),
-            plugins_desired: self.desired.len() as u64,
-            plugins_registered: self.actual.len() as u64,
+            plugins_desired: self.state.desired.len() as u64,
+            plugins_registered: self.state.actual.len() as u64,
             handlers: self
                 .handlers
                 .list()
@@ -176,6 +113,51 @@ impl AdminService {
             plugin_dir: self.status.plugin_dir.clone(),
             reconcile_mode: self.status.reconcile_mode.clone(),
         }
+    }
+}
+
+/// The wire form of a socket's status. The wire has no superseded state: a superseded plugin is
+/// still registered from its socket, and says so.
+fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
+    let state = match status.state {
+        PluginState::Registered | PluginState::Superseded => api::PluginState::Registered,
+        PluginState::Deregistering => api::PluginState::Deregistering,
+        PluginState::BackingOff => api::PluginState::BackingOff,
+        PluginState::Pending => api::PluginState::Pending,
+    };
+    let (desired, registered, backoff) = (&status.desired, &status.registered, &status.backoff);
+    let socket = registered
+        .as_ref()
+        .map(|r| r.socket)
+        .or(desired.as_ref().map(|d| d.socket));
+    api::PluginEntry {
+        socket_path: status.path.display().to_string(),
+        socket_dev: socket.map(|s| s.dev).unwrap_or_default(),
+        socket_ino: socket.map(|s| s.ino).unwrap_or_default(),
+        state: state as i32,
+        plugin: registered.as_ref().map(|r| to_api(&r.plugin)),
+        generation: desired
+            .as_ref()
+            .map(|d| d.generation.to_string())
+            .unwrap_or_default(),
+        discovered_unix_ms: desired
+            .as_ref()
+            .map(|d| unix_ms(d.seen_at))
+            .unwrap_or_default(),
+        registered_unix_ms: registered
+            .as_ref()
+            .map(|r| unix_ms(r.registered_at))
+            .unwrap_or_default(),
+        last_error: backoff
+            .as_ref()
+            .map(|b| b.last_error.clone())
+            .unwrap_or_default(),
+        next_retry_unix_ms: backoff
+            .as_ref()
+            .filter(|_| status.state == PluginState::BackingOff)
+            .map(next_retry_ms)
+            .unwrap_or_default(),
+        failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
     }
 }
 

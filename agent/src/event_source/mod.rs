@@ -81,8 +81,52 @@ pub enum FsEvent {
     /// path resolved in another mount namespace, say): the watcher checks `name` in every watched
     /// directory.
     NameChanged { name: OsString, observed: Observed },
-    /// Events may have been lost; the watcher walks the whole tree and converges on it.
+    /// Events may have been lost; the watcher walks the whole tree and converges on it. `reason`
+    /// says what was lost, for operators (it becomes [`RescanReason::EventLoss`]).
     Rescan { reason: String },
+}
+
+/// Why the watcher walks the whole tree. Counted by class in metrics and status (loss apart from
+/// the routine walks), and published with the rescan event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RescanReason {
+    /// The agent started (or its source restarted the watcher).
+    Start,
+    /// The reconciler's slow safety pass asked for it; nothing was lost.
+    Periodic,
+    /// The root directory itself was removed; it was re-created.
+    RootRemoved,
+    /// The event source lost events or stopped (an [`FsEvent::Rescan`]); the text says how.
+    EventLoss(String),
+}
+
+impl RescanReason {
+    /// The bounded class, for metric labels: `start`, `periodic`, `root_removed`, `event_loss`.
+    pub fn class(&self) -> &'static str {
+        match self {
+            RescanReason::Start => "start",
+            RescanReason::Periodic => "periodic",
+            RescanReason::RootRemoved => "root_removed",
+            RescanReason::EventLoss(_) => "event_loss",
+        }
+    }
+
+    /// Whether events were lost (rescans for any other reason are routine).
+    pub fn is_loss(&self) -> bool {
+        matches!(self, RescanReason::EventLoss(_))
+    }
+}
+
+impl std::fmt::Display for RescanReason {
+    /// The wording operators have always seen in logs and in the rescan event's detail.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RescanReason::Start => f.write_str("start"),
+            RescanReason::Periodic => f.write_str("periodic safety pass"),
+            RescanReason::RootRemoved => f.write_str("the root directory was removed"),
+            RescanReason::EventLoss(what) => f.write_str(what),
+        }
+    }
 }
 
 /// A directory the watcher wants events for, with the identity sources filter by.

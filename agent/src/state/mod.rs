@@ -1,12 +1,23 @@
-//! The two caches of the data flow, as in kubelet's plugin manager:
+//! The agent's state, as in kubelet's plugin manager, and what is derived from it:
 //!
 //! - [`desired`]: what the filesystem says should be registered (written by the watcher);
-//! - [`actual`]: what is registered with a handler (written by the operation executor).
+//! - [`actual`]: what is registered with a handler (written by the operation executor);
+//! - [`backoff`]: which socket instances failed and when they may be tried again (written by the
+//!   executor);
+//! - [`queue`]: which paths changed since the reconciler last looked (marked by the watcher, the
+//!   executor and handler changes; taken by the reconciler);
+//! - [`view`]: a plugin's state (pending, backing off, registered, ...) derived from the three
+//!   tables in one place, for the admin API, the CLI and metrics.
 //!
-//! The reconciler compares them and asks the executor to close the gap.
+//! The reconciler compares desired and actual state and asks the executor to close the gap. This
+//! room imports nothing from the data flow's stages (only `handler`'s plugin types and `memory`),
+//! so every stage and every view can import it.
 
 pub mod actual;
+pub mod backoff;
 pub mod desired;
+pub mod queue;
+pub mod view;
 
 use std::path::Path;
 

@@ -15,12 +15,10 @@
 //! `plugin_manager_total_plugins{socket_path,state}`, kept as it is so kubelet dashboards work
 //! unchanged; it has one series per socket per state, as in kubelet.
 
-use crate::event_source::{EventSource, SourceKind};
-use crate::executor::OperationExecutor;
+use super::WatcherStats;
+use crate::event_source::{EventSource, RescanReason, SourceKind};
 use crate::handler::HandlerRegistry;
-use crate::state::actual::ActualState;
-use crate::state::desired::DesiredState;
-use crate::watcher::WatcherStats;
+use crate::state::view::{PluginState, PluginStatus, StateView};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -155,16 +153,13 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// The watcher walked the whole tree; `reason` is the watcher's free-text reason, reduced
-    /// here to its class.
-    pub fn rescan(&self, reason: &str) {
-        let reason = match reason {
-            "start" => "start",
-            crate::watcher::PERIODIC_RESCAN => "periodic",
-            "the root directory was removed" => "root_removed",
-            _ => "event_loss",
-        };
-        self.rescans.get_or_create(&RescanLabels { reason }).inc();
+    /// The watcher walked the whole tree; counted by the reason's class (never its text).
+    pub fn rescan(&self, reason: &RescanReason) {
+        self.rescans
+            .get_or_create(&RescanLabels {
+                reason: reason.class(),
+            })
+            .inc();
     }
 
     /// Registers these metrics and the scrape-time `state` ones in a registry for exposition.
@@ -224,14 +219,11 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 /// Metrics computed from the agent's state when scraped, so the data flow never pays for them.
 pub struct StateCollector {
-    /// Desired state: kubelet's `desired_state_of_world`.
-    pub desired: Arc<DesiredState>,
-    /// Actual state: kubelet's `actual_state_of_world`.
-    pub actual: Arc<ActualState>,
+    /// Desired state (kubelet's `desired_state_of_world`), actual state (`actual_state_of_world`)
+    /// and the backoff table: each plugin's state comes from [`StateView`], as in the admin API.
+    pub state: StateView,
     /// Handlers, for `handler_up`.
     pub handlers: Arc<HandlerRegistry>,
-    /// The executor, for the backoff of unregistered plugins.
-    pub executor: Arc<OperationExecutor>,
     /// Watcher counters (hints received, watched directories).
     pub watcher: Arc<WatcherStats>,
     /// The event source, for its own counters.
@@ -266,82 +258,91 @@ type Pairs = Vec<(&'static str, String)>;
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let desired = self.desired.snapshot();
-        let actual = self.actual.snapshot();
+        let plugins = self.state.all(tokio::time::Instant::now());
+        self.encode_plugins(&mut encoder, &plugins)?;
+        self.encode_handlers(&mut encoder)?;
+        self.encode_source(&mut encoder)?;
+        encode_build(&mut encoder)
+    }
+}
 
-        let mut kubelet: Vec<(Pairs, ConstGauge)> = Vec::new();
-        for (path, _) in &desired {
-            kubelet.push((
+impl StateCollector {
+    /// Kubelet's `plugin_manager_total_plugins`, and `plugin_agent_plugins` by type and state.
+    fn encode_plugins(
+        &self,
+        encoder: &mut DescriptorEncoder,
+        plugins: &[PluginStatus],
+    ) -> Result<(), std::fmt::Error> {
+        let series = |path: &std::path::Path, state: &str| {
+            (
                 vec![
                     ("socket_path", path.to_string_lossy().into_owned()),
-                    ("state", "desired_state_of_world".into()),
+                    ("state", state.to_string()),
                 ],
                 ConstGauge::new(1),
-            ));
-        }
-        for (path, _) in &actual {
-            kubelet.push((
-                vec![
-                    ("socket_path", path.to_string_lossy().into_owned()),
-                    ("state", "actual_state_of_world".into()),
-                ],
-                ConstGauge::new(1),
-            ));
-        }
+            )
+        };
+        let kubelet: Vec<(Pairs, ConstGauge)> = plugins
+            .iter()
+            .filter(|p| p.desired.is_some())
+            .map(|p| series(&p.path, "desired_state_of_world"))
+            .chain(
+                plugins
+                    .iter()
+                    .filter(|p| p.registered.is_some())
+                    .map(|p| series(&p.path, "actual_state_of_world")),
+            )
+            .collect();
         family(
-            &mut encoder,
+            encoder,
             "plugin_manager_total_plugins",
             "Number of plugins in Plugin Manager (kubelet-compatible: one series per socket and state)",
             MetricType::Gauge,
             kubelet,
         )?;
+        family(
+            encoder,
+            "plugin_agent_plugins",
+            "Plugin sockets by plugin type and state (registered, superseded, deregistering, pending, backing_off).",
+            MetricType::Gauge,
+            self.plugins_by_state(plugins)
+                .into_iter()
+                .map(|((t, state), n)| {
+                    (
+                        vec![("type", t), ("state", state.to_string())],
+                        ConstGauge::new(n),
+                    )
+                }),
+        )
+    }
 
-        // Plugins by type and state. The type is known once registered (and then is a handler's
-        // type: bounded); before that it is `unknown`.
-        let handler_types: Vec<String> = self.handlers.list().into_iter().map(|(t, _)| t).collect();
-        let mut by_state: BTreeMap<(String, &'static str), i64> = BTreeMap::new();
-        for t in &handler_types {
-            by_state.insert((t.clone(), "registered"), 0);
+    /// Plugins counted by (type, state). The type is known once registered (and then is a
+    /// handler's type: bounded); before that it is `unknown`. Every handler's `registered`
+    /// series and the `unknown` pending and backing-off series exist at zero, so dashboards see
+    /// them before the first plugin.
+    fn plugins_by_state(&self, plugins: &[PluginStatus]) -> BTreeMap<(String, &'static str), i64> {
+        let mut by_state = BTreeMap::new();
+        for (t, _) in self.handlers.list() {
+            by_state.insert((t, PluginState::Registered.label()), 0);
         }
-        for (_, entry) in &actual {
-            let state = if entry.superseded {
-                "superseded"
-            } else {
-                "registered"
-            };
+        by_state.insert(("unknown".into(), PluginState::Pending.label()), 0);
+        by_state.insert(("unknown".into(), PluginState::BackingOff.label()), 0);
+        for plugin in plugins {
+            let plugin_type = plugin
+                .registered
+                .as_ref()
+                .map_or_else(|| "unknown".to_string(), |r| r.plugin.plugin_type.clone());
             *by_state
-                .entry((entry.plugin.plugin_type.clone(), state))
+                .entry((plugin_type, plugin.state.label()))
                 .or_default() += 1;
         }
-        let registered: std::collections::HashSet<_> = actual.iter().map(|(p, _)| p).collect();
-        by_state.insert(("unknown".into(), "pending"), 0);
-        by_state.insert(("unknown".into(), "backing_off"), 0);
-        for (path, plugin) in &desired {
-            if registered.contains(path) {
-                continue;
-            }
-            let state = if self.executor.backoff_of(path, plugin).is_some() {
-                "backing_off"
-            } else {
-                "pending"
-            };
-            *by_state.entry(("unknown".into(), state)).or_default() += 1;
-        }
-        family(
-            &mut encoder,
-            "plugin_agent_plugins",
-            "Plugin sockets by plugin type and state (registered, superseded, pending, backing_off).",
-            MetricType::Gauge,
-            by_state.into_iter().map(|((t, state), n)| {
-                (
-                    vec![("type", t), ("state", state.to_string())],
-                    ConstGauge::new(n),
-                )
-            }),
-        )?;
+        by_state
+    }
 
+    /// `plugin_agent_handler_up`.
+    fn encode_handlers(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         family(
-            &mut encoder,
+            encoder,
             "plugin_agent_handler_up",
             "1 when the handler for a plugin type was reachable at its last contact.",
             MetricType::Gauge,
@@ -349,13 +350,16 @@ impl Collector for StateCollector {
                 let up = handler.health().map(|h| *h.borrow()).unwrap_or(true);
                 (vec![("type", t)], ConstGauge::new(i64::from(up)))
             }),
-        )?;
+        )
+    }
 
+    /// The event source's counters and identity, and the watched directories.
+    fn encode_source(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let source = self.source.kind();
         let source_label = || vec![("source", source.as_str().to_string())];
         let stats = self.source.stats();
         family(
-            &mut encoder,
+            encoder,
             "plugin_agent_event_source_events",
             "Hints the event source delivered to the watcher.",
             MetricType::Counter,
@@ -365,7 +369,7 @@ impl Collector for StateCollector {
             )],
         )?;
         family(
-            &mut encoder,
+            encoder,
             "plugin_agent_event_source_dropped_events",
             "Events the kernel side of the event source could not deliver (each one leads to a rescan).",
             MetricType::Counter,
@@ -373,7 +377,7 @@ impl Collector for StateCollector {
         )?;
         if let Some(size) = stats.ring_buffer_size_bytes {
             family(
-                &mut encoder,
+                encoder,
                 "plugin_agent_event_source_ring_buffer_size_bytes",
                 "Size of the eBPF ring buffer.",
                 MetricType::Gauge,
@@ -382,7 +386,7 @@ impl Collector for StateCollector {
         }
         if let Some(used) = stats.ring_buffer_used_bytes {
             family(
-                &mut encoder,
+                encoder,
                 "plugin_agent_event_source_ring_buffer_used_bytes",
                 "Bytes waiting in the eBPF ring buffer when scraped.",
                 MetricType::Gauge,
@@ -403,19 +407,22 @@ impl Collector for StateCollector {
             None,
             MetricType::Info,
         )?;
-        info.encode_info(&source_label())?;
-        let mut info = encoder.encode_descriptor(
-            "plugin_agent_build",
-            "The agent's version, and whether it was built with the eBPF source.",
-            None,
-            MetricType::Info,
-        )?;
-        info.encode_info(&vec![
-            ("version", env!("CARGO_PKG_VERSION").to_string()),
-            ("ebpf", cfg!(ebpf_object).to_string()),
-        ])?;
-        Ok(())
+        info.encode_info(&source_label())
     }
+}
+
+/// `plugin_agent_build_info`.
+fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let mut info = encoder.encode_descriptor(
+        "plugin_agent_build",
+        "The agent's version, and whether it was built with the eBPF source.",
+        None,
+        MetricType::Info,
+    )?;
+    info.encode_info(&vec![
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ("ebpf", cfg!(ebpf_object).to_string()),
+    ])
 }
 
 fn clamp(value: u64) -> i64 {
@@ -461,9 +468,9 @@ pub fn source_labels() -> impl Iterator<Item = &'static str> {
 mod tests {
     use super::*;
     use crate::event_source::{SourceStats, WatchedDir};
-    use crate::events::EventBus;
-    use crate::executor::ExecutorConfig;
-    use crate::reconciler::ReconcileQueue;
+    use crate::state::actual::ActualState;
+    use crate::state::backoff::BackoffTable;
+    use crate::state::desired::DesiredState;
     use std::collections::BTreeSet;
 
     struct RingSource;
@@ -492,15 +499,6 @@ mod tests {
         let actual = Arc::new(ActualState::default());
         let handlers = Arc::new(HandlerRegistry::default());
         handlers.insert("CSIPlugin", Arc::new(crate::handler::accept_all::AcceptAll));
-        let executor = OperationExecutor::new(
-            actual.clone(),
-            handlers.clone(),
-            Arc::new(ReconcileQueue::default()),
-            ExecutorConfig::default(),
-            EventBus::default(),
-            telemetry.clone(),
-            tokio_util::sync::CancellationToken::new(),
-        );
         let desired = Arc::new(DesiredState::default());
         desired
             .add_or_update(
@@ -520,12 +518,14 @@ mod tests {
         m.retry();
         m.backoff(Duration::from_millis(500));
         m.handler_call("CSIPlugin", "validate", "ok", Duration::from_micros(40));
-        m.rescan("start");
+        m.rescan(&RescanReason::Start);
         let registry = m.registry(StateCollector {
-            desired,
-            actual,
+            state: StateView {
+                desired,
+                actual,
+                backoff: Arc::new(BackoffTable::default()),
+            },
             handlers,
-            executor,
             watcher: Arc::new(WatcherStats::default()),
             source: Arc::new(RingSource),
         });
@@ -557,8 +557,10 @@ mod tests {
     #[test]
     fn rescan_reasons_are_reduced_to_classes() {
         let m = Metrics::default();
-        m.rescan("fanotify queue overflow: 12 events lost");
-        m.rescan(crate::watcher::PERIODIC_RESCAN);
+        m.rescan(&RescanReason::EventLoss(
+            "fanotify queue overflow: 12 events lost".into(),
+        ));
+        m.rescan(&RescanReason::Periodic);
         let text = render(&m.registry_without_state()).expect("renders");
         assert!(text.contains("plugin_agent_rescans_total{reason=\"event_loss\"} 1"));
         assert!(text.contains("plugin_agent_rescans_total{reason=\"periodic\"} 1"));

@@ -28,8 +28,9 @@ pub mod logging;
 pub mod metrics;
 pub mod otlp;
 
-use crate::event_source::SourceKind;
+use crate::event_source::{RescanReason, SourceKind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The telemetry the watcher and the executor write to; one per agent, shared.
 #[derive(Debug)]
@@ -38,6 +39,22 @@ pub struct Telemetry {
     pub metrics: metrics::Metrics,
     /// Discovery records: trace roots and latency labels per socket path.
     pub discovery: discovery::Discoveries,
+    /// The watcher's counters, read by status and metrics.
+    pub watcher: Arc<WatcherStats>,
+}
+
+/// Watcher counters, written by the watcher and read by the admin API's status and by metrics.
+/// They live here, not in the watcher, so that readers need not import the watcher.
+#[derive(Debug, Default)]
+pub struct WatcherStats {
+    /// Full walks of the tree, start and safety passes included.
+    pub rescans: AtomicU64,
+    /// Rescans caused by events the source lost (overflow, ring buffer drops, a reader stopping).
+    pub loss_rescans: AtomicU64,
+    /// Directories watched now.
+    pub watched_dirs: AtomicU64,
+    /// Hints received from the event source.
+    pub hints: AtomicU64,
 }
 
 impl Telemetry {
@@ -47,6 +64,17 @@ impl Telemetry {
         Arc::new(Telemetry {
             metrics: metrics::Metrics::default(),
             discovery: discovery::Discoveries::new(source, otlp::enabled()),
+            watcher: Arc::default(),
         })
+    }
+
+    /// The watcher walked the whole tree for `reason`: counted in status (all rescans, and those
+    /// caused by loss) and in metrics by reason class.
+    pub fn rescan(&self, reason: &RescanReason) {
+        self.watcher.rescans.fetch_add(1, Ordering::Relaxed);
+        if reason.is_loss() {
+            self.watcher.loss_rescans.fetch_add(1, Ordering::Relaxed);
+        }
+        self.metrics.rescan(reason);
     }
 }

@@ -4,7 +4,7 @@
 //! can wait minutes (node-driver-registrar issue 206). Here the key is the path plus the socket
 //! instance: a new socket starts fresh, a broken one backs off 500 ms, 1 s, 2 s ... up to 2 m 2 s.
 
-use crate::state::SocketId;
+use super::SocketId;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;

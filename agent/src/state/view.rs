@@ -1,0 +1,204 @@
+//! A plugin's state, derived from desired state, actual state and the backoff table in exactly one
+//! place.
+//!
+//! The admin API (`plugin-agent list`), and the `plugin_agent_plugins` metric all report it; when
+//! each derived it on its own they disagreed (a socket whose backoff had expired and whose retry
+//! was running was `pending` in one and `backing_off` in the other). Anything that shows a plugin's
+//! state reads it from [`StateView`]; a new state is added to [`PluginState`] and [`derive`], and
+//! the compiler then points at every view that must say how it shows it.
+//!
+//! ```text
+//! desired  registered (same generation)  backoff (retry_at > now)  ->  state
+//!   yes      yes, not superseded                 -                   Registered
+//!   yes      yes, superseded                     -                   Superseded
+//!   any      yes, other generation / none        -                   Deregistering
+//!   yes      no                                  yes                 BackingOff
+//!   yes      no                                  no (none, or due)   Pending
+//! ```
+
+use super::actual::{ActualState, RegisteredPlugin};
+use super::backoff::{Backoff, BackoffTable};
+use super::desired::{DesiredPlugin, DesiredState};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::time::Instant;
+
+/// Where a plugin socket stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PluginState {
+    /// Desired and not registered; an attempt runs or is about to (a retry whose backoff expired
+    /// included).
+    Pending,
+    /// Desired, not registered, and its last attempt failed: no attempt before the backoff ends.
+    BackingOff,
+    /// Registered with its handler from the socket that is desired now.
+    Registered,
+    /// Registered, but a newer socket of the same plugin registered since: its removal will not
+    /// call the handler.
+    Superseded,
+    /// Registered from a socket that is no longer desired (gone or re-created): the
+    /// deregistration runs or is about to.
+    Deregistering,
+}
+
+impl PluginState {
+    /// The `state` label of metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            PluginState::Pending => "pending",
+            PluginState::BackingOff => "backing_off",
+            PluginState::Registered => "registered",
+            PluginState::Superseded => "superseded",
+            PluginState::Deregistering => "deregistering",
+        }
+    }
+}
+
+/// Everything known about one socket path, and the state derived from it.
+#[derive(Debug, Clone)]
+pub struct PluginStatus {
+    /// The socket path.
+    pub path: PathBuf,
+    /// Its desired-state entry, while the socket is under the tree.
+    pub desired: Option<DesiredPlugin>,
+    /// Its actual-state entry, while registered.
+    pub registered: Option<RegisteredPlugin>,
+    /// The backoff of the desired socket instance, if its last attempt failed.
+    pub backoff: Option<Backoff>,
+    /// The state, from [`derive`].
+    pub state: PluginState,
+}
+
+/// The one derivation of a plugin's state; see the module docs for the table.
+pub fn derive(
+    desired: Option<&DesiredPlugin>,
+    registered: Option<&RegisteredPlugin>,
+    backoff: Option<&Backoff>,
+    now: Instant,
+) -> PluginState {
+    match (desired, registered) {
+        (Some(d), Some(r)) if d.generation == r.generation && r.superseded => {
+            PluginState::Superseded
+        }
+        (Some(d), Some(r)) if d.generation == r.generation => PluginState::Registered,
+        (_, Some(_)) => PluginState::Deregistering,
+        _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
+        _ => PluginState::Pending,
+    }
+}
+
+/// Read access to the three tables a plugin's state is derived from; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct StateView {
+    /// Desired state.
+    pub desired: Arc<DesiredState>,
+    /// Actual state.
+    pub actual: Arc<ActualState>,
+    /// The executor's backoff table.
+    pub backoff: Arc<BackoffTable>,
+}
+
+impl StateView {
+    /// The status of the socket at `path` at `now`.
+    pub fn status(&self, path: &Path, now: Instant) -> PluginStatus {
+        let desired = self.desired.get(path);
+        let registered = self.actual.get(path);
+        let backoff = desired
+            .as_ref()
+            .and_then(|d| self.backoff.get(path, d.socket));
+        let state = derive(desired.as_ref(), registered.as_ref(), backoff.as_ref(), now);
+        PluginStatus {
+            path: path.to_path_buf(),
+            desired,
+            registered,
+            backoff,
+            state,
+        }
+    }
+
+    /// The status of every socket desired or registered at `now`, sorted by path.
+    pub fn all(&self, now: Instant) -> Vec<PluginStatus> {
+        let paths: BTreeSet<PathBuf> = self
+            .desired
+            .snapshot()
+            .into_iter()
+            .map(|(p, _)| p)
+            .chain(self.actual.snapshot().into_iter().map(|(p, _)| p))
+            .collect();
+        paths.iter().map(|path| self.status(path, now)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::Plugin;
+    use crate::handler::accept_all::AcceptAll;
+    use crate::state::SocketId;
+    use crate::state::backoff::FailureKind;
+    use std::time::Duration;
+
+    fn socket() -> SocketId {
+        SocketId {
+            dev: 1,
+            ino: 2,
+            birth_ns: None,
+            handle: None,
+        }
+    }
+
+    fn view() -> StateView {
+        StateView {
+            desired: Arc::new(DesiredState::default()),
+            actual: Arc::new(ActualState::default()),
+            backoff: Arc::new(BackoffTable::default()),
+        }
+    }
+
+    #[test]
+    fn a_retry_whose_backoff_expired_is_pending_and_backing_off_only_before() {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let failed_at = Instant::now();
+        view.backoff
+            .fail(path, socket(), "boom".into(), FailureKind::Other, failed_at);
+        assert_eq!(view.status(path, failed_at).state, PluginState::BackingOff);
+        let retrying = failed_at + Duration::from_secs(1);
+        let status = view.status(path, retrying);
+        assert_eq!(status.state, PluginState::Pending);
+        assert!(status.backoff.is_some(), "the failure is still reported");
+    }
+
+    #[test]
+    fn registered_superseded_and_deregistering_follow_the_generations() {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let desired = view.desired.get(path).expect("desired");
+        let plugin = Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: "a".into(),
+            endpoint: String::new(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: path.display().to_string(),
+        };
+        view.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin,
+            Arc::new(AcceptAll),
+        );
+        let now = Instant::now();
+        assert_eq!(view.status(path, now).state, PluginState::Registered);
+        view.desired.remove(path);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
+        assert_eq!(view.all(now).len(), 1);
+    }
+}
