@@ -85,7 +85,7 @@ pub mod limits {
 
 /// Why talking to a plugin failed.
 #[derive(Debug, thiserror::Error)]
-pub enum RegistrationError {
+pub enum PluginCallError {
     /// The socket vanished, or was replaced by another socket (which gets its own registration).
     #[error("socket {0} no longer exists or was replaced")]
     SocketGone(PathBuf),
@@ -123,7 +123,7 @@ impl PluginConnection {
         socket: &Path,
         expected: SocketId,
         timeouts: Timeouts,
-    ) -> Result<(PluginConnection, PluginInfo), RegistrationError> {
+    ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
@@ -174,15 +174,15 @@ impl PluginConnection {
                 continue;
             }
             if let Some(not_http2) = peer.not_http2() {
-                return Err(RegistrationError::GetInfo(not_http2));
+                return Err(PluginCallError::GetInfo(not_http2));
             }
-            return Err(RegistrationError::GetInfo(answer));
+            return Err(PluginCallError::GetInfo(answer));
         }
     }
 
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
-    pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), RegistrationError> {
+    pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), PluginCallError> {
         let request = RegistrationStatus {
             plugin_registered: registered,
             error: error.to_string(),
@@ -196,16 +196,16 @@ impl PluginConnection {
         .await
         {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(RegistrationError::Notify(e.to_string())),
-            Err(_) => Err(RegistrationError::Notify(format!(
+            Ok(Err(e)) => Err(PluginCallError::Notify(e.to_string())),
+            Err(_) => Err(PluginCallError::Notify(format!(
                 "no answer within {timeout:?}"
             ))),
         }
     }
 }
 
-fn dial_error(socket: &Path, reason: String, started: Instant) -> RegistrationError {
-    RegistrationError::Dial {
+fn dial_error(socket: &Path, reason: String, started: Instant) -> PluginCallError {
+    PluginCallError::Dial {
         path: socket.to_path_buf(),
         reason,
         elapsed: started.elapsed(),
@@ -213,8 +213,8 @@ fn dial_error(socket: &Path, reason: String, started: Instant) -> RegistrationEr
 }
 
 /// Rejects what would be unreasonable to hand to a handler (or to log, or to keep in memory).
-fn validate_info(info: &PluginInfo) -> Result<(), RegistrationError> {
-    let invalid = |what: String| Err(RegistrationError::InvalidInfo(what));
+fn validate_info(info: &PluginInfo) -> Result<(), PluginCallError> {
+    let invalid = |what: String| Err(PluginCallError::InvalidInfo(what));
     if info.r#type.is_empty() {
         return invalid("empty type".into());
     }
@@ -259,11 +259,11 @@ async fn connect_when_listening(
     expected: SocketId,
     budget_end: Instant,
     started: Instant,
-) -> Result<(HeardStream, Arc<PeerBytes>), RegistrationError> {
+) -> Result<(HeardStream, Arc<PeerBytes>), PluginCallError> {
     let mut pause = Duration::from_millis(1);
     loop {
         if !matches!(EntryKind::of(socket), Ok(EntryKind::Socket(id)) if id == expected) {
-            return Err(RegistrationError::SocketGone(socket.to_path_buf()));
+            return Err(PluginCallError::SocketGone(socket.to_path_buf()));
         }
         let remaining = budget_end.saturating_duration_since(Instant::now());
         let attempt = tokio::time::timeout(remaining, UnixStream::connect(socket)).await;
@@ -283,7 +283,7 @@ async fn connect_when_listening(
         };
         match error.kind() {
             io::ErrorKind::NotFound => {
-                return Err(RegistrationError::SocketGone(socket.to_path_buf()));
+                return Err(PluginCallError::SocketGone(socket.to_path_buf()));
             }
             io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock
                 if Instant::now() + pause < budget_end =>

@@ -1,7 +1,7 @@
 //! The plugin client against real tonic servers on real Unix sockets: kubelet's Notify semantics,
 //! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
 
-use plugin_agent::registration::{PluginConnection, RegistrationError, Timeouts};
+use plugin_agent::registration::{PluginCallError, PluginConnection, Timeouts};
 use plugin_agent::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
@@ -111,7 +111,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
         .await
         .expect("GetInfo");
     match connection.notify(false, "rejected").await {
-        Err(RegistrationError::Notify(message)) => {
+        Err(PluginCallError::Notify(message)) => {
             assert!(message.contains("disk full"), "{message}")
         }
         other => panic!("expected the plugin's error, got {other:?}"),
@@ -143,7 +143,7 @@ async fn notify_transport_error_is_wrapped() {
         result = connection.notify(true, "").await;
     }
     assert!(
-        matches!(result, Err(RegistrationError::Notify(_))),
+        matches!(result, Err(PluginCallError::Notify(_))),
         "got {result:?}"
     );
 }
@@ -224,7 +224,7 @@ async fn hung_get_info_fails_after_its_deadline() {
     let started = tokio::time::Instant::now();
     let result = PluginConnection::get_info(&path, identity(&path), fast()).await;
     assert!(
-        matches!(result, Err(RegistrationError::GetInfo(_))),
+        matches!(result, Err(PluginCallError::GetInfo(_))),
         "got {:?}",
         result.err()
     );
@@ -245,7 +245,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     let _stop = serve(tokio::net::UnixListener::bind(&huge).expect("bind"), plugin);
     let result = PluginConnection::get_info(&huge, identity(&huge), fast()).await;
     assert!(
-        matches!(result, Err(RegistrationError::GetInfo(_))),
+        matches!(result, Err(PluginCallError::GetInfo(_))),
         "got {:?}",
         result.err()
     );
@@ -259,7 +259,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     let _stop2 = serve(tokio::net::UnixListener::bind(&many).expect("bind"), plugin);
     let result = PluginConnection::get_info(&many, identity(&many), fast()).await;
     assert!(
-        matches!(result, Err(RegistrationError::InvalidInfo(_))),
+        matches!(result, Err(PluginCallError::InvalidInfo(_))),
         "got {:?}",
         result.err()
     );
@@ -285,7 +285,7 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
     );
     let result = attempt.await.expect("join");
     assert!(
-        matches!(result, Err(RegistrationError::SocketGone(_))),
+        matches!(result, Err(PluginCallError::SocketGone(_))),
         "got {:?}",
         result.err()
     );

@@ -1,0 +1,108 @@
+//! Claims: at most one operation per socket path (kubelet's `nestedpendingoperations`), and at
+//! most one handler call at a time per plugin (type, name). Both are released by guards, so an
+//! operation that ends any way, a panic included, frees what it held.
+
+use super::{OperationExecutor, OperationKind};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+impl OperationExecutor {
+    /// Claims `path` for one operation, or says which operation holds it.
+    pub(super) fn claim(
+        self: &Arc<Self>,
+        path: &Path,
+        kind: OperationKind,
+    ) -> Result<InFlight, OperationKind> {
+        let mut in_flight = self.lock_in_flight();
+        if let Some(running) = in_flight.get(path) {
+            return Err(*running);
+        }
+        in_flight.insert(path.to_path_buf(), kind);
+        Ok(InFlight {
+            executor: self.clone(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn finish(&self, path: &Path) {
+        let idle = {
+            let mut in_flight = self.lock_in_flight();
+            in_flight.remove(path);
+            in_flight.is_empty()
+        };
+        self.queue.mark(path.to_path_buf());
+        // After a burst, give what its operations freed back to the kernel (see `memory`).
+        self.trimmer.finished(idle);
+    }
+
+    pub(super) fn lock_in_flight(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, OperationKind>> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// An operation's claim on its socket path. Released when the operation ends, however it ends (a
+/// panic included: otherwise the path would stay claimed and no pass would ever retry it), and
+/// the path is then looked at again.
+pub(super) struct InFlight {
+    executor: Arc<OperationExecutor>,
+    path: PathBuf,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.executor.finish(&self.path);
+    }
+}
+
+/// One async lock per (plugin type, name): handler calls for one plugin are strictly sequential.
+#[derive(Default)]
+pub(super) struct NameLocks {
+    locks: Mutex<HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// (plugin type, plugin name).
+type PluginKey = (String, String);
+
+impl NameLocks {
+    pub(super) async fn lock(&self, plugin_type: &str, name: &str) -> NameGuard<'_> {
+        let key = (plugin_type.to_string(), name.to_string());
+        let lock = self.map().entry(key.clone()).or_default().clone();
+        let guard = lock.clone().lock_owned().await;
+        NameGuard {
+            locks: self,
+            key,
+            lock,
+            guard: Some(guard),
+        }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>> {
+        self.locks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Releases the name lock, and drops the map entry when nobody else holds or waits for it.
+pub(super) struct NameGuard<'a> {
+    locks: &'a NameLocks,
+    key: PluginKey,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for NameGuard<'_> {
+    fn drop(&mut self) {
+        self.guard.take();
+        let mut map = self.locks.map();
+        // Held by the map, by `self.lock`, and by nobody else: no waiter, so the entry can go.
+        if Arc::strong_count(&self.lock) == 2 {
+            map.remove(&self.key);
+        }
+    }
+}

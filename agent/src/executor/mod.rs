@@ -1,0 +1,374 @@
+//! Operation executor: runs registrations and deregistrations, one at a time per socket path.
+//!
+//! ```text
+//! register:   dial -> GetInfo -> handler by type -> validate -> actual state add -> register -> Notify(true)
+//!             any failure -> Notify(false, reason), roll back, back off (keyed by socket identity)
+//! deregister: actual state remove -> handler deregister (unless a newer socket superseded it)
+//! ```
+//!
+//! Guarantees: never two operations for one socket path at once (the second is refused with
+//! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); never two handler calls for one
+//! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
+//! queues rather than exhausting the agent. Every plugin and handler call has a deadline, so a hung
+//! plugin or handler holds one slot for a bounded time and never blocks other plugins.
+//!
+//! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
+//! which wakes the reconciler: no polling.
+//!
+//! The room, as kubelet splits its `operationexecutor`:
+//! - this file: scheduling. Whether an operation may start (claims, backoff), the concurrency
+//!   limit, and what happens when one ends (release, backoff, the retry timer);
+//! - [`claims`]: the one-operation-per-path map and the per-plugin-name locks (kubelet's
+//!   `nestedpendingoperations`);
+//! - [`operation`]: the steps of a registration and a deregistration (kubelet's
+//!   `operation_generator.go`);
+//! - [`observe`]: what an operation reports to telemetry (outcome counters, latency, span fields).
+//!
+//! It imports the state room (caches, backoff table, reconcile queue), the plugin client
+//! (`registration`), the handlers, the event bus and the telemetry sink; nothing imports it but
+//! the reconciler and the assembly (`agent`).
+
+mod claims;
+mod observe;
+mod operation;
+
+use crate::event_source::monotonic_now_ns;
+use crate::events::{AgentEvent, EventBus, EventKind};
+use crate::handler::HandlerRegistry;
+use crate::registration::{PluginCallError, Timeouts};
+use crate::state::actual::{ActualState, RegisteredPlugin};
+use crate::state::backoff::{BackoffTable, FailureKind};
+use crate::state::desired::DesiredPlugin;
+use crate::state::queue::ReconcileQueue;
+use crate::telemetry::Telemetry;
+use crate::telemetry::discovery::Via;
+use claims::NameLocks;
+use operation::RegisterFailure;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::field::Empty;
+use tracing::{Instrument, debug, info, info_span, warn};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+/// Deadlines for handler calls.
+#[derive(Debug, Clone, Copy)]
+pub struct HandlerTimeouts {
+    /// `ValidatePlugin` (kubelet's DRA handler allows 45 s).
+    pub validate: Duration,
+    /// `RegisterPlugin` (45 s).
+    pub register: Duration,
+    /// `DeRegisterPlugin` (10 s).
+    pub deregister: Duration,
+}
+
+impl Default for HandlerTimeouts {
+    fn default() -> Self {
+        HandlerTimeouts {
+            validate: Duration::from_secs(45),
+            register: Duration::from_secs(45),
+            deregister: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Executor settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ExecutorConfig {
+    /// Plugin call deadlines.
+    pub plugin_timeouts: Timeouts,
+    /// Handler call deadlines.
+    pub handler_timeouts: HandlerTimeouts,
+    /// Operations running at once, all sockets together.
+    pub max_concurrent: usize,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        ExecutorConfig {
+            plugin_timeouts: Timeouts::default(),
+            handler_timeouts: HandlerTimeouts::default(),
+            max_concurrent: 256,
+        }
+    }
+}
+
+/// Kind of operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperationKind {
+    /// Registering the socket's plugin.
+    Register,
+    /// Deregistering it.
+    Deregister,
+}
+
+/// Expected outcomes of asking for an operation; none of them is an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// The operation runs now.
+    Started,
+    /// An operation for this path is running; the path is looked at again when it ends.
+    AlreadyRunning(OperationKind),
+    /// The socket failed recently; it is looked at again when the backoff expires.
+    BackingOff { until: Instant },
+}
+
+/// See the module docs.
+pub struct OperationExecutor {
+    actual: Arc<ActualState>,
+    handlers: Arc<HandlerRegistry>,
+    queue: Arc<ReconcileQueue>,
+    config: ExecutorConfig,
+    in_flight: Mutex<HashMap<PathBuf, OperationKind>>,
+    backoff: Arc<BackoffTable>,
+    slots: Arc<Semaphore>,
+    name_locks: NameLocks,
+    tasks: TaskTracker,
+    events: EventBus,
+    telemetry: Arc<Telemetry>,
+    cancel: CancellationToken,
+    trimmer: crate::memory::Trimmer,
+    /// Pending backoff retries by path, cancelled when the socket leaves the tree: a storm of
+    /// short-lived sockets that fail (not plugins) would otherwise leave thousands of timers that
+    /// wake the idle agent long after the sockets are gone.
+    retry_timers: Mutex<HashMap<PathBuf, CancellationToken>>,
+}
+
+impl OperationExecutor {
+    /// - `actual`: written here, before the handler's Register and before its DeRegister;
+    /// - `handlers`: looked up by the plugin type GetInfo returns; adding one releases the plugins
+    ///   that were waiting for it (subscribed here);
+    /// - `queue`: told about every finished operation and expired backoff, to wake the reconciler;
+    /// - `events`: where registrations, failures and deregistrations are published;
+    /// - `telemetry`: operation outcomes, latencies and handler calls are recorded there, and
+    ///   each operation's span is made a child of its socket's discovery;
+    /// - `cancel`: stops backoff timers; running operations finish (see [`Self::drain`]).
+    pub fn new(
+        actual: Arc<ActualState>,
+        handlers: Arc<HandlerRegistry>,
+        queue: Arc<ReconcileQueue>,
+        config: ExecutorConfig,
+        events: EventBus,
+        telemetry: Arc<Telemetry>,
+        cancel: CancellationToken,
+    ) -> Arc<Self> {
+        let executor = Arc::new(OperationExecutor {
+            actual,
+            handlers: handlers.clone(),
+            queue,
+            config,
+            in_flight: Mutex::new(HashMap::new()),
+            backoff: Arc::default(),
+            slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
+            name_locks: NameLocks::default(),
+            tasks: TaskTracker::new(),
+            events,
+            telemetry,
+            cancel,
+            trimmer: crate::memory::Trimmer::default(),
+            retry_timers: Mutex::new(HashMap::new()),
+        });
+        let weak = Arc::downgrade(&executor);
+        handlers.subscribe(move |plugin_type| {
+            if let Some(executor) = weak.upgrade() {
+                for path in executor.backoff.release_waiting_for(plugin_type) {
+                    executor.queue.mark(path);
+                }
+                // A removed or replaced handler changes nothing registered; a new one may be
+                // what a plugin in backoff for another reason needs too, so look at everything.
+                executor.queue.mark_all();
+            }
+        });
+        executor
+    }
+
+    /// Starts registering the plugin at `path` unless an operation for it runs or it backs off.
+    pub fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
+        if let Some(until) = self
+            .backoff
+            .blocked_until(path, desired.socket, Instant::now())
+        {
+            return Start::BackingOff { until };
+        }
+        let claim = match self.claim(path, OperationKind::Register) {
+            Ok(claim) => claim,
+            Err(running) => return Start::AlreadyRunning(running),
+        };
+        let this = self.clone();
+        let path = path.to_path_buf();
+        let attempt = self
+            .backoff
+            .get(&path, desired.socket)
+            .map_or(1, |b| b.failures + 1);
+        if attempt > 1 {
+            self.telemetry.metrics.retry();
+        }
+        let source = self.telemetry.discovery.label(if desired.by_event {
+            Via::Event
+        } else {
+            Via::Scan
+        });
+        let span = info_span!(
+            "register", socket_path = %path.display(), generation = %desired.generation,
+            plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
+            outcome = Empty, error = Empty, otel.status_code = Empty
+        );
+        if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
+            let _ = span.set_parent(parent);
+        }
+        self.tasks.spawn(
+            async move {
+                let _claim = claim;
+                let Ok(_slot) = this.slots.clone().acquire_owned().await else { return };
+                let started = Instant::now();
+                let result = this.run_register(&path, &desired).await;
+                this.observe_register(source, &desired, &result);
+                match result {
+                    Ok(plugin) => {
+                        this.backoff.reset(&path, desired.socket);
+                        let since_event = desired.kernel_ns.map(|ns| {
+                            Duration::from_nanos(monotonic_now_ns().saturating_sub(ns))
+                        });
+                        info!(
+                            plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
+                            took = ?started.elapsed(), since_kernel_event = ?since_event, "plugin registered"
+                        );
+                        let mut event = AgentEvent::new(EventKind::Registered, &path);
+                        event.latency = since_event
+                            .or_else(|| desired.seen_at.elapsed().ok());
+                        event.plugin = Some(plugin);
+                        this.events.publish(event);
+                    }
+                    Err(error) => this.failed(&path, &desired, error),
+                }
+            }
+            .instrument(span),
+        );
+        Start::Started
+    }
+
+    /// Starts deregistering `registered` from `path` unless an operation for it runs.
+    pub fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
+        let claim = match self.claim(path, OperationKind::Deregister) {
+            Ok(claim) => claim,
+            Err(running) => return Start::AlreadyRunning(running),
+        };
+        let this = self.clone();
+        let path = path.to_path_buf();
+        let span = info_span!(
+            "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
+            plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
+            otel.status_code = Empty
+        );
+        if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
+            let _ = span.set_parent(parent);
+        }
+        self.tasks.spawn(
+            async move {
+                let _claim = claim;
+                let Ok(_slot) = this.slots.clone().acquire_owned().await else {
+                    return;
+                };
+                this.run_deregister(&path, registered).await;
+            }
+            .instrument(span),
+        );
+        Start::Started
+    }
+
+    /// The socket at `path` left the tree: forget its backoff.
+    pub fn forget(&self, path: &Path) {
+        self.backoff.forget_path(path);
+        self.telemetry.discovery.forget(path);
+        if let Some(timer) = self.lock_retry_timers().remove(path) {
+            timer.cancel();
+        }
+    }
+
+    /// The backoff table this executor writes, for the views that derive a plugin's state
+    /// ([`crate::state::view::StateView`]).
+    pub fn backoffs(&self) -> Arc<BackoffTable> {
+        self.backoff.clone()
+    }
+
+    /// Whether an operation for `path` is running.
+    pub fn is_running(&self, path: &Path) -> bool {
+        self.lock_in_flight().contains_key(path)
+    }
+
+    /// Waits for running operations to finish (graceful shutdown); no new ones start after.
+    pub async fn drain(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) {
+        let kind = match &error {
+            RegisterFailure::NoHandler { plugin_type, .. }
+            | RegisterFailure::Handler {
+                unavailable: true,
+                plugin_type,
+                ..
+            } => FailureKind::WaitingForHandler {
+                plugin_type: plugin_type.clone(),
+            },
+            _ => FailureKind::Other,
+        };
+        // A socket that vanished (or was replaced) is not a failed registration: no event, no
+        // warning. Usually its removal reaches the watcher at once and forget() drops the retry.
+        // But if the watcher missed it, desired state still names this socket instance, and
+        // retrying at once would spin (every attempt ends here immediately): it backs off like a
+        // failure until the watcher's next rescan corrects desired state.
+        let vanished = matches!(
+            error,
+            RegisterFailure::Plugin(PluginCallError::SocketGone(_))
+        );
+        if !vanished {
+            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
+            event.error = Some(error.to_string());
+            self.events.publish(event);
+        }
+        let backoff = self.backoff.fail(
+            path,
+            desired.socket,
+            error.to_string(),
+            kind,
+            Instant::now(),
+        );
+        self.telemetry.metrics.backoff(backoff.delay);
+        if vanished {
+            debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");
+        } else {
+            warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
+        }
+        let cancel = self.cancel.child_token();
+        if let Some(previous) = self
+            .lock_retry_timers()
+            .insert(path.to_path_buf(), cancel.clone())
+        {
+            previous.cancel();
+        }
+        let this = self.clone();
+        let path = path.to_path_buf();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep_until(backoff.retry_at) => {
+                    this.lock_retry_timers().remove(&path);
+                    this.queue.mark(path);
+                }
+                _ = cancel.cancelled() => {}
+            }
+        });
+    }
+
+    fn lock_retry_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
+        self.retry_timers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}

@@ -1,0 +1,303 @@
+//! The steps of one operation (kubelet's operation generator): what a registration and a
+//! deregistration do, in order, and how a failure is rolled back and described. Scheduling (when
+//! an operation may run) is the room's `mod.rs`; recording outcomes is `observe.rs`.
+
+use super::OperationExecutor;
+use crate::events::{AgentEvent, EventKind};
+use crate::handler::{HandlerError, Plugin};
+use crate::registration::{PluginCallError, PluginConnection};
+use crate::state::actual::RegisteredPlugin;
+use crate::state::desired::DesiredPlugin;
+use std::path::Path;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::field::Empty;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+/// Why a registration failed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum RegisterFailure {
+    #[error(transparent)]
+    Plugin(#[from] PluginCallError),
+    #[error("no handler registered for plugin type: {plugin_type} at socket {socket}")]
+    NoHandler { plugin_type: String, socket: String },
+    #[error("{message}")]
+    Handler {
+        message: String,
+        unavailable: bool,
+        plugin_type: String,
+        outcome: &'static str,
+    },
+}
+
+impl RegisterFailure {
+    /// The failure's reason class: the bounded `outcome` of metrics and spans (error text, which
+    /// a plugin or handler controls, never becomes a label).
+    pub(super) fn outcome(&self) -> &'static str {
+        match self {
+            RegisterFailure::Plugin(PluginCallError::SocketGone(_)) => "socket_gone",
+            RegisterFailure::Plugin(PluginCallError::Dial { .. }) => "dial_error",
+            RegisterFailure::Plugin(PluginCallError::GetInfo(_)) => "get_info_error",
+            RegisterFailure::Plugin(PluginCallError::InvalidInfo(_)) => "invalid_info",
+            RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
+            RegisterFailure::NoHandler { .. } => "no_handler",
+            RegisterFailure::Handler { outcome, .. } => outcome,
+        }
+    }
+}
+
+/// A handler call, for span names, metric labels and error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HandlerCall {
+    Validate,
+    Register,
+    Deregister,
+}
+
+impl HandlerCall {
+    fn label(self) -> &'static str {
+        match self {
+            HandlerCall::Validate => "validate",
+            HandlerCall::Register => "register",
+            HandlerCall::Deregister => "deregister",
+        }
+    }
+
+    fn span(self, plugin_type: &str) -> tracing::Span {
+        match self {
+            HandlerCall::Validate => {
+                info_span!(
+                    "ValidatePlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+            HandlerCall::Register => {
+                info_span!(
+                    "RegisterPlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+            HandlerCall::Deregister => {
+                info_span!(
+                    "DeRegisterPlugin",
+                    plugin_type,
+                    error = Empty,
+                    otel.status_code = Empty
+                )
+            }
+        }
+    }
+}
+
+impl OperationExecutor {
+    pub(super) async fn run_register(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+    ) -> Result<Plugin, RegisterFailure> {
+        let (mut connection, info) =
+            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts).await?;
+        let socket_path = path.to_string_lossy().into_owned();
+        let plugin = Plugin {
+            endpoint: if info.endpoint.is_empty() {
+                socket_path.clone()
+            } else {
+                info.endpoint
+            },
+            plugin_type: info.r#type,
+            name: info.name,
+            supported_versions: info.supported_versions,
+            socket_path,
+        };
+        let span = tracing::Span::current();
+        span.record("plugin_name", plugin.name.as_str());
+        span.record("plugin_type", plugin.plugin_type.as_str());
+        debug!(plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, "GetInfo answered");
+
+        let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
+            let error = RegisterFailure::NoHandler {
+                plugin_type: plugin.plugin_type.clone(),
+                socket: plugin.socket_path.clone(),
+            };
+            notify_failure(&mut connection, &error.to_string()).await;
+            return Err(error);
+        };
+        let _name = self
+            .name_locks
+            .lock(&plugin.plugin_type, &plugin.name)
+            .await;
+        let timeouts = self.config.handler_timeouts;
+
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Validate,
+                &plugin.plugin_type,
+                handler.validate(&plugin),
+                timeouts.validate,
+            )
+            .await
+        {
+            let error = handler_error(HandlerCall::Validate, e, &plugin);
+            notify_failure(&mut connection, &error.to_string()).await;
+            return Err(error);
+        }
+        let entry = self.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin.clone(),
+            handler.clone(),
+        );
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Register,
+                &plugin.plugin_type,
+                handler.register(&plugin),
+                timeouts.register,
+            )
+            .await
+        {
+            let error = handler_error(HandlerCall::Register, e, &plugin);
+            notify_failure(&mut connection, &error.to_string()).await;
+            self.roll_back(path, &entry).await;
+            return Err(error);
+        }
+        if let Err(e) = connection
+            .notify(true, "")
+            .instrument(info_span!("NotifyRegistrationStatus", registered = true))
+            .await
+        {
+            self.roll_back(path, &entry).await;
+            return Err(e.into());
+        }
+        self.actual.supersede_others(path);
+        Ok(plugin)
+    }
+
+    /// Undoes a registration whose last steps failed: actual state, then the handler.
+    async fn roll_back(&self, path: &Path, entry: &RegisteredPlugin) {
+        if self.actual.remove(path, entry.generation).is_none() {
+            return;
+        }
+        if let Err(e) = self
+            .call_handler(
+                HandlerCall::Deregister,
+                &entry.plugin.plugin_type,
+                entry.handler.deregister(&entry.plugin),
+                self.config.handler_timeouts.deregister,
+            )
+            .await
+        {
+            warn!(plugin_name = %entry.plugin.name, error = %e, "rollback: handler deregistration failed");
+        }
+    }
+
+    pub(super) async fn run_deregister(&self, path: &Path, registered: RegisteredPlugin) {
+        // Take the current entry: it may have been marked superseded since the reconciler looked.
+        let Some(entry) = self.actual.remove(path, registered.generation) else {
+            self.observe_deregister("not_registered", None);
+            return;
+        };
+        let mut event = AgentEvent::new(EventKind::Deregistered, path);
+        event.plugin = Some(entry.plugin.clone());
+        if entry.superseded {
+            info!(
+                "socket removed; plugin was re-registered from a newer socket, so it stays registered"
+            );
+            event.detail = Some("superseded by a newer socket: handler not called".into());
+            self.events.publish(event);
+            self.observe_deregister("superseded", None);
+            return;
+        }
+        let _name = self
+            .name_locks
+            .lock(&entry.plugin.plugin_type, &entry.plugin.name)
+            .await;
+        match self
+            .call_handler(
+                HandlerCall::Deregister,
+                &entry.plugin.plugin_type,
+                entry.handler.deregister(&entry.plugin),
+                self.config.handler_timeouts.deregister,
+            )
+            .await
+        {
+            Ok(()) => {
+                info!("plugin deregistered");
+                self.observe_deregister("success", None);
+            }
+            Err(e) => {
+                warn!(error = %e, "handler failed to deregister plugin");
+                self.observe_deregister("handler_error", Some(&e.message));
+                event.error = Some(e.message);
+            }
+        }
+        self.events.publish(event);
+    }
+
+    /// Calls a handler with a deadline, in a span named for the call, recording its latency by
+    /// plugin type (a handler's type: bounded), call and outcome.
+    async fn call_handler(
+        &self,
+        call: HandlerCall,
+        plugin_type: &str,
+        future: impl std::future::Future<Output = Result<(), HandlerError>>,
+        deadline: Duration,
+    ) -> Result<(), HandlerError> {
+        let span = call.span(plugin_type);
+        let started = Instant::now();
+        let answer = tokio::time::timeout(deadline, future)
+            .instrument(span.clone())
+            .await;
+        let (outcome, result) = match answer {
+            Ok(Ok(())) => ("ok", Ok(())),
+            Ok(Err(e)) if e.unavailable => ("unavailable", Err(e)),
+            Ok(Err(e)) => ("rejected", Err(e)),
+            Err(_) => (
+                "timeout",
+                Err(HandlerError::rejected(format!(
+                    "handler did not answer within {deadline:?}"
+                ))),
+            ),
+        };
+        self.telemetry
+            .metrics
+            .handler_call(plugin_type, call.label(), outcome, started.elapsed());
+        if let Err(e) = &result {
+            span.record("error", e.message.as_str());
+            span.record("otel.status_code", "error");
+        }
+        result
+    }
+}
+
+fn handler_error(call: HandlerCall, error: HandlerError, plugin: &Plugin) -> RegisterFailure {
+    let (what, rejected) = match call {
+        HandlerCall::Validate => ("plugin validation failed", "validation_rejected"),
+        _ => ("plugin registration failed", "registration_rejected"),
+    };
+    RegisterFailure::Handler {
+        message: format!("{what}: {}", error.message),
+        unavailable: error.unavailable,
+        plugin_type: plugin.plugin_type.clone(),
+        outcome: if error.unavailable {
+            "handler_unavailable"
+        } else {
+            rejected
+        },
+    }
+}
+
+async fn notify_failure(connection: &mut PluginConnection, reason: &str) {
+    let notified = connection
+        .notify(false, reason)
+        .instrument(info_span!("NotifyRegistrationStatus", registered = false))
+        .await;
+    if let Err(e) = notified {
+        debug!(error = %e, "could not tell the plugin it was not registered");
+    }
+}
