@@ -6,9 +6,9 @@
 //! ```
 
 use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
-use crate::events::EventBus;
 use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
+use crate::notifications::NotificationBus;
 use crate::reconciler::{ReconcileMode, Reconciler};
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
@@ -24,9 +24,9 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-/// Events buffered between the source and the watcher. When full, the source waits and the
+/// Hints (`FsEvent`s) buffered between the source and the watcher. When full, the source waits and the
 /// kernel-side queue absorbs the burst (and reports loss if it overflows).
-const EVENT_CHANNEL: usize = 16 * 1024;
+const HINT_CHANNEL: usize = 16 * 1024;
 
 /// Everything the agent needs to run.
 #[derive(Debug, Clone)]
@@ -78,8 +78,8 @@ pub struct RunningAgent {
     pub source_description: String,
     /// Becomes true once the first full scan is done.
     pub ready: watch::Receiver<bool>,
-    /// Discovery and registration events, for the admin API and tests.
-    pub events: EventBus,
+    /// Discovery and registration notifications, for the admin API and tests.
+    pub notifications: NotificationBus,
     /// Metrics, trace roots and watcher counters (rescans, loss, watched directories) that the
     /// watcher and executor record into.
     pub telemetry: Arc<Telemetry>,
@@ -101,10 +101,10 @@ impl RunningAgent {
         handlers: Arc<HandlerRegistry>,
     ) -> anyhow::Result<RunningAgent> {
         let cancel = CancellationToken::new();
-        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL);
+        let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
         let source = event_source::open(
             config.source,
-            events_tx,
+            hints_tx,
             cancel.child_token(),
             &config.source_options,
         )
@@ -116,14 +116,14 @@ impl RunningAgent {
         let desired = Arc::new(DesiredState::default());
         let actual = Arc::new(ActualState::default());
         let queue = Arc::new(ReconcileQueue::default());
-        let events = EventBus::default();
+        let notifications = NotificationBus::default();
         let telemetry = Telemetry::new(source_kind);
         let executor = OperationExecutor::new(
             actual.clone(),
             handlers.clone(),
             queue.clone(),
             config.executor,
-            events.clone(),
+            notifications.clone(),
             telemetry.clone(),
             cancel.child_token(),
         );
@@ -132,7 +132,7 @@ impl RunningAgent {
             source.clone(),
             desired.clone(),
             queue.clone(),
-            events.clone(),
+            notifications.clone(),
             telemetry.clone(),
         );
         let reconciler = Reconciler::new(
@@ -188,7 +188,7 @@ impl RunningAgent {
         let watcher_cancel = cancel.clone();
         tasks.spawn(async move {
             watcher
-                .run(events_rx, watcher_cancel, move || {
+                .run(hints_rx, watcher_cancel, move || {
                     let _ = ready_tx.send(true);
                 })
                 .await
@@ -201,7 +201,7 @@ impl RunningAgent {
             source: source_kind,
             source_description,
             ready,
-            events,
+            notifications,
             telemetry,
             metrics_addr,
             config,

@@ -677,7 +677,7 @@ async fn status(socket: &std::path::Path, output: Output) -> anyhow::Result<()> 
         plugins_desired: s.plugins_desired,
         plugins_registered: s.plugins_registered,
         rescans: s.rescans,
-        loss_rescans: s.events_lost,
+        loss_rescans: s.loss_rescans,
         handlers: s
             .handlers
             .into_iter()

@@ -24,7 +24,7 @@
 use crate::event_source::{
     EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
 };
-use crate::events::{AgentEvent, EventBus, EventKind};
+use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
@@ -59,7 +59,7 @@ pub struct Watcher {
     /// Full re-walks asked for by the reconciler's safety pass (a stored permit: never lost,
     /// even while the event channel is full).
     rescan_requests: Arc<tokio::sync::Notify>,
-    events: EventBus,
+    notifications: NotificationBus,
     telemetry: Arc<Telemetry>,
 }
 
@@ -68,7 +68,7 @@ impl Watcher {
     /// - `source`: where hints come from; the watcher tells it which directories to watch;
     /// - `desired`: filled here;
     /// - `queue`: told about every path whose desired state changed;
-    /// - `events`: discoveries, removals and rescans are published there;
+    /// - `notifications`: discoveries, removals and rescans are published there;
     /// - `telemetry`: each discovery and removal is recorded there (the root of the operation's
     ///   trace), each rescan, hint and watched directory counted.
     pub fn new(
@@ -76,7 +76,7 @@ impl Watcher {
         source: Arc<dyn EventSource>,
         desired: Arc<DesiredState>,
         queue: Arc<ReconcileQueue>,
-        events: EventBus,
+        notifications: NotificationBus,
         telemetry: Arc<Telemetry>,
     ) -> Self {
         Watcher {
@@ -87,7 +87,7 @@ impl Watcher {
             dirs: HashMap::new(),
             anchor: None,
             rescan_requests: Arc::default(),
-            events,
+            notifications,
             telemetry,
         }
     }
@@ -97,11 +97,11 @@ impl Watcher {
         self.rescan_requests.clone()
     }
 
-    /// Creates the root if missing, watches and walks it, then follows `events` until `cancel`.
+    /// Creates the root if missing, watches and walks it, then follows the source's `hints` until `cancel`.
     /// `on_ready` is called after the first full scan.
     pub async fn run(
         mut self,
-        mut events: mpsc::Receiver<FsEvent>,
+        mut hints: mpsc::Receiver<FsEvent>,
         cancel: CancellationToken,
         on_ready: impl FnOnce(),
     ) -> anyhow::Result<()> {
@@ -116,7 +116,7 @@ impl Watcher {
                     self.rescan(RescanReason::Periodic);
                     continue;
                 }
-                received = events.recv_many(&mut batch, BATCH) => {
+                received = hints.recv_many(&mut batch, BATCH) => {
                     if received == 0 {
                         anyhow::bail!("event source {} stopped", self.source.kind());
                     }
@@ -213,7 +213,7 @@ impl Watcher {
                 // One info line per registration outcome is the executor's; discovery is detail
                 // (also on the admin event stream).
                 debug!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
-                self.events
+                self.notifications
                     .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
                 self.announce(path);
                 self.queue.mark(path.to_path_buf());
@@ -231,7 +231,7 @@ impl Watcher {
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
             debug!(socket_path = %path.display(), ?since_event, "socket removed");
-            self.events
+            self.notifications
                 .publish(AgentEvent::new(EventKind::SocketRemoved, path));
             self.queue.mark(path.to_path_buf());
         }
@@ -324,7 +324,7 @@ impl Watcher {
                 .discovery
                 .record(&path, Found::Removed, Via::Event, None);
             debug!(socket_path = %path.display(), "socket removed with its directory");
-            self.events
+            self.notifications
                 .publish(AgentEvent::new(EventKind::SocketRemoved, &path));
             self.queue.mark(path);
         }
@@ -369,7 +369,7 @@ impl Watcher {
         self.telemetry.rescan(&reason);
         let mut event = AgentEvent::new(EventKind::Rescan, &self.root);
         event.detail = Some(reason.to_string());
-        self.events.publish(event);
+        self.notifications.publish(event);
         if let Err(e) = ensure_root(&self.root) {
             warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
         }

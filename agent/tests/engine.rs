@@ -518,8 +518,8 @@ async fn list_and_metrics(
 
 /// Waits for the next event of `kind` on the watch stream.
 async fn next_event(
-    events: &mut tokio::sync::broadcast::Receiver<plugin_agent::events::AgentEvent>,
-    kind: plugin_agent::events::EventKind,
+    events: &mut tokio::sync::broadcast::Receiver<plugin_agent::notifications::AgentEvent>,
+    kind: plugin_agent::notifications::EventKind,
 ) {
     tokio::time::timeout(WAIT, async {
         loop {
@@ -535,7 +535,7 @@ async fn next_event(
 
 #[tokio::test]
 async fn list_watch_and_metrics_agree_on_a_plugin_state_during_a_retry() {
-    use plugin_agent::events::EventKind;
+    use plugin_agent::notifications::EventKind;
     let dir = tempfile::tempdir().expect("temp dir");
     let gate = Arc::new(RetryGate::default());
     let handlers = Arc::new(HandlerRegistry::default());
@@ -548,7 +548,7 @@ async fn list_watch_and_metrics_agree_on_a_plugin_state_during_a_retry() {
         .expect("agent starts");
     agent.wait_ready().await;
     let addr = agent.metrics_addr.expect("metrics served");
-    let mut watch = agent.events.subscribe();
+    let mut watch = agent.notifications.subscribe();
     let _plugin = TestPlugin::serve(&dir.path().join("a.sock"), "CSIPlugin", "a");
 
     // The first attempt fails: watch reports it; list and metrics say backing off until the

@@ -8,7 +8,7 @@
 //! ```
 
 use plugin_agent::event_source::{EventSource, FsEvent, Observed, SourceKind, WatchedDir};
-use plugin_agent::events::EventBus;
+use plugin_agent::notifications::NotificationBus;
 use plugin_agent::state::EntryKind;
 use plugin_agent::state::desired::DesiredState;
 use plugin_agent::state::queue::ReconcileQueue;
@@ -179,7 +179,7 @@ fn watch(tree: &Tree, events: Vec<FsEvent>) -> BTreeSet<PathBuf> {
             Arc::new(FedSource),
             desired.clone(),
             Arc::new(ReconcileQueue::default()),
-            EventBus::default(),
+            NotificationBus::default(),
             Telemetry::new(SourceKind::Inotify),
         );
         let (tx, rx) = mpsc::channel(events.len() + 1);

@@ -4,7 +4,8 @@
 //!   create in the registration directory; the agent is the client. Wire-exact with kubelet, so every
 //!   existing plugin (CSI node-driver-registrar, device plugins, DRA drivers) works unchanged.
 //! - [`pluginagent::v1`]: the agent's own services: `PluginHandler` (served by handlers, called by
-//!   the agent) and, later, the operator-facing `Agent` admin API.
+//!   the agent) and `Agent`, the operator-facing admin API the agent serves on its admin socket
+//!   (`plugin-agent list`, `watch`, `status`, `handler add/remove`).
 
 /// Kubelet's `pluginregistration` package (shared by v1alpha1, v1beta1 and v1).
 pub mod pluginregistration {

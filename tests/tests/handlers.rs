@@ -1,4 +1,4 @@
-//! Issue 5 end to end: plugin <-> agent <-> handler over real sockets. The handler is the example
+//! Handlers end to end: plugin <-> agent <-> handler over real sockets. The handler is the example
 //! DRA handler (`dra-handler`, a real `pluginagent.v1.PluginHandler` server in its own process);
 //! operators reach the agent through the admin socket with the `plugin-agent` CLI.
 //!

@@ -1,5 +1,5 @@
 //! `cargo xtask bench-sources`: the event sources themselves, eBPF vs fanotify vs inotify in one
-//! run (issue 4's benchmark): detection latency at idle and sustained throughput under churn.
+//! run: detection latency at idle and sustained throughput under churn.
 //!
 //! It runs the ignored `bench_sources` test of `agent/tests/ebpf_source.rs` from a release build
 //! (root needed, as for the sources), which for each source:

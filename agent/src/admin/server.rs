@@ -4,8 +4,8 @@
 
 use super::MAX_MESSAGE_BYTES;
 use crate::agent::RunningAgent;
-use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::handler::{self, HandlerRegistry, Plugin};
+use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::state::backoff::Backoff;
 use crate::state::view::{PluginState, PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
@@ -26,7 +26,7 @@ use tonic::{Request, Response, Status};
 pub struct AdminService {
     state: StateView,
     handlers: Arc<HandlerRegistry>,
-    events: EventBus,
+    notifications: NotificationBus,
     stats: Arc<WatcherStats>,
     status: StaticStatus,
     allowed_uid: u32,
@@ -50,7 +50,7 @@ impl AdminService {
         AdminService {
             state: agent.state_view(),
             handlers: agent.handlers.clone(),
-            events: agent.events.clone(),
+            notifications: agent.notifications.clone(),
             stats: agent.telemetry.watcher.clone(),
             status: StaticStatus {
                 source: agent.source.to_string(),
@@ -94,7 +94,7 @@ impl AdminService {
             version: env!("CARGO_PKG_VERSION").to_string(),
             source: self.status.source.clone(),
             source_description: self.status.source_description.clone(),
-            events_lost: self.stats.loss_rescans.load(Relaxed),
+            loss_rescans: self.stats.loss_rescans.load(Relaxed),
             rescans: self.stats.rescans.load(Relaxed),
             plugins_desired: self.state.desired.len() as u64,
             plugins_registered: self.state.actual.len() as u64,
@@ -236,8 +236,8 @@ impl api::agent_server::Agent for AdminService {
         request: Request<api::WatchEventsRequest>,
     ) -> Result<Response<EventStream>, Status> {
         self.authorize(&request)?;
-        let stream =
-            tokio_stream::wrappers::BroadcastStream::new(self.events.subscribe()).map(|item| {
+        let stream = tokio_stream::wrappers::BroadcastStream::new(self.notifications.subscribe())
+            .map(|item| {
                 Ok(match item {
                     Ok(event) => event_to_api(&event),
                     Err(BroadcastStreamRecvError::Lagged(missed)) => api::AgentEvent {

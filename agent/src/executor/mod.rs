@@ -33,8 +33,8 @@ mod observe;
 mod operation;
 
 use crate::event_source::monotonic_now_ns;
-use crate::events::{AgentEvent, EventBus, EventKind};
 use crate::handler::HandlerRegistry;
+use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::registration::{PluginCallError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::backoff::{BackoffTable, FailureKind};
@@ -129,7 +129,7 @@ pub struct OperationExecutor {
     slots: Arc<Semaphore>,
     name_locks: NameLocks,
     tasks: TaskTracker,
-    events: EventBus,
+    notifications: NotificationBus,
     telemetry: Arc<Telemetry>,
     cancel: CancellationToken,
     trimmer: crate::memory::Trimmer,
@@ -144,7 +144,7 @@ impl OperationExecutor {
     /// - `handlers`: looked up by the plugin type GetInfo returns; adding one releases the plugins
     ///   that were waiting for it (subscribed here);
     /// - `queue`: told about every finished operation and expired backoff, to wake the reconciler;
-    /// - `events`: where registrations, failures and deregistrations are published;
+    /// - `notifications`: where registrations, failures and deregistrations are published;
     /// - `telemetry`: operation outcomes, latencies and handler calls are recorded there, and
     ///   each operation's span is made a child of its socket's discovery;
     /// - `cancel`: stops backoff timers; running operations finish (see [`Self::drain`]).
@@ -153,7 +153,7 @@ impl OperationExecutor {
         handlers: Arc<HandlerRegistry>,
         queue: Arc<ReconcileQueue>,
         config: ExecutorConfig,
-        events: EventBus,
+        notifications: NotificationBus,
         telemetry: Arc<Telemetry>,
         cancel: CancellationToken,
     ) -> Arc<Self> {
@@ -167,7 +167,7 @@ impl OperationExecutor {
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
-            events,
+            notifications,
             telemetry,
             cancel,
             trimmer: crate::memory::Trimmer::default(),
@@ -242,7 +242,7 @@ impl OperationExecutor {
                         event.latency = since_event
                             .or_else(|| desired.seen_at.elapsed().ok());
                         event.plugin = Some(plugin);
-                        this.events.publish(event);
+                        this.notifications.publish(event);
                     }
                     Err(error) => this.failed(&path, &desired, error),
                 }
@@ -331,7 +331,7 @@ impl OperationExecutor {
         if !vanished {
             let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
             event.error = Some(error.to_string());
-            self.events.publish(event);
+            self.notifications.publish(event);
         }
         let backoff = self.backoff.fail(
             path,

@@ -3,8 +3,8 @@
 //! an operation may run) is the room's `mod.rs`; recording outcomes is `observe.rs`.
 
 use super::OperationExecutor;
-use crate::events::{AgentEvent, EventKind};
 use crate::handler::{HandlerError, Plugin};
+use crate::notifications::{AgentEvent, EventKind};
 use crate::registration::{PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
 use crate::state::desired::DesiredPlugin;
@@ -209,7 +209,7 @@ impl OperationExecutor {
                 "socket removed; plugin was re-registered from a newer socket, so it stays registered"
             );
             event.detail = Some("superseded by a newer socket: handler not called".into());
-            self.events.publish(event);
+            self.notifications.publish(event);
             self.observe_deregister("superseded", None);
             return;
         }
@@ -236,7 +236,7 @@ impl OperationExecutor {
                 event.error = Some(e.message);
             }
         }
-        self.events.publish(event);
+        self.notifications.publish(event);
     }
 
     /// Calls a handler with a deadline, in a span named for the call, recording its latency by

@@ -86,7 +86,7 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         );
     }
     out.push_str(
-        "\n### Targets (issue 7)\n\n| target | mode | measured | met |\n|---|---|---|---|\n",
+        "\n### Targets (latency, loss, CPU, memory and wake-ups per mode)\n\n| target | mode | measured | met |\n|---|---|---|---|\n",
     );
     for r in results.iter().filter(|r| r["error"].is_null()) {
         for (target, measured, met) in targets(r) {

@@ -1,5 +1,7 @@
-//! Agent events: what the watcher and the executor did, published for whoever watches (the admin
-//! API's `WatchEvents` stream, `plugin-agent watch`, load generators measuring deregistration).
+//! Notifications: what the watcher and the executor did, published as [`AgentEvent`]s for whoever
+//! watches (the admin API's `WatchEvents` stream, `plugin-agent watch`, load generators measuring
+//! deregistration). Not to be confused with the event source's `FsEvent`s, which are the hints
+//! *into* the data flow; these come *out* of it.
 //!
 //! A broadcast channel: publishing never blocks the data flow; a subscriber that falls behind
 //! loses the oldest events and is told how many (`Lagged`).
@@ -65,19 +67,19 @@ impl AgentEvent {
 
 /// The publishing side; cheap to clone.
 #[derive(Debug, Clone)]
-pub struct EventBus {
+pub struct NotificationBus {
     tx: broadcast::Sender<AgentEvent>,
 }
 
-impl Default for EventBus {
+impl Default for NotificationBus {
     fn default() -> Self {
-        EventBus {
+        NotificationBus {
             tx: broadcast::channel(CAPACITY).0,
         }
     }
 }
 
-impl EventBus {
+impl NotificationBus {
     /// Publishes to current subscribers (none is fine).
     pub fn publish(&self, event: AgentEvent) {
         let _ = self.tx.send(event);
