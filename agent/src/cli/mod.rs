@@ -1,0 +1,247 @@
+//! The `plugin-agent` command line: `run` starts the agent; `list`, `watch`, `status` and
+//! `handler` talk to a running agent through its admin socket; `completions` prints shell
+//! completions.
+//!
+//! One file per subcommand, as bpfman's CLI: this file holds the clap definitions and the
+//! dispatch; [`run`] merges flags, the configuration file and defaults and runs the agent;
+//! [`list`], [`watch`], [`status`] and [`handler`] are admin API clients; [`render`] holds the
+//! output helpers they share (tables, JSON/YAML, timestamps).
+
+mod handler;
+mod list;
+mod render;
+pub mod run;
+mod status;
+mod watch;
+
+use crate::admin;
+use crate::config::ConfigFile;
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+pub use run::{RunArgs, RunSettings};
+
+/// Kubelet's plugin registration directory.
+pub const DEFAULT_PLUGIN_DIR: &str = "/var/lib/kubelet/plugins_registry";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "plugin-agent",
+    version,
+    about = "Registers kubelet plugins (CSI, device plugins, DRA) with their handlers, fed by eBPF events",
+    long_about = "plugin-agent watches a plugin registration directory, as kubelet's plugin manager does, \
+and registers every plugin that serves kubelet's pluginregistration API on a Unix socket there with the \
+handler for its type. Discovery is event-driven (eBPF ring buffer, else fanotify, else inotify) with loss \
+detection and rescans, so registration takes milliseconds and no plugin is lost.",
+    after_help = "Examples:\n  \
+        plugin-agent run --handler CSIPlugin=unix:///run/csi-handler.sock\n  \
+        plugin-agent run --config /etc/plugin-agent/plugin-agent.toml\n  \
+        plugin-agent list -o json\n  \
+        plugin-agent watch\n  \
+        plugin-agent handler add DRAPlugin unix:///run/dra-handler.sock"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "PLUGIN_AGENT_LOG_FORMAT")]
+    pub log_format: LogFormat,
+
+    /// Log filter, e.g. `info` or `plugin_agent=debug` (RUST_LOG is used when this is not given).
+    #[arg(long, global = true)]
+    pub log_level: Option<String>,
+
+    /// The admin API socket (served by `run`, used by the other commands).
+    #[arg(long, global = true, env = "PLUGIN_AGENT_ADMIN_SOCKET")]
+    pub admin_socket: Option<PathBuf>,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Output format of the operator commands.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    /// A table (list) or text (status, watch).
+    Table,
+    /// JSON.
+    Json,
+    /// YAML.
+    Yaml,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Watch the plugin directory and register plugins until SIGINT/SIGTERM.
+    #[command(after_help = "Examples:\n  \
+        plugin-agent run\n  \
+        plugin-agent run --handler CSIPlugin=accept-all --handler DRAPlugin=unix:///run/dra.sock\n  \
+        plugin-agent run --source inotify --reconcile-mode polling   # behave like kubelet")]
+    Run(Box<RunArgs>),
+    /// List every plugin socket: state, name, type, endpoint, versions, errors, next retry.
+    #[command(after_help = "Examples:\n  plugin-agent list\n  plugin-agent list -o yaml")]
+    List {
+        /// Output format.
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Follow discovery and registration events as they happen (Ctrl-C to stop).
+    Watch {
+        /// Output format (`table` prints one line per event).
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Event source and hooks in use, loss and rescans, handler health, versions.
+    Status {
+        /// Output format.
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Add or remove a handler in the running agent.
+    #[command(subcommand)]
+    Handler(HandlerCommand),
+    /// Print shell completions.
+    #[command(
+        after_help = "Example:\n  plugin-agent completions bash > /etc/bash_completion.d/plugin-agent"
+    )]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `plugin-agent handler ...`.
+#[derive(Subcommand, Debug)]
+pub enum HandlerCommand {
+    /// Install or replace the handler for a plugin type; waiting plugins register at once.
+    #[command(
+        after_help = "Example:\n  plugin-agent handler add DRAPlugin unix:///run/dra-handler.sock"
+    )]
+    Add {
+        /// Plugin type, e.g. CSIPlugin, DevicePlugin, DRAPlugin.
+        plugin_type: String,
+        /// `accept-all`, `unix:///path.sock` or `http://host:port`.
+        target: String,
+    },
+    /// Remove the handler for a plugin type (registered plugins stay until their sockets go).
+    Remove {
+        /// Plugin type.
+        plugin_type: String,
+    },
+}
+
+/// `plugin-agent run`. Settings left out come from `--config`, then from the defaults shown.
+/// Runs a command to completion.
+pub async fn execute(cli: Cli) -> anyhow::Result<()> {
+    let admin_socket = cli.admin_socket;
+    let socket = || {
+        admin_socket
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
+    };
+    match cli.command {
+        Command::Run(args) => {
+            let file = match &args.config {
+                Some(path) => ConfigFile::load(path)?,
+                None => ConfigFile::default(),
+            };
+            run::run(args.resolve(file, admin_socket.clone())?).await
+        }
+        Command::List { output } => list::list(&socket(), output).await,
+        Command::Watch { output } => watch::watch(&socket(), output).await,
+        Command::Status { output } => status::status(&socket(), output).await,
+        Command::Handler(command) => handler::execute(&socket(), command).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "plugin-agent",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run::parse_handler;
+    use super::*;
+    use crate::event_source::SourceChoice;
+    use std::time::Duration;
+
+    #[test]
+    fn handler_argument_parses_type_and_target() {
+        assert_eq!(
+            parse_handler("CSIPlugin=accept-all"),
+            Ok(("CSIPlugin".into(), "accept-all".into()))
+        );
+        assert_eq!(
+            parse_handler("DRAPlugin=unix:///run/d.sock"),
+            Ok(("DRAPlugin".into(), "unix:///run/d.sock".into()))
+        );
+        assert!(parse_handler("CSIPlugin").is_err());
+        assert!(parse_handler("=accept-all").is_err());
+        assert!(parse_handler("CSIPlugin=magic").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_override_config_file_which_overrides_defaults() {
+        let file = ConfigFile::parse(
+            "plugin_dir = \"/from/file\"\nsource = \"inotify\"\nmax_concurrent = 7\n[handlers]\nCSIPlugin = \"accept-all\"\nDRAPlugin = \"accept-all\"\n[timeouts]\nvalidate = \"3s\"",
+        )
+        .expect("config");
+        let args = RunArgs {
+            plugin_dir: Some("/from/flag".into()),
+            handlers: vec![("DRAPlugin".into(), "unix:///run/dra.sock".into())],
+            ..RunArgs::default()
+        };
+        let settings = args.resolve(file, None).expect("resolves");
+        assert_eq!(settings.agent.plugin_dir, PathBuf::from("/from/flag"));
+        assert_eq!(
+            settings.agent.source,
+            SourceChoice::Only(crate::event_source::SourceKind::Inotify)
+        );
+        assert_eq!(settings.agent.executor.max_concurrent, 7);
+        assert_eq!(
+            settings.agent.executor.handler_timeouts.validate,
+            Duration::from_secs(3)
+        );
+        assert_eq!(
+            settings.agent.executor.handler_timeouts.register,
+            Duration::from_secs(45)
+        );
+        assert_eq!(
+            settings.handlers.get("DRAPlugin").map(String::as_str),
+            Some("unix:///run/dra.sock")
+        );
+        assert_eq!(
+            settings.handlers.get("CSIPlugin").map(String::as_str),
+            Some("accept-all")
+        );
+        assert_eq!(
+            settings.admin_socket,
+            Some(PathBuf::from(admin::DEFAULT_SOCKET))
+        );
+    }
+
+    #[test]
+    fn bad_config_values_are_reported() {
+        let file = ConfigFile::parse("[handlers]\nCSIPlugin = \"ftp://x\"").expect("parses");
+        assert!(RunArgs::default().resolve(file, None).is_err());
+        let file = ConfigFile::parse("source = \"kprobe\"").expect("parses");
+        assert!(RunArgs::default().resolve(file, None).is_err());
+    }
+}

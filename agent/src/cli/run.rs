@@ -1,0 +1,271 @@
+//! `plugin-agent run`: the settings from flags, the configuration file and defaults (flags win),
+//! and the agent's life from start to SIGINT/SIGTERM, with the admin API beside it.
+
+use super::DEFAULT_PLUGIN_DIR;
+use crate::admin;
+use crate::agent::{AgentConfig, RunningAgent};
+use crate::config::ConfigFile;
+use crate::event_source::{SourceChoice, SourceOptions};
+use crate::executor::{ExecutorConfig, HandlerTimeouts};
+use crate::handler::{self, HandlerRegistry};
+use crate::reconciler::ReconcileMode;
+use crate::registration::Timeouts;
+use crate::telemetry;
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args, Debug, Default)]
+pub struct RunArgs {
+    /// TOML configuration file (see deploy/plugin-agent.toml); flags override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Registration directory to watch, recursively; created 0755 if missing
+    /// [default: /var/lib/kubelet/plugins_registry].
+    #[arg(long)]
+    pub plugin_dir: Option<PathBuf>,
+
+    /// A handler for a plugin type, as TYPE=TARGET; TARGET is `accept-all` (built in: accept and
+    /// log), `unix:///path.sock` or `http://host:port` (a pluginagent.v1.PluginHandler server).
+    /// Repeat for several types.
+    #[arg(long = "handler", value_name = "TYPE=TARGET", value_parser = parse_handler)]
+    pub handlers: Vec<(String, String)>,
+
+    /// Event source: auto picks eBPF, else fanotify, else inotify, and logs why [default: auto].
+    #[arg(long, value_parser = parse_source)]
+    pub source: Option<SourceChoice>,
+
+    /// event: react to every change; polling: kubelet's 1 s reconciler loop [default: event].
+    #[arg(long, value_enum)]
+    pub reconcile_mode: Option<ReconcileMode>,
+
+    /// Period of the safety pass (full reconcile and re-walk) in event mode [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub safety_period: Option<Duration>,
+
+    /// Registration and deregistration operations running at once [default: 256].
+    #[arg(long)]
+    pub max_concurrent: Option<usize>,
+
+    /// eBPF ring buffer size in bytes, a power of two [default: 2097152].
+    #[arg(long)]
+    pub ring_buffer_bytes: Option<usize>,
+
+    /// Handler ValidatePlugin/RegisterPlugin deadline [default: 45s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub handler_timeout: Option<Duration>,
+
+    /// Handler DeRegisterPlugin deadline [default: 10s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub deregister_timeout: Option<Duration>,
+
+    /// Do not serve the admin API.
+    #[arg(long)]
+    pub no_admin: bool,
+
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` on this address
+    /// [default: 127.0.0.1:9464].
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
+    /// Do not serve metrics and health endpoints.
+    #[arg(long, conflicts_with = "metrics_addr")]
+    pub no_metrics: bool,
+
+    /// Export traces over OTLP/gRPC to this collector, e.g. `http://127.0.0.1:4317`. Off by
+    /// default; `OTEL_EXPORTER_OTLP_ENDPOINT` (and the other `OTEL_*` variables) work too.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+
+    /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
+    /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
+    #[arg(long)]
+    pub keep_capabilities: bool,
+}
+
+pub(super) fn parse_handler(value: &str) -> Result<(String, String), String> {
+    let (plugin_type, target) = value
+        .split_once('=')
+        .ok_or_else(|| format!("expected TYPE=TARGET, got {value:?}"))?;
+    if plugin_type.is_empty() {
+        return Err("empty plugin type".into());
+    }
+    if target != "accept-all" {
+        handler::grpc::Address::parse(target)?;
+    }
+    Ok((plugin_type.to_string(), target.to_string()))
+}
+
+fn parse_source(value: &str) -> Result<SourceChoice, String> {
+    value.parse()
+}
+
+/// Everything `run` needs, after merging flags over the config file over defaults.
+#[derive(Debug)]
+pub struct RunSettings {
+    /// The agent's configuration.
+    pub agent: AgentConfig,
+    /// Handlers by type.
+    pub handlers: BTreeMap<String, String>,
+    /// Where to serve the admin API (None: not served).
+    pub admin_socket: Option<PathBuf>,
+    /// Keep every capability after start.
+    pub keep_capabilities: bool,
+}
+
+impl RunArgs {
+    /// `--otlp-endpoint`, else the config file's `otlp_endpoint` (read early: tracing is set up
+    /// before the agent starts). A config file that cannot be read is reported by `run` itself.
+    pub fn otlp_endpoint_or_configured(&self) -> Option<String> {
+        self.otlp_endpoint.clone().or_else(|| {
+            let path = self.config.as_ref()?;
+            ConfigFile::load(path).ok()?.otlp_endpoint
+        })
+    }
+
+    /// Merges flags over `file` over kubelet-compatible defaults.
+    pub fn resolve(
+        self,
+        file: ConfigFile,
+        admin_socket: Option<PathBuf>,
+    ) -> anyhow::Result<RunSettings> {
+        let plugin_dir = self
+            .plugin_dir
+            .or(file.plugin_dir)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_PLUGIN_DIR));
+        let mut agent = AgentConfig::new(plugin_dir);
+        agent.source = match (self.source, file.source) {
+            (Some(source), _) => source,
+            (None, Some(text)) => text
+                .parse()
+                .map_err(anyhow::Error::msg)
+                .context("config: source")?,
+            (None, None) => SourceChoice::Auto,
+        };
+        agent.reconcile_mode = match (self.reconcile_mode, file.reconcile_mode) {
+            (Some(mode), _) => mode,
+            (None, Some(text)) => ReconcileMode::from_str(&text, true)
+                .map_err(anyhow::Error::msg)
+                .context("config: reconcile_mode")?,
+            (None, None) => ReconcileMode::Event,
+        };
+        agent.safety_period = self
+            .safety_period
+            .or(file.safety_period)
+            .unwrap_or(agent.safety_period);
+        agent.source_options = SourceOptions {
+            ring_buffer_bytes: self
+                .ring_buffer_bytes
+                .or(file.ring_buffer_bytes)
+                .unwrap_or(0),
+        };
+        let t = &file.timeouts;
+        let plugin_defaults = Timeouts::default();
+        let handler_defaults = HandlerTimeouts::default();
+        agent.executor = ExecutorConfig {
+            plugin_timeouts: Timeouts {
+                dial: t.dial.unwrap_or(plugin_defaults.dial),
+                get_info: t.get_info.unwrap_or(plugin_defaults.get_info),
+                notify: t.notify.unwrap_or(plugin_defaults.notify),
+            },
+            handler_timeouts: HandlerTimeouts {
+                validate: self
+                    .handler_timeout
+                    .or(t.validate)
+                    .unwrap_or(handler_defaults.validate),
+                register: self
+                    .handler_timeout
+                    .or(t.register)
+                    .unwrap_or(handler_defaults.register),
+                deregister: self
+                    .deregister_timeout
+                    .or(t.deregister)
+                    .unwrap_or(handler_defaults.deregister),
+            },
+            max_concurrent: self
+                .max_concurrent
+                .or(file.max_concurrent)
+                .unwrap_or(ExecutorConfig::default().max_concurrent),
+        };
+        let metrics_addr = self.metrics_addr.or(file.metrics_addr);
+        agent.metrics_addr =
+            (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
+        let mut handlers = file.handlers;
+        for (plugin_type, target) in &handlers {
+            parse_handler(&format!("{plugin_type}={target}"))
+                .map_err(anyhow::Error::msg)
+                .context("config: handlers")?;
+        }
+        handlers.extend(self.handlers);
+        let admin_socket = (!self.no_admin).then(|| {
+            admin_socket
+                .or(file.admin_socket)
+                .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
+        });
+        Ok(RunSettings {
+            agent,
+            handlers,
+            admin_socket,
+            keep_capabilities: self.keep_capabilities,
+        })
+    }
+}
+
+/// `plugin-agent run`, until SIGINT or SIGTERM.
+pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
+    let handlers = Arc::new(HandlerRegistry::default());
+    for (plugin_type, target) in &settings.handlers {
+        let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;
+        tracing::info!(plugin_type = %plugin_type, handler = %target, "handler configured");
+        handlers.insert(plugin_type, handler);
+    }
+    let agent = RunningAgent::start(settings.agent, handlers).await?;
+    if settings.keep_capabilities {
+        tracing::warn!("--keep-capabilities: running with every capability the agent started with");
+    } else {
+        match crate::privileges::drop_after_start() {
+            Ok(dropped) => {
+                tracing::info!(kept = ?dropped.kept, dropped = dropped.dropped, "capabilities dropped after start")
+            }
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "could not drop capabilities; running with those it has"
+            ),
+        }
+    }
+    let admin_cancel = tokio_util::sync::CancellationToken::new();
+    let admin = settings.admin_socket.map(|socket| {
+        let service = admin::server::AdminService::new(&agent);
+        let cancel = admin_cancel.clone();
+        tokio::spawn(async move {
+            if let Err(e) = admin::server::serve(&socket, service, cancel).await {
+                tracing::error!(error = format!("{e:#}"), "admin API stopped");
+            }
+        })
+    });
+    let result = agent.run_until(shutdown_signal()).await;
+    admin_cancel.cancel();
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
+    result
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: finishing running operations"),
+        _ = int.recv() => tracing::info!("SIGINT: finishing running operations"),
+    }
+}

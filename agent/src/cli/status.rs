@@ -1,0 +1,100 @@
+//! `plugin-agent status`: the event source, rescans, plugin counts and handler health.
+
+use super::Output;
+use super::render::{print_structured, timestamp};
+use crate::admin;
+use plugin_agent_proto::pluginagent::v1 as api;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+#[derive(Debug, serde::Serialize)]
+struct StatusView {
+    version: String,
+    plugin_dir: String,
+    source: String,
+    source_description: String,
+    reconcile_mode: String,
+    started_at: String,
+    plugins_desired: u64,
+    plugins_registered: u64,
+    rescans: u64,
+    loss_rescans: u64,
+    handlers: Vec<HandlerView>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct HandlerView {
+    plugin_type: String,
+    target: String,
+    healthy: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_error: Option<String>,
+}
+
+pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
+    let mut client = admin::client::connect(socket).await?;
+    let s = client
+        .get_status(api::GetStatusRequest {})
+        .await?
+        .into_inner();
+    let view = StatusView {
+        version: s.version,
+        plugin_dir: s.plugin_dir,
+        source: s.source,
+        source_description: s.source_description,
+        reconcile_mode: s.reconcile_mode,
+        started_at: timestamp(s.started_unix_ms),
+        plugins_desired: s.plugins_desired,
+        plugins_registered: s.plugins_registered,
+        rescans: s.rescans,
+        loss_rescans: s.loss_rescans,
+        handlers: s
+            .handlers
+            .into_iter()
+            .map(|h| HandlerView {
+                plugin_type: h.plugin_type,
+                target: h.target,
+                healthy: h.healthy,
+                last_error: (!h.last_error.is_empty()).then_some(h.last_error),
+            })
+            .collect(),
+    };
+    if output != Output::Table {
+        return print_structured(&view, output);
+    }
+    let uptime = SystemTime::now()
+        .duration_since(UNIX_EPOCH + Duration::from_millis(s.started_unix_ms.max(0) as u64))
+        .unwrap_or_default();
+    println!(
+        "plugin-agent {}  up {}",
+        view.version,
+        humantime::format_duration(Duration::from_secs(uptime.as_secs()))
+    );
+    println!("plugin dir:    {}", view.plugin_dir);
+    println!(
+        "event source:  {} ({})",
+        view.source, view.source_description
+    );
+    println!("reconciler:    {}", view.reconcile_mode);
+    println!(
+        "plugins:       {} found, {} registered",
+        view.plugins_desired, view.plugins_registered
+    );
+    println!(
+        "rescans:       {} ({} after event loss)",
+        view.rescans, view.loss_rescans
+    );
+    println!("handlers:");
+    for h in &view.handlers {
+        let health = if h.healthy { "healthy" } else { "UNREACHABLE" };
+        let error = h
+            .last_error
+            .as_deref()
+            .map(|e| format!(" last error: {e}"))
+            .unwrap_or_default();
+        println!(
+            "  {:<16} {:<8} {}{}",
+            h.plugin_type, health, h.target, error
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
+
+use super::Output;
+use crate::admin;
+use plugin_agent_proto::pluginagent::v1 as api;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// An event as `watch` prints it.
+#[derive(Debug, serde::Serialize)]
+struct EventRow {
+    time: String,
+    kind: String,
+    socket_path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    plugin: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    latency_us: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
+    let mut client = admin::client::connect(socket).await?;
+    let mut stream = client
+        .watch_events(api::WatchEventsRequest {})
+        .await?
+        .into_inner();
+    // The agent subscribed before it answered: from here no event is missed. Said on stderr so
+    // scripts (and tests) can start acting once the stream is live, without polluting stdout.
+    eprintln!("watching events of {}", socket.display());
+    while let Some(event) = stream.message().await? {
+        let kind = api::EventKind::try_from(event.kind).unwrap_or(api::EventKind::Unspecified);
+        let row = EventRow {
+            time: humantime::format_rfc3339_micros(
+                UNIX_EPOCH + Duration::from_nanos(event.time_unix_nanos.max(0) as u64),
+            )
+            .to_string(),
+            kind: kind
+                .as_str_name()
+                .trim_start_matches("EVENT_KIND_")
+                .to_lowercase(),
+            socket_path: event.socket_path,
+            plugin: event.plugin.map(|p| format!("{}/{}", p.r#type, p.name)),
+            error: (!event.error.is_empty()).then_some(event.error),
+            latency_us: (event.latency_us > 0).then_some(event.latency_us),
+            detail: (!event.detail.is_empty()).then_some(event.detail),
+        };
+        match output {
+            Output::Json => println!("{}", serde_json::to_string(&row)?),
+            Output::Yaml => print!("---\n{}", serde_norway::to_string(&row)?),
+            Output::Table => {
+                let mut line = format!("{} {:<20} {}", row.time, row.kind, row.socket_path);
+                if let Some(p) = &row.plugin {
+                    line += &format!(" plugin={p}");
+                }
+                if let Some(l) = row.latency_us {
+                    line += &format!(" latency={:.3}ms", l as f64 / 1000.0);
+                }
+                if let Some(e) = &row.error {
+                    line += &format!(" error={e:?}");
+                }
+                if let Some(d) = &row.detail {
+                    line += &format!(" ({d})");
+                }
+                println!("{line}");
+            }
+        }
+    }
+    Ok(())
+}
