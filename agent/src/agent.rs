@@ -5,7 +5,7 @@
 //!                                                   actual state <-/
 //! ```
 
-use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
+use crate::event_source::{self, EventSource, SourceChoice, SourceKind, SourceOptions};
 use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
@@ -15,6 +15,7 @@ use crate::state::desired::DesiredState;
 use crate::state::queue::ReconcileQueue;
 use crate::state::view::StateView;
 use crate::telemetry::Telemetry;
+use crate::telemetry::metrics::StateCollector;
 use crate::watcher::Watcher;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -113,73 +114,36 @@ impl RunningAgent {
         let source_description = source.describe();
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
 
-        let desired = Arc::new(DesiredState::default());
-        let actual = Arc::new(ActualState::default());
-        let queue = Arc::new(ReconcileQueue::default());
-        let notifications = NotificationBus::default();
-        let telemetry = Telemetry::new(source_kind);
-        let executor = OperationExecutor::new(
-            actual.clone(),
-            handlers.clone(),
-            queue.clone(),
-            config.executor,
-            notifications.clone(),
-            telemetry.clone(),
-            cancel.child_token(),
-        );
-        let watcher = Watcher::new(
-            config.plugin_dir.clone(),
-            source.clone(),
-            desired.clone(),
-            queue.clone(),
-            notifications.clone(),
-            telemetry.clone(),
-        );
-        let reconciler = Reconciler::new(
-            desired.clone(),
-            actual.clone(),
-            executor.clone(),
-            queue.clone(),
-            config.reconcile_mode,
-            config.safety_period,
-            Some(watcher.rescan_requests()),
-        );
+        let Stages {
+            desired,
+            actual,
+            notifications,
+            telemetry,
+            executor,
+            watcher,
+            reconciler,
+        } = Stages::assemble(&config, &handlers, source.clone(), &cancel);
 
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();
-        let mut metrics_addr = None;
-        if let Some(addr) = config.metrics_addr {
-            // Metrics are never a reason not to register plugins: an address in use is reported
-            // and the agent runs without them.
-            match tokio::net::TcpListener::bind(addr).await {
-                Ok(listener) => {
-                    let bound = listener.local_addr()?;
-                    let registry =
-                        telemetry
-                            .metrics
-                            .registry(crate::telemetry::metrics::StateCollector {
-                                state: StateView {
-                                    desired: desired.clone(),
-                                    actual: actual.clone(),
-                                    backoff: executor.backoffs(),
-                                },
-                                handlers: handlers.clone(),
-                                watcher: telemetry.watcher.clone(),
-                                source,
-                            });
-                    info!(addr = %bound, "serving /metrics, /healthz and /readyz");
-                    let (ready, http_cancel) = (ready.clone(), cancel.clone());
-                    tasks.spawn(async move {
-                        crate::telemetry::http::serve(listener, registry, ready, http_cancel).await
-                    });
-                    metrics_addr = Some(bound);
-                }
-                Err(e) => {
-                    warn!(addr = %addr, error = %e, "cannot serve metrics and health; running without them")
-                }
+        let metrics_addr = match config.metrics_addr {
+            Some(addr) => {
+                let collector = StateCollector {
+                    state: StateView {
+                        desired: desired.clone(),
+                        actual: actual.clone(),
+                        backoff: executor.backoffs(),
+                    },
+                    handlers: handlers.clone(),
+                    watcher: telemetry.watcher.clone(),
+                    source,
+                };
+                let registry = telemetry.metrics.registry(collector);
+                serve_metrics(addr, registry, ready.clone(), cancel.clone(), &mut tasks).await?
             }
-        }
+            None => None,
+        };
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
             reconciler.run(reconciler_cancel).await;
@@ -248,5 +212,93 @@ impl RunningAgent {
         self.cancel.cancel();
         while self.tasks.join_next().await.is_some() {}
         self.executor.drain().await;
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` as one of the agent's `tasks`, and
+/// returns the bound address (port 0 resolved). Metrics are never a reason not to register
+/// plugins: an address that cannot be bound is reported and the agent runs without them.
+async fn serve_metrics(
+    addr: SocketAddr,
+    registry: prometheus_client::registry::Registry,
+    ready: watch::Receiver<bool>,
+    cancel: CancellationToken,
+    tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            warn!(addr = %addr, error = %e, "cannot serve metrics and health; running without them");
+            return Ok(None);
+        }
+    };
+    let bound = listener.local_addr()?;
+    info!(addr = %bound, "serving /metrics, /healthz and /readyz");
+    tasks.spawn(
+        async move { crate::telemetry::http::serve(listener, registry, ready, cancel).await },
+    );
+    Ok(Some(bound))
+}
+
+/// The data flow's stages, wired together but not yet running.
+struct Stages {
+    desired: Arc<DesiredState>,
+    actual: Arc<ActualState>,
+    notifications: NotificationBus,
+    telemetry: Arc<Telemetry>,
+    executor: Arc<OperationExecutor>,
+    watcher: Watcher,
+    reconciler: Reconciler,
+}
+
+impl Stages {
+    /// Creates the caches, the reconcile queue, the notification bus and telemetry, and the
+    /// executor, watcher and reconciler over them, as the data flow of `docs/architecture.md`.
+    fn assemble(
+        config: &AgentConfig,
+        handlers: &Arc<HandlerRegistry>,
+        source: Arc<dyn EventSource>,
+        cancel: &CancellationToken,
+    ) -> Stages {
+        let desired = Arc::new(DesiredState::default());
+        let actual = Arc::new(ActualState::default());
+        let queue = Arc::new(ReconcileQueue::default());
+        let notifications = NotificationBus::default();
+        let telemetry = Telemetry::new(source.kind());
+        let executor = OperationExecutor::new(
+            actual.clone(),
+            handlers.clone(),
+            queue.clone(),
+            config.executor,
+            notifications.clone(),
+            telemetry.clone(),
+            cancel.child_token(),
+        );
+        let watcher = Watcher::new(
+            config.plugin_dir.clone(),
+            source,
+            desired.clone(),
+            queue.clone(),
+            notifications.clone(),
+            telemetry.clone(),
+        );
+        let reconciler = Reconciler::new(
+            desired.clone(),
+            actual.clone(),
+            executor.clone(),
+            queue.clone(),
+            config.reconcile_mode,
+            config.safety_period,
+            Some(watcher.rescan_requests()),
+        );
+        Stages {
+            desired,
+            actual,
+            notifications,
+            telemetry,
+            executor,
+            watcher,
+            reconciler,
+        }
     }
 }

@@ -133,6 +133,7 @@ impl RunArgs {
         file: ConfigFile,
         admin_socket: Option<PathBuf>,
     ) -> anyhow::Result<RunSettings> {
+        let executor = self.executor_config(&file);
         let plugin_dir = self
             .plugin_dir
             .or(file.plugin_dir)
@@ -163,10 +164,36 @@ impl RunArgs {
                 .or(file.ring_buffer_bytes)
                 .unwrap_or(0),
         };
+        agent.executor = executor;
+        let metrics_addr = self.metrics_addr.or(file.metrics_addr);
+        agent.metrics_addr =
+            (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
+        let mut handlers = file.handlers;
+        for (plugin_type, target) in &handlers {
+            parse_handler(&format!("{plugin_type}={target}"))
+                .map_err(anyhow::Error::msg)
+                .context("config: handlers")?;
+        }
+        handlers.extend(self.handlers);
+        let admin_socket = (!self.no_admin).then(|| {
+            admin_socket
+                .or(file.admin_socket)
+                .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
+        });
+        Ok(RunSettings {
+            agent,
+            handlers,
+            admin_socket,
+            keep_capabilities: self.keep_capabilities,
+        })
+    }
+
+    /// Timeouts and concurrency of operations: flags over `file` over kubelet's values.
+    fn executor_config(&self, file: &ConfigFile) -> ExecutorConfig {
         let t = &file.timeouts;
         let plugin_defaults = Timeouts::default();
         let handler_defaults = HandlerTimeouts::default();
-        agent.executor = ExecutorConfig {
+        ExecutorConfig {
             plugin_timeouts: Timeouts {
                 dial: t.dial.unwrap_or(plugin_defaults.dial),
                 get_info: t.get_info.unwrap_or(plugin_defaults.get_info),
@@ -190,28 +217,7 @@ impl RunArgs {
                 .max_concurrent
                 .or(file.max_concurrent)
                 .unwrap_or(ExecutorConfig::default().max_concurrent),
-        };
-        let metrics_addr = self.metrics_addr.or(file.metrics_addr);
-        agent.metrics_addr =
-            (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
-        let mut handlers = file.handlers;
-        for (plugin_type, target) in &handlers {
-            parse_handler(&format!("{plugin_type}={target}"))
-                .map_err(anyhow::Error::msg)
-                .context("config: handlers")?;
         }
-        handlers.extend(self.handlers);
-        let admin_socket = (!self.no_admin).then(|| {
-            admin_socket
-                .or(file.admin_socket)
-                .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
-        });
-        Ok(RunSettings {
-            agent,
-            handlers,
-            admin_socket,
-            keep_capabilities: self.keep_capabilities,
-        })
     }
 }
 

@@ -8,6 +8,7 @@ use crate::notifications::{AgentEvent, EventKind};
 use crate::registration::{PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
 use crate::state::desired::DesiredPlugin;
+use plugin_agent_proto::pluginregistration::PluginInfo;
 use std::path::Path;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -101,18 +102,7 @@ impl OperationExecutor {
     ) -> Result<Plugin, RegisterFailure> {
         let (mut connection, info) =
             PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts).await?;
-        let socket_path = path.to_string_lossy().into_owned();
-        let plugin = Plugin {
-            endpoint: if info.endpoint.is_empty() {
-                socket_path.clone()
-            } else {
-                info.endpoint
-            },
-            plugin_type: info.r#type,
-            name: info.name,
-            supported_versions: info.supported_versions,
-            socket_path,
-        };
+        let plugin = plugin_of(path, info);
         let span = tracing::Span::current();
         span.record("plugin_name", plugin.name.as_str());
         span.record("plugin_type", plugin.plugin_type.as_str());
@@ -289,6 +279,23 @@ fn handler_error(call: HandlerCall, error: HandlerError, plugin: &Plugin) -> Reg
         } else {
             rejected
         },
+    }
+}
+
+/// The plugin as handlers see it, from its GetInfo answer: an empty endpoint means the
+/// registration socket itself, as in kubelet.
+fn plugin_of(path: &Path, info: PluginInfo) -> Plugin {
+    let socket_path = path.to_string_lossy().into_owned();
+    Plugin {
+        endpoint: if info.endpoint.is_empty() {
+            socket_path.clone()
+        } else {
+            info.endpoint
+        },
+        plugin_type: info.r#type,
+        name: info.name,
+        supported_versions: info.supported_versions,
+        socket_path,
     }
 }
 

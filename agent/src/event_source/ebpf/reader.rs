@@ -53,6 +53,46 @@ pub struct Reader {
     pub ring_buffer_bytes: u32,
 }
 
+/// The loss counters and what the reader has already reported of them.
+struct Losses<'a> {
+    counters: &'a LossCounters,
+    seen: &'a mut [u64; loss::COUNT as usize],
+    ring_buffer_bytes: u32,
+}
+
+/// Reads the loss counters and the name table's overflow flag after a drain; on any new loss,
+/// tells the watcher to rescan (and empties a full name table, which the rescan refills).
+/// Returns false when the watcher is gone.
+async fn report_losses(
+    losses: Losses<'_>,
+    filters: &Filters,
+    sink: &Sender<FsEvent>,
+    cancel: &CancellationToken,
+) -> bool {
+    let mut report = new_losses(losses.counters, losses.seen, losses.ring_buffer_bytes);
+    if filters.take_names_overflow() {
+        report = Some(LossReport::merge(
+            report,
+            "a name found by the watcher did not fit the eBPF name table",
+        ));
+    }
+    let Some(reason) = report else {
+        return true;
+    };
+    if reason.names_full {
+        filters.forget_names();
+    }
+    tracing::warn!(reason = %reason.text, "eBPF event source lost events; rescanning");
+    send(
+        sink,
+        cancel,
+        FsEvent::Rescan {
+            reason: reason.text,
+        },
+    )
+    .await
+}
+
 impl Reader {
     /// Runs until cancelled or the watcher's channel closes.
     pub async fn run(self) {
@@ -120,29 +160,13 @@ impl Reader {
                 // lookups, each a syscall): they are on no event's path.
                 tokio::task::yield_now().await;
             }
-            let mut report = new_losses(&losses, &mut seen_losses, ring_buffer_bytes);
-            if filters.take_names_overflow() {
-                report = Some(LossReport::merge(
-                    report,
-                    "a name found by the watcher did not fit the eBPF name table",
-                ));
-            }
-            if let Some(reason) = report {
-                if reason.names_full {
-                    filters.forget_names();
-                }
-                tracing::warn!(reason = %reason.text, "eBPF event source lost events; rescanning");
-                if !send(
-                    &sink,
-                    &cancel,
-                    FsEvent::Rescan {
-                        reason: reason.text,
-                    },
-                )
-                .await
-                {
-                    return;
-                }
+            let losses = Losses {
+                counters: &losses,
+                seen: &mut seen_losses,
+                ring_buffer_bytes,
+            };
+            if !report_losses(losses, &filters, &sink, &cancel).await {
+                return;
             }
             follow_up = (woken || drained > 0).then(|| Instant::now() + batch_delay);
         }
