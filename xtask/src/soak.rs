@@ -337,93 +337,10 @@ pub fn soak(options: &Options) -> anyhow::Result<()> {
 }
 
 fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
-    let mut handler = run.start_handler()?;
-    let mut agent = run.start_agent()?;
+    let mut churn = Churn::start(run)?;
     let mut host = Host::start(run, options.plugins)?;
     host.command(&format!("churn {}", options.churn))?;
-
-    let started = Instant::now();
-    let half = options.duration / 2;
-    let fault_every = Duration::from_secs(options.fault_every.max(1));
-    let mut next_fault = started + fault_every;
-    let mut fault = 0usize;
-    let mut counts = [0usize; 5];
-    let mut bad: Vec<Guard> = Vec::new();
-    let mut noise_round = 0usize;
-    let mut first_memory = Memory::default();
-    let mut last_memory = Memory::default();
-    let mut agent_restarts = 0usize;
-    let mut last_sample = Instant::now();
-    while started.elapsed() < options.duration {
-        std::thread::sleep(Duration::from_millis(250));
-        if last_sample.elapsed() >= Duration::from_secs(1) {
-            last_sample = Instant::now();
-            if let Some(kib) = rss_kib(agent.pid()) {
-                if agent_restarts == 0 {
-                    first_memory.sample(kib);
-                }
-                if started.elapsed() >= half {
-                    last_memory.sample(kib);
-                }
-            }
-        }
-        if Instant::now() < next_fault {
-            continue;
-        }
-        next_fault += fault_every;
-        let mut kind = fault % 5;
-        fault += 1;
-        if kind == 0 && started.elapsed() + fault_every >= half {
-            kind = 4; // no agent kills in the memory half: noise instead
-        }
-        counts[kind] += 1;
-        match kind {
-            0 => {
-                eprintln!(
-                    "xtask: soak: {:>4}s SIGKILL the agent, start it again",
-                    started.elapsed().as_secs()
-                );
-                agent.kill();
-                agent = run.start_agent()?;
-                agent_restarts += 1;
-            }
-            1 => {
-                eprintln!(
-                    "xtask: soak: {:>4}s SIGKILL the handler, start it again",
-                    started.elapsed().as_secs()
-                );
-                handler.kill();
-                handler = run.start_handler()?;
-            }
-            2 => {
-                bad.push(
-                    run.start_bad_plugin(&format!("hang-{fault}.sock"), &["--get-info-hang"])?,
-                );
-            }
-            3 => {
-                let lie: &[&str] = match fault % 3 {
-                    0 => &["--huge-name-bytes", "1000000"],
-                    1 => &["--versions-count", "5000"],
-                    _ => &["--mode", "non-grpc"],
-                };
-                bad.push(run.start_bad_plugin(&format!("lie-{fault}.sock"), lie)?);
-            }
-            _ => {
-                let old = run.registry.join(format!("noise-{noise_round}"));
-                let _ = std::fs::remove_dir_all(&old);
-                noise_round += 1;
-                let new = run.registry.join(format!("noise-{noise_round}"));
-                std::fs::create_dir_all(&new)?;
-                for i in 0..500 {
-                    std::fs::write(new.join(format!("f{i}")), b"noise")?;
-                }
-            }
-        }
-        // Keep at most a few misbehaving plugins alive: each holds a failed entry.
-        while bad.len() > 4 {
-            bad.remove(0).terminate();
-        }
-    }
+    churn.run(options)?;
 
     eprintln!("xtask: soak: churn paused; stopping misbehaving plugins and checking convergence");
     host.command("pause")?;
@@ -433,9 +350,177 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
         .context("plugin-host did not list its live plugins")?
         .into_iter()
         .collect();
-    for mut b in bad.drain(..) {
+    for mut b in churn.bad.drain(..) {
         b.terminate();
     }
+    let end = converge(run, live);
+    if let Some(kib) = rss_kib(churn.agent.pid()) {
+        churn.last_memory.sample(kib);
+    }
+    let verdict = report(options, &churn, &end);
+    let Host {
+        mut guard, stdin, ..
+    } = host;
+    drop(stdin);
+    guard.terminate();
+    if !verdict.missing.is_empty() || !verdict.extra.is_empty() {
+        bail!(
+            "plugins lost: missing {:?}, extra {:?} (logs in {})",
+            verdict.missing,
+            verdict.extra,
+            run.dir.display()
+        );
+    }
+    if !verdict.flat {
+        bail!(
+            "agent memory grew by {:.1} MiB in the second half",
+            verdict.growth_kib as f64 / 1024.0
+        );
+    }
+    Ok(())
+}
+
+/// The churn phase: the agent and handler it kills and restarts, the misbehaving plugins it
+/// starts, the noise it writes, and the agent's memory it samples meanwhile.
+struct Churn<'a> {
+    run: &'a Run,
+    agent: Guard,
+    handler: Guard,
+    bad: Vec<Guard>,
+    /// Faults injected, by kind: agent kill, handler kill, hung plugin, lying plugin, noise.
+    counts: [usize; 5],
+    fault: usize,
+    noise_round: usize,
+    agent_restarts: usize,
+    first_memory: Memory,
+    last_memory: Memory,
+}
+
+impl<'a> Churn<'a> {
+    /// Starts the handler and the agent.
+    fn start(run: &'a Run) -> anyhow::Result<Churn<'a>> {
+        let handler = run.start_handler()?;
+        let agent = run.start_agent()?;
+        Ok(Churn {
+            run,
+            agent,
+            handler,
+            bad: Vec::new(),
+            counts: [0; 5],
+            fault: 0,
+            noise_round: 0,
+            agent_restarts: 0,
+            first_memory: Memory::default(),
+            last_memory: Memory::default(),
+        })
+    }
+
+    /// Injects a fault every `--fault-every` and samples memory every second, for `--duration`.
+    fn run(&mut self, options: &Options) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let half = options.duration / 2;
+        let fault_every = Duration::from_secs(options.fault_every.max(1));
+        let mut next_fault = started + fault_every;
+        let mut last_sample = Instant::now();
+        while started.elapsed() < options.duration {
+            std::thread::sleep(Duration::from_millis(250));
+            if last_sample.elapsed() >= Duration::from_secs(1) {
+                last_sample = Instant::now();
+                self.sample_memory(started.elapsed() >= half);
+            }
+            if Instant::now() < next_fault {
+                continue;
+            }
+            next_fault += fault_every;
+            let mut kind = self.fault % 5;
+            self.fault += 1;
+            if kind == 0 && started.elapsed() + fault_every >= half {
+                kind = 4; // no agent kills in the memory half: noise instead
+            }
+            self.counts[kind] += 1;
+            self.inject(kind, started.elapsed())?;
+            // Keep at most a few misbehaving plugins alive: each holds a failed entry.
+            while self.bad.len() > 4 {
+                self.bad.remove(0).terminate();
+            }
+        }
+        Ok(())
+    }
+
+    /// Samples the agent's RSS: into the first instance's record until it is first restarted,
+    /// and into the second half's record once `second_half`.
+    fn sample_memory(&mut self, second_half: bool) {
+        if let Some(kib) = rss_kib(self.agent.pid()) {
+            if self.agent_restarts == 0 {
+                self.first_memory.sample(kib);
+            }
+            if second_half {
+                self.last_memory.sample(kib);
+            }
+        }
+    }
+
+    /// Injects one fault of `kind` (see [`Churn::counts`]).
+    fn inject(&mut self, kind: usize, elapsed: Duration) -> anyhow::Result<()> {
+        let run = self.run;
+        let fault = self.fault;
+        match kind {
+            0 => {
+                eprintln!(
+                    "xtask: soak: {:>4}s SIGKILL the agent, start it again",
+                    elapsed.as_secs()
+                );
+                self.agent.kill();
+                self.agent = run.start_agent()?;
+                self.agent_restarts += 1;
+            }
+            1 => {
+                eprintln!(
+                    "xtask: soak: {:>4}s SIGKILL the handler, start it again",
+                    elapsed.as_secs()
+                );
+                self.handler.kill();
+                self.handler = run.start_handler()?;
+            }
+            2 => {
+                self.bad.push(
+                    run.start_bad_plugin(&format!("hang-{fault}.sock"), &["--get-info-hang"])?,
+                );
+            }
+            3 => {
+                let lie: &[&str] = match fault % 3 {
+                    0 => &["--huge-name-bytes", "1000000"],
+                    1 => &["--versions-count", "5000"],
+                    _ => &["--mode", "non-grpc"],
+                };
+                self.bad
+                    .push(run.start_bad_plugin(&format!("lie-{fault}.sock"), lie)?);
+            }
+            _ => {
+                let old = run.registry.join(format!("noise-{}", self.noise_round));
+                let _ = std::fs::remove_dir_all(&old);
+                self.noise_round += 1;
+                let new = run.registry.join(format!("noise-{}", self.noise_round));
+                std::fs::create_dir_all(&new)?;
+                for i in 0..500 {
+                    std::fs::write(new.join(format!("f{i}")), b"noise")?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the agent lists once churn stopped, against the plugins alive then.
+struct End {
+    live: BTreeSet<PathBuf>,
+    listed: BTreeSet<PathBuf>,
+    registered: BTreeSet<PathBuf>,
+    converged_in: Duration,
+}
+
+/// Waits (at most 2 minutes) until the agent lists exactly the live plugins, all registered.
+fn converge(run: &Run, live: BTreeSet<PathBuf>) -> End {
     let converging = Instant::now();
     let deadline = converging + Duration::from_secs(120);
     let (listed, registered) = loop {
@@ -452,13 +537,29 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
         // Polling the operator API is this harness's convergence check (an operator's view).
         std::thread::sleep(Duration::from_millis(500));
     };
-    let converged_in = converging.elapsed();
-    if let Some(kib) = rss_kib(agent.pid()) {
-        last_memory.sample(kib);
+    End {
+        live,
+        listed,
+        registered,
+        converged_in: converging.elapsed(),
     }
-    let missing: Vec<_> = live.difference(&registered).collect();
-    let extra: Vec<_> = listed.difference(&live).collect();
+}
+
+/// The soak's verdict: plugins missing or extra at the end, and the second half's memory growth.
+struct Verdict {
+    missing: Vec<PathBuf>,
+    extra: Vec<PathBuf>,
+    growth_kib: i64,
+    flat: bool,
+}
+
+/// Prints the faults, the end state and the memory, and returns the verdict.
+fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
+    let missing: Vec<PathBuf> = end.live.difference(&end.registered).cloned().collect();
+    let extra: Vec<PathBuf> = end.listed.difference(&end.live).cloned().collect();
     let mib = |kib: u64| kib as f64 / 1024.0;
+    let (first_memory, last_memory, counts) =
+        (&churn.first_memory, &churn.last_memory, churn.counts);
     let growth = last_memory.end as i64 - last_memory.start.unwrap_or(0) as i64;
     let flat = growth < 16 * 1024;
     println!(
@@ -471,12 +572,12 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
     );
     println!(
         "end: {} live plugins, {} listed, {} registered, {} missing, {} extra; converged {:.1}s after churn stopped",
-        live.len(),
-        listed.len(),
-        registered.len(),
+        end.live.len(),
+        end.listed.len(),
+        end.registered.len(),
         missing.len(),
         extra.len(),
-        converged_in.as_secs_f64()
+        end.converged_in.as_secs_f64()
     );
     println!(
         "agent RSS, first instance: start {:.1} MiB, end {:.1} MiB, max {:.1} MiB",
@@ -492,22 +593,10 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
         growth as f64 / 1024.0,
         if flat { "flat" } else { "GROWING" }
     );
-    let Host {
-        mut guard, stdin, ..
-    } = host;
-    drop(stdin);
-    guard.terminate();
-    if !missing.is_empty() || !extra.is_empty() {
-        bail!(
-            "plugins lost: missing {missing:?}, extra {extra:?} (logs in {})",
-            run.dir.display()
-        );
+    Verdict {
+        missing,
+        extra,
+        growth_kib: growth,
+        flat,
     }
-    if !flat {
-        bail!(
-            "agent memory grew by {:.1} MiB in the second half",
-            growth as f64 / 1024.0
-        );
-    }
-    Ok(())
 }

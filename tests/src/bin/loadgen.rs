@@ -168,48 +168,14 @@ impl Drop for WorkDir {
 }
 
 async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
-    let work = match &args.work_dir {
-        Some(path) => WorkDir {
-            path: path.clone(),
-            remove: false,
-        },
-        None => WorkDir {
-            path: tempfile::Builder::new()
-                .prefix("loadgen-")
-                .tempdir()?
-                .keep(),
-            remove: true,
-        },
-    };
+    let work = WorkDir::for_run(args)?;
     let plugin_dir = work.path.join("plugins");
     std::fs::create_dir_all(&plugin_dir)?;
 
     let mut agent_args = args.agent_args.clone();
-    let (announce, _handler) = if args.scenario == Scenario::SlowHandler {
-        let (handler, target) = start_slow_handler(&work.path, args.params.handler_delay).await?;
-        agent_args.extend(["--handler".into(), format!("DRAPlugin={target}")]);
-        let announce = Announce {
-            plugin_type: "DRAPlugin".into(),
-            versions: vec!["v1.DRAPlugin".into()],
-        };
-        (announce, Some(handler))
-    } else {
-        agent_args.extend(["--handler".into(), "CSIPlugin=accept-all".into()]);
-        let announce = Announce {
-            plugin_type: "CSIPlugin".into(),
-            versions: vec!["1.0.0".into()],
-        };
-        (announce, None)
-    };
+    let (announce, _handler) = handler_for(args, &work.path, &mut agent_args).await?;
 
-    let ledger = SharedLedger::default();
-    let (reports_tx, mut reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let reports_ledger = ledger.clone();
-    tokio::spawn(async move {
-        while let Some(report) = reports_rx.recv().await {
-            reports_ledger.report(report);
-        }
-    });
+    let (ledger, reports_tx) = ledger_fed_by_workers();
     let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
 
     let mut agent = AgentUnderTest::new(
@@ -224,14 +190,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let pid = agent.pid().context("agent pid")?;
 
     // Warm-up: proves the agent watches the directory before anything is measured.
-    pool.start(0, Duration::ZERO).await?;
-    pool.flush().await?;
-    let warm = ledger
-        .wait_for(Duration::from_secs(60), |l| {
-            l.plugins.get(&0).is_some_and(|r| !r.notified.is_empty())
-        })
-        .await;
-    anyhow::ensure!(warm, "the warm-up plugin was not registered within 60 s");
+    warm_up(&mut pool, &ledger).await?;
     let before = procfs::sample(pid)?;
 
     let mut progress = Progress::new();
@@ -251,70 +210,15 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let pid = agent.pid().unwrap_or(pid);
 
     // Everything alive should register; the wait is bounded and the shortfall is measured.
-    let alive = |l: &ledger::Ledger| {
-        (1..created)
-            .filter(|id| {
-                // Not yet reported serving counts as waiting too; gone or failed to start does not.
-                !l.plugins.get(id).is_some_and(|r| {
-                    r.stopped_ns.is_some() || !r.notified.is_empty() || r.error.is_some()
-                })
-            })
-            .count()
-    };
-    let deadline = tokio::time::Instant::now() + args.params.timeout;
-    while !ledger
-        .check_every(Duration::from_millis(50), Duration::from_millis(200), |l| {
-            alive(l) == 0
-        })
-        .await
-        && tokio::time::Instant::now() < deadline
-    {
-        let registered = ledger.lock().registered as u64;
-        progress.set("registering", registered.min(created - 1), created - 1);
-    }
+    wait_registered(&ledger, created, args.params.timeout, &mut progress).await;
     let loaded = procfs::sample(pid)?;
     let load_usage = loaded.since(&before);
 
-    // Idle: a timer is the point here (a quiet window), not a wait for an event.
-    progress.set("idle", 0, 1);
-    let idle_start = procfs::sample(pid)?;
-    tokio::time::sleep(args.idle).await;
-    let idle = procfs::sample(pid)?.since(&idle_start);
+    let idle = measure_idle(pid, args.idle, &mut progress).await?;
 
     // Everything goes away; deregistrations are awaited up to the stale bound.
     progress.set("removing", 0, 1);
-    let to_stop: Vec<u64> = {
-        let l = ledger.lock();
-        (0..created)
-            .filter(|id| l.plugins.get(id).is_some_and(|r| r.stopped_ns.is_none()))
-            .collect()
-    };
-    for id in &to_stop {
-        pool.stop(*id).await?;
-    }
-    pool.flush().await?;
-    let expected: Vec<u64> = {
-        let l = ledger.lock();
-        (0..created)
-            .filter(|id| {
-                l.plugins
-                    .get(id)
-                    .is_some_and(|r| r.registered_events.iter().any(|(lt, _)| *lt == l.lifetime))
-            })
-            .collect()
-    };
-    ledger
-        .check_every(Duration::from_millis(50), args.stale_bound, |l| {
-            expected.iter().all(|id| {
-                l.plugins.get(id).is_some_and(|r| {
-                    r.stopped_ns
-                        .is_some_and(|s| r.deregistered_events.iter().any(|&d| d + 1_000_000 >= s))
-                })
-            })
-        })
-        .await;
-    let deregistered = ledger.lock().deregistered as u64;
-    progress.set("removing", deregistered, expected.len() as u64);
+    remove_all(&mut pool, &ledger, created, args.stale_bound, &mut progress).await?;
     let still = admin::registered_now(&agent.admin_socket).await?;
     let end_ns = now_ns();
     pool.shutdown().await?;
@@ -374,4 +278,168 @@ async fn start_slow_handler(
     // Its per-call lines are not needed: drain them so it never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok((child, target))
+}
+
+impl WorkDir {
+    /// `--work-dir` (kept), or a new temporary directory (removed when the run ends).
+    fn for_run(args: &RunArgs) -> anyhow::Result<WorkDir> {
+        Ok(match &args.work_dir {
+            Some(path) => WorkDir {
+                path: path.clone(),
+                remove: false,
+            },
+            None => WorkDir {
+                path: tempfile::Builder::new()
+                    .prefix("loadgen-")
+                    .tempdir()?
+                    .keep(),
+                remove: true,
+            },
+        })
+    }
+}
+
+/// The handler the scenario needs, added to `agent_args`: the slow example DRA handler for
+/// `slow-handler`, the built-in `accept-all` otherwise; returns what plugins announce, and the
+/// handler process (killed on drop) if one was started.
+async fn handler_for(
+    args: &RunArgs,
+    work: &Path,
+    agent_args: &mut Vec<String>,
+) -> anyhow::Result<(Announce, Option<tokio::process::Child>)> {
+    Ok(if args.scenario == Scenario::SlowHandler {
+        let (handler, target) = start_slow_handler(work, args.params.handler_delay).await?;
+        agent_args.extend(["--handler".into(), format!("DRAPlugin={target}")]);
+        let announce = Announce {
+            plugin_type: "DRAPlugin".into(),
+            versions: vec!["v1.DRAPlugin".into()],
+        };
+        (announce, Some(handler))
+    } else {
+        agent_args.extend(["--handler".into(), "CSIPlugin=accept-all".into()]);
+        let announce = Announce {
+            plugin_type: "CSIPlugin".into(),
+            versions: vec!["1.0.0".into()],
+        };
+        (announce, None)
+    })
+}
+
+/// Registers one plugin first: proves the agent watches the directory before anything is
+/// measured.
+async fn warm_up(pool: &mut workers::WorkerPool, ledger: &SharedLedger) -> anyhow::Result<()> {
+    pool.start(0, Duration::ZERO).await?;
+    pool.flush().await?;
+    let warm = ledger
+        .wait_for(Duration::from_secs(60), |l| {
+            l.plugins.get(&0).is_some_and(|r| !r.notified.is_empty())
+        })
+        .await;
+    anyhow::ensure!(warm, "the warm-up plugin was not registered within 60 s");
+    Ok(())
+}
+
+/// Waits (at most `timeout`) until every plugin alive is registered; the shortfall is measured
+/// afterwards, not here.
+async fn wait_registered(
+    ledger: &SharedLedger,
+    created: u64,
+    timeout: Duration,
+    progress: &mut Progress,
+) {
+    let alive = |l: &ledger::Ledger| {
+        (1..created)
+            .filter(|id| {
+                // Not yet reported serving counts as waiting too; gone or failed to start does not.
+                !l.plugins.get(id).is_some_and(|r| {
+                    r.stopped_ns.is_some() || !r.notified.is_empty() || r.error.is_some()
+                })
+            })
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !ledger
+        .check_every(Duration::from_millis(50), Duration::from_millis(200), |l| {
+            alive(l) == 0
+        })
+        .await
+        && tokio::time::Instant::now() < deadline
+    {
+        let registered = ledger.lock().registered as u64;
+        progress.set("registering", registered.min(created - 1), created - 1);
+    }
+}
+
+/// Stops every plugin still running and waits (at most `stale_bound`) for the deregistrations of
+/// those registered in the agent's current lifetime.
+async fn remove_all(
+    pool: &mut workers::WorkerPool,
+    ledger: &SharedLedger,
+    created: u64,
+    stale_bound: Duration,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
+    let to_stop: Vec<u64> = {
+        let l = ledger.lock();
+        (0..created)
+            .filter(|id| l.plugins.get(id).is_some_and(|r| r.stopped_ns.is_none()))
+            .collect()
+    };
+    for id in &to_stop {
+        pool.stop(*id).await?;
+    }
+    pool.flush().await?;
+    let expected: Vec<u64> = {
+        let l = ledger.lock();
+        (0..created)
+            .filter(|id| {
+                l.plugins
+                    .get(id)
+                    .is_some_and(|r| r.registered_events.iter().any(|(lt, _)| *lt == l.lifetime))
+            })
+            .collect()
+    };
+    ledger
+        .check_every(Duration::from_millis(50), stale_bound, |l| {
+            expected.iter().all(|id| {
+                l.plugins.get(id).is_some_and(|r| {
+                    r.stopped_ns
+                        .is_some_and(|s| r.deregistered_events.iter().any(|&d| d + 1_000_000 >= s))
+                })
+            })
+        })
+        .await;
+    let deregistered = ledger.lock().deregistered as u64;
+    progress.set("removing", deregistered, expected.len() as u64);
+    Ok(())
+}
+
+/// The ledger, and the channel the workers report into; a task moves each report into the
+/// ledger as it arrives.
+fn ledger_fed_by_workers() -> (
+    SharedLedger,
+    tokio::sync::mpsc::UnboundedSender<plugins::Report>,
+) {
+    let ledger = SharedLedger::default();
+    let (reports_tx, mut reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let reports_ledger = ledger.clone();
+    tokio::spawn(async move {
+        while let Some(report) = reports_rx.recv().await {
+            reports_ledger.report(report);
+        }
+    });
+    (ledger, reports_tx)
+}
+
+/// The agent's cost over `window` with nothing happening. A timer is the point here (a quiet
+/// window), not a wait for an event.
+async fn measure_idle(
+    pid: u32,
+    window: Duration,
+    progress: &mut Progress,
+) -> anyhow::Result<procfs::Usage> {
+    progress.set("idle", 0, 1);
+    let idle_start = procfs::sample(pid)?;
+    tokio::time::sleep(window).await;
+    Ok(procfs::sample(pid)?.since(&idle_start))
 }
