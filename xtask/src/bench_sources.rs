@@ -70,6 +70,48 @@ pub fn bench_sources(options: &Options) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Throughput, loss and memory per source under churn, and the two targets.
+fn print_throughput(rows: &[serde_json::Value]) {
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    println!(
+        "{:<9} {:>14} {:>14} {:>9} {:>8} {:>10}",
+        "source", "syscalls/s", "events recv/s", "rescans", "dropped", "RSS KiB"
+    );
+    for row in rows {
+        println!(
+            "{:<9} {:>14.0} {:>14.0} {:>9} {:>8} {:>10}",
+            row["source"].as_str().unwrap_or("?"),
+            f(&row["syscall_events_per_second"]),
+            f(&row["events_received_per_second"]),
+            row["rescans"],
+            row["kernel_dropped"],
+            row["rss_kib"],
+        );
+    }
+    let by = |name: &str| rows.iter().find(|r| r["source"] == name);
+    if let Some(ebpf) = by("ebpf") {
+        let p99 = f(&ebpf["idle_latency"]["from_kernel_timestamp_us"]["p99"]);
+        println!(
+            "target p99 detection <= {P99_TARGET_US} us at idle (eBPF, kernel timestamp): {p99:.0} us {}",
+            if p99 <= P99_TARGET_US {
+                "met"
+            } else {
+                "MISSED"
+            }
+        );
+        if let Some(inotify) = by("inotify") {
+            let (e, i) = (
+                f(&ebpf["syscall_events_per_second"]),
+                f(&inotify["syscall_events_per_second"]),
+            );
+            println!(
+                "target eBPF events/s >= inotify's: {e:.0} vs {i:.0} {}",
+                if e >= i { "met" } else { "MISSED" }
+            );
+        }
+    }
+}
+
 fn print_table(report: &serde_json::Value) {
     let rows = report["sources"].as_array().cloned().unwrap_or_default();
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
@@ -119,41 +161,5 @@ fn print_table(report: &serde_json::Value) {
         );
     }
     println!();
-    println!(
-        "{:<9} {:>14} {:>14} {:>9} {:>8} {:>10}",
-        "source", "syscalls/s", "events recv/s", "rescans", "dropped", "RSS KiB"
-    );
-    for row in &rows {
-        println!(
-            "{:<9} {:>14.0} {:>14.0} {:>9} {:>8} {:>10}",
-            row["source"].as_str().unwrap_or("?"),
-            f(&row["syscall_events_per_second"]),
-            f(&row["events_received_per_second"]),
-            row["rescans"],
-            row["kernel_dropped"],
-            row["rss_kib"],
-        );
-    }
-    let by = |name: &str| rows.iter().find(|r| r["source"] == name);
-    if let Some(ebpf) = by("ebpf") {
-        let p99 = f(&ebpf["idle_latency"]["from_kernel_timestamp_us"]["p99"]);
-        println!(
-            "target p99 detection <= {P99_TARGET_US} us at idle (eBPF, kernel timestamp): {p99:.0} us {}",
-            if p99 <= P99_TARGET_US {
-                "met"
-            } else {
-                "MISSED"
-            }
-        );
-        if let Some(inotify) = by("inotify") {
-            let (e, i) = (
-                f(&ebpf["syscall_events_per_second"]),
-                f(&inotify["syscall_events_per_second"]),
-            );
-            println!(
-                "target eBPF events/s >= inotify's: {e:.0} vs {i:.0} {}",
-                if e >= i { "met" } else { "MISSED" }
-            );
-        }
-    }
+    print_throughput(&rows);
 }

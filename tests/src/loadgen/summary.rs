@@ -85,6 +85,36 @@ pub struct Totals {
 
 /// Computes the totals over plugins `ids` (the measured ones), and writes one CSV row per plugin
 /// to `per_plugin` if given.
+/// The per-plugin CSV file at `path`, its header written.
+fn per_plugin_csv(path: &Path) -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(
+        file,
+        "id,serving_ns,registration_us,stopped_ns,deregistration_us,notify_true,registered_events"
+    )?;
+    Ok(file)
+}
+
+/// From the plugin's stop to its first deregistration event after it, in µs.
+fn deregistration_us(p: &PluginRecord) -> Option<u64> {
+    p.stopped_ns.and_then(|stopped| {
+        p.deregistered_events
+            .iter()
+            .filter(|&&at| at + 1_000_000 >= stopped) // same clock, a reading apart
+            .min()
+            .map(|&at| at.saturating_sub(stopped) / 1000)
+    })
+}
+
+/// Registrations beyond the first within one agent lifetime: a handler must see at most one.
+fn duplicate_registrations(p: &PluginRecord) -> usize {
+    let mut per_lifetime: BTreeMap<u32, usize> = BTreeMap::new();
+    for (lifetime, _) in &p.registered_events {
+        *per_lifetime.entry(*lifetime).or_default() += 1;
+    }
+    per_lifetime.values().map(|n| n.saturating_sub(1)).sum()
+}
+
 pub fn summarize(
     ledger: &Ledger,
     ids: impl Iterator<Item = u64>,
@@ -100,17 +130,7 @@ pub fn summarize(
     let mut reg = Vec::new();
     let mut dereg = Vec::new();
     let (mut first_serving, mut last_registered) = (u64::MAX, 0u64);
-    let mut csv = match per_plugin {
-        Some(path) => {
-            let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
-            writeln!(
-                file,
-                "id,serving_ns,registration_us,stopped_ns,deregistration_us,notify_true,registered_events"
-            )?;
-            Some(file)
-        }
-        None => None,
-    };
+    let mut csv = per_plugin.map(per_plugin_csv).transpose()?;
     let empty = PluginRecord::default();
     for id in ids {
         let p = ledger.plugins.get(&id).unwrap_or(&empty);
@@ -131,13 +151,7 @@ pub fn summarize(
             }
             _ => None,
         };
-        let dereg_us = p.stopped_ns.and_then(|stopped| {
-            p.deregistered_events
-                .iter()
-                .filter(|&&at| at + 1_000_000 >= stopped) // same clock, a reading apart
-                .min()
-                .map(|&at| at.saturating_sub(stopped) / 1000)
-        });
+        let dereg_us = deregistration_us(p);
         if let Some(us) = dereg_us {
             dereg.push(us);
         }
@@ -151,14 +165,7 @@ pub fn summarize(
         if p.stopped_ns.is_some() && still_registered.contains(&id) {
             totals.stale += 1;
         }
-        let mut per_lifetime: BTreeMap<u32, usize> = BTreeMap::new();
-        for (lifetime, _) in &p.registered_events {
-            *per_lifetime.entry(*lifetime).or_default() += 1;
-        }
-        totals.duplicates += per_lifetime
-            .values()
-            .map(|n| n.saturating_sub(1))
-            .sum::<usize>();
+        totals.duplicates += duplicate_registrations(p);
         if let Some(file) = csv.as_mut() {
             let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
             writeln!(
