@@ -12,6 +12,7 @@ mod build_ebpf;
 mod cross_test;
 mod deps;
 mod lint;
+mod modules;
 mod run;
 mod shell;
 mod soak;
@@ -42,8 +43,11 @@ enum Command {
     Run(run::Options),
     /// Install what is missing, build everything, check formatting and lints, run every test.
     Test(test::Options),
-    /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
+    /// `cargo fmt --check`, `cargo clippy -D warnings` over the workspace, and no import cycle
+    /// among the agent's modules.
     Lint,
+    /// The agent's module graph (room -> rooms it imports); fails on an import cycle.
+    Modules,
     /// Registration latency per event source and kubelet-like polling, side by side.
     Bench(bench::Options),
     /// Event sources alone: detection latency and throughput, eBPF vs fanotify vs inotify.
@@ -65,6 +69,7 @@ fn main() -> anyhow::Result<()> {
         Command::Run(options) => run::run(options),
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
+        Command::Modules => modules::modules(),
         Command::Bench(options) => bench::bench(&options),
         Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),
