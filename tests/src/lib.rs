@@ -76,7 +76,47 @@ macro_rules! plugin {
     };
 }
 
-/// The name a scenario uses for skips, failure messages and log-reader threads.
-pub fn test_name(scenario: &str, source: Source) -> String {
-    format!("{source}::{scenario}")
+/// The usual start of an end-to-end scenario: the test's own name, a fresh plugin directory, and
+/// the agent watching it with `source` and default options (`CSIPlugin=accept-all`).
+pub struct Scenario {
+    /// The test's name, from [`test_name`].
+    pub test: String,
+    /// The plugin directory (removed when dropped).
+    pub dir: PluginDir,
+    /// The agent (stopped when dropped).
+    pub agent: AgentProcess,
+}
+
+impl Scenario {
+    /// Starts the scenario; `None` when `source` cannot run here and the test was skipped (under
+    /// `CI=true` that fails instead). Call it from the test's own body (see [`test_name`]).
+    pub async fn start(source: Source) -> Option<Scenario> {
+        let test = test_name();
+        let dir = PluginDir::new();
+        let agent = AgentProcess::start_default(&test, source, &dir.root()).await?;
+        Some(Scenario { test, dir, agent })
+    }
+}
+
+/// The running test's own name (`inotify::registers_plugins_at_depth_0_1_and_2` for a
+/// [`per_source!`] scenario), for skips, failure messages and log-reader threads: taken from the
+/// test itself, so it cannot drift from the function's name. libtest runs each test on a thread
+/// named after it, and a `#[tokio::test]` polls its body on that thread; call this from the
+/// test's own body (a spawned task runs elsewhere, on a thread of another name).
+pub fn test_name() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("unnamed-test")
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_name_is_the_running_tests_own() {
+        assert_eq!(
+            super::test_name(),
+            "tests::test_name_is_the_running_tests_own"
+        );
+    }
 }

@@ -3,8 +3,8 @@
 //! exist before anyone serves on them. Run once per event source.
 
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Source, logs, per_source, plugin,
-    test_name,
+    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
+    per_source, plugin, test_name,
 };
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -52,12 +52,7 @@ fn assert_never_mentioned(agent: &AgentProcess, path: &Path, why: &str) {
 }
 
 async fn follows_a_socket_renamed_into_within_and_out_of_the_directory(source: Source) {
-    let test = test_name(
-        "follows_a_socket_renamed_into_within_and_out_of_the_directory",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     let outside = dir.outside("mover.sock");
@@ -113,12 +108,7 @@ async fn follows_a_socket_renamed_into_within_and_out_of_the_directory(source: S
 }
 
 async fn registers_sockets_placed_at_once_in_trees_made_with_mkdir_p(source: Source) {
-    let test = test_name(
-        "registers_sockets_placed_at_once_in_trees_made_with_mkdir_p",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     // The plugin runs `mkdir -p` on its socket's parent and binds right after, as drivers do.
@@ -158,12 +148,7 @@ async fn registers_sockets_placed_at_once_in_trees_made_with_mkdir_p(source: Sou
 async fn deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created(
     source: Source,
 ) {
-    let test = test_name(
-        "deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_created",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("sub/inner/p.sock");
@@ -187,12 +172,7 @@ async fn deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_cre
 }
 
 async fn re_creates_a_removed_root_directory_and_registers_plugins_in_it_again(source: Source) {
-    let test = test_name(
-        "re_creates_a_removed_root_directory_and_registers_plugins_in_it_again",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("p.sock");
@@ -235,7 +215,7 @@ async fn re_creates_a_removed_root_directory_and_registers_plugins_in_it_again(s
 }
 
 async fn ignores_regular_files_and_fifos(source: Source) {
-    let test = test_name("ignores_regular_files_and_fifos", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let make = |name: &str| {
         std::fs::write(dir.path(&format!("{name}-file.sock")), b"not a socket")
@@ -258,7 +238,7 @@ async fn ignores_regular_files_and_fifos(source: Source) {
 }
 
 async fn ignores_symlinks_to_sockets_and_to_directories(source: Source) {
-    let test = test_name("ignores_symlinks_to_sockets_and_to_directories", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let target = dir.outside("target/real.sock");
     let plugin = plugin!(&target).spawn();
@@ -286,9 +266,7 @@ async fn ignores_symlinks_to_sockets_and_to_directories(source: Source) {
 }
 
 async fn registers_a_socket_whose_path_is_107_bytes_long(source: Source) {
-    let test = test_name("registers_a_socket_whose_path_is_107_bytes_long", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let prefix = dir.root().to_string_lossy().len() + 1;
@@ -326,10 +304,7 @@ async fn registers_a_socket_whose_path_is_107_bytes_long(source: Source) {
 }
 
 async fn retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once(source: Source) {
-    let test = test_name(
-        "retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once",
-        source,
-    );
+    let test = test_name();
     let dir = PluginDir::new();
     let socket = dir.path("stale.sock");
     // A plugin that died without removing its socket: the file stays, nobody listens.
@@ -375,12 +350,7 @@ async fn retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once
 }
 
 async fn registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path(source: Source) {
-    let test = test_name(
-        "registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("broken.sock");
@@ -410,12 +380,7 @@ async fn registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path(so
 }
 
 async fn registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves(source: Source) {
-    let test = test_name(
-        "registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("slow.sock");
@@ -451,9 +416,7 @@ async fn registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves(sou
 }
 
 async fn loses_no_plugin_under_a_create_delete_storm(source: Source) {
-    let test = test_name("loses_no_plugin_under_a_create_delete_storm", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     std::fs::create_dir(dir.path("storm")).expect("mkdir storm");
@@ -525,12 +488,7 @@ async fn loses_no_plugin_under_a_create_delete_storm(source: Source) {
 }
 
 async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source: Source) {
-    let test = test_name(
-        "deregisters_a_plugin_whose_socket_is_deleted_during_registration",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("short-lived.sock");
@@ -571,7 +529,7 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
 }
 
 async fn ignores_names_starting_with_a_dot(source: Source) {
-    let test = test_name("ignores_names_starting_with_a_dot", source);
+    let test = test_name();
     let dir = PluginDir::new();
     std::fs::create_dir(dir.path(".hidden-before")).expect("mkdir .hidden-before");
     let before = [

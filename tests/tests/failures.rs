@@ -2,8 +2,8 @@
 //! register as if it were not there. Run once per event source.
 
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginOptions, Source, logs,
-    per_source, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginOptions, Scenario,
+    Source, logs, per_source, plugin, test_name,
 };
 use std::time::{Duration, Instant};
 
@@ -90,12 +90,7 @@ fn bad_options(options: PluginOptions, bad: &str) -> PluginOptions {
 }
 
 async fn times_out_a_hung_get_info_without_delaying_other_plugins(source: Source) {
-    let test = test_name(
-        "times_out_a_hung_get_info_without_delaying_other_plugins",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let hung_socket = dir.path("hung.sock");
@@ -135,12 +130,7 @@ async fn times_out_a_hung_get_info_without_delaying_other_plugins(source: Source
 }
 
 async fn rolls_back_and_retries_when_notify_registration_status_fails(source: Source) {
-    let test = test_name(
-        "rolls_back_and_retries_when_notify_registration_status_fails",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("picky.sock");
@@ -217,10 +207,7 @@ async fn rolls_back_and_retries_when_notify_registration_status_fails(source: So
 }
 
 async fn tells_a_plugin_of_a_type_without_handler_that_it_is_not_registered(source: Source) {
-    let test = test_name(
-        "tells_a_plugin_of_a_type_without_handler_that_it_is_not_registered",
-        source,
-    );
+    let test = test_name();
     let dir = PluginDir::new();
     let options = AgentOptions::new(source, &dir.root()).handlers(&["CSIPlugin=accept-all"]);
     let Some(agent) = AgentProcess::start(&test, options).await else {
@@ -251,7 +238,7 @@ async fn tells_a_plugin_of_a_type_without_handler_that_it_is_not_registered(sour
 }
 
 async fn refuses_a_get_info_answer_larger_than_64_kib(source: Source) {
-    let test = test_name("refuses_a_get_info_answer_larger_than_64_kib", source);
+    let test = test_name();
     bad_plugin_is_reported_and_others_register(
         &test,
         source,
@@ -262,7 +249,7 @@ async fn refuses_a_get_info_answer_larger_than_64_kib(source: Source) {
 }
 
 async fn refuses_an_overlong_plugin_name(source: Source) {
-    let test = test_name("refuses_an_overlong_plugin_name", source);
+    let test = test_name();
     bad_plugin_is_reported_and_others_register(
         &test,
         source,
@@ -273,7 +260,7 @@ async fn refuses_an_overlong_plugin_name(source: Source) {
 }
 
 async fn refuses_thousands_of_supported_versions(source: Source) {
-    let test = test_name("refuses_thousands_of_supported_versions", source);
+    let test = test_name();
     bad_plugin_is_reported_and_others_register(
         &test,
         source,
@@ -284,7 +271,7 @@ async fn refuses_thousands_of_supported_versions(source: Source) {
 }
 
 async fn reports_a_listener_that_does_not_speak_grpc(source: Source) {
-    let test = test_name("reports_a_listener_that_does_not_speak_grpc", source);
+    let test = test_name();
     bad_plugin_is_reported_and_others_register(
         &test,
         source,
@@ -295,7 +282,7 @@ async fn reports_a_listener_that_does_not_speak_grpc(source: Source) {
 }
 
 async fn reports_a_listener_that_accepts_and_stays_silent(source: Source) {
-    let test = test_name("reports_a_listener_that_accepts_and_stays_silent", source);
+    let test = test_name();
     // Indistinguishable from a plugin that listens but does not serve yet, so it is given the
     // whole dial budget (10 s) before it is reported.
     let Some((failure, took)) = bad_plugin_is_reported_and_others_register(
@@ -315,12 +302,7 @@ async fn reports_a_listener_that_accepts_and_stays_silent(source: Source) {
 }
 
 async fn names_the_protocol_error_whenever_a_listener_does_not_speak_grpc(source: Source) {
-    let test = test_name(
-        "names_the_protocol_error_whenever_a_listener_does_not_speak_grpc",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("http1.sock");
@@ -346,9 +328,7 @@ async fn names_the_protocol_error_whenever_a_listener_does_not_speak_grpc(source
 }
 
 async fn times_out_get_info_after_1_s_like_kubelet(source: Source) {
-    let test = test_name("times_out_get_info_after_1_s_like_kubelet", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let slow = dir.path("slow.sock");
@@ -380,9 +360,7 @@ async fn times_out_get_info_after_1_s_like_kubelet(source: Source) {
 }
 
 async fn stops_on_sigterm_while_a_plugin_hangs(source: Source) {
-    let test = test_name("stops_on_sigterm_while_a_plugin_hangs", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let hung = plugin!(dir.path("hung.sock"))

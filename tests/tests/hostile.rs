@@ -7,8 +7,8 @@
 
 use plugin_agent_tests::procfs;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Source, admin, logs,
-    per_source, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source,
+    admin, logs, per_source, plugin, test_name,
 };
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
@@ -63,7 +63,7 @@ fn memory_stayed_bounded(test: &str, agent: &AgentProcess) -> u64 {
 }
 
 async fn ignores_10000_non_socket_files_and_registers_the_plugins_among_them(source: Source) {
-    let test = test_name("ignores_10000_non_socket_files", source);
+    let test = test_name();
     let dir = PluginDir::new();
     // Half before start (found by the walk), half after (reported as events).
     let noise = |from: usize, to: usize| {
@@ -99,7 +99,7 @@ async fn ignores_10000_non_socket_files_and_registers_the_plugins_among_them(sou
 }
 
 async fn ignores_symlink_loops_and_registers_the_plugins_next_to_them(source: Source) {
-    let test = test_name("ignores_symlink_loops", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let link = |target: &str, at: &str| {
         std::os::unix::fs::symlink(target, dir.path(at)).expect("symlink");
@@ -151,7 +151,7 @@ async fn ignores_symlink_loops_and_registers_the_plugins_next_to_them(source: So
 }
 
 async fn walks_a_mode_000_sub_directory_with_its_cap_dac_read_search(source: Source) {
-    let test = test_name("walks_a_mode_000_sub_directory", source);
+    let test = test_name();
     let dir = PluginDir::new();
     if !plugin_agent_tests::env::privileged(&test) {
         return;
@@ -226,9 +226,7 @@ async fn reports_an_unreadable_sub_directory_when_running_without_dac_capabiliti
 }
 
 async fn registers_a_socket_path_at_the_108_byte_limit_and_reports_one_beyond_it(source: Source) {
-    let test = test_name("socket_path_at_the_108_byte_limit", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     // sun_path holds 108 bytes with the terminating NUL: 107 is the longest path to connect to.
@@ -268,9 +266,7 @@ async fn registers_a_socket_path_at_the_108_byte_limit_and_reports_one_beyond_it
 }
 
 async fn converges_on_a_plugin_recreating_its_socket_100_times_a_second(source: Source) {
-    let test = test_name("plugin_recreating_its_socket_100_times_a_second", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("flappy.sock");

@@ -19,7 +19,7 @@ const OTHER_UID: u32 = 65534;
 async fn keeps_only_dac_capabilities_and_still_registers_plugins_in_private_directories_created_later(
     source: Source,
 ) {
-    let test = test_name("keeps_only_dac_capabilities", source);
+    let test = test_name();
     let dir = PluginDir::new();
     // Privileges only mean something with root's capabilities to drop.
     if !plugin_agent_tests::env::privileged(&test) {

@@ -51,10 +51,7 @@ async fn converges_after_sigkill_with_1000_plugins_and_handlers_see_one_refresh_
 /// SIGKILL with `plugins` registered, start again: every plugin registered again, and the
 /// handler saw exactly one validate + register (a refresh) per plugin, no deregister.
 async fn converges_after_sigkill(source: Source, plugins: usize) {
-    let test = test_name(
-        &format!("converges_after_sigkill_with_{plugins}_plugins"),
-        source,
-    );
+    let test = test_name();
     let dir = PluginDir::new();
     let handler = HandlerProcess::start(
         env!("CARGO_BIN_EXE_dra-handler"),

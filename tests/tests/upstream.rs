@@ -2,8 +2,8 @@
 //! e2e suite), run end to end against the real agent, once per event source.
 
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, logs, per_source,
-    plugin, test_name,
+    AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
+    per_source, plugin, test_name,
 };
 use std::path::{Path, PathBuf};
 
@@ -40,9 +40,7 @@ fn assert_registered_once(agent: &AgentProcess, mark: Mark, socket: &Path) {
 }
 
 async fn registers_plugins_at_depth_0_1_and_2(source: Source) {
-    let test = test_name("registers_plugins_at_depth_0_1_and_2", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     std::fs::create_dir_all(dir.path("d1/d2")).expect("create d1/d2");
@@ -88,12 +86,7 @@ async fn registers_plugins_at_depth_0_1_and_2(source: Source) {
 }
 
 async fn registers_and_deregisters_a_plugin_over_10_serve_stop_rounds(source: Source) {
-    let test = test_name(
-        "registers_and_deregisters_a_plugin_over_10_serve_stop_rounds",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("rounds.sock");
@@ -129,12 +122,7 @@ async fn registers_and_deregisters_a_plugin_over_10_serve_stop_rounds(source: So
 }
 
 async fn tracks_10_plugins_with_the_same_name_on_different_sockets(source: Source) {
-    let test = test_name(
-        "tracks_10_plugins_with_the_same_name_on_different_sockets",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     let sockets: Vec<PathBuf> = (0..10)
@@ -186,12 +174,7 @@ async fn tracks_10_plugins_with_the_same_name_on_different_sockets(source: Sourc
 }
 
 async fn re_registers_one_socket_path_10_times_with_a_new_name_each_time(source: Source) {
-    let test = test_name(
-        "re_registers_one_socket_path_10_times_with_a_new_name_each_time",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("rereg.sock");
@@ -241,10 +224,7 @@ async fn re_registers_one_socket_path_10_times_with_a_new_name_each_time(source:
 }
 
 async fn registers_10_sockets_that_exist_before_the_agent_starts(source: Source) {
-    let test = test_name(
-        "registers_10_sockets_that_exist_before_the_agent_starts",
-        source,
-    );
+    let test = test_name();
     let dir = PluginDir::new();
     let mut plugins = Vec::new();
     for i in 0..10 {
@@ -279,7 +259,7 @@ async fn registers_10_sockets_that_exist_before_the_agent_starts(source: Source)
 }
 
 async fn registers_again_after_the_agent_restarts(source: Source) {
-    let test = test_name("registers_again_after_the_agent_restarts", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let socket = dir.path("dra.sock");
     let plugin = plugin!(&socket)
@@ -321,7 +301,7 @@ async fn registers_again_after_the_agent_restarts(source: Source) {
 }
 
 async fn registers_again_after_the_plugin_restarts(source: Source) {
-    let test = test_name("registers_again_after_the_plugin_restarts", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let socket = dir.path("dra.sock");
     let options = plugin_agent_tests::AgentOptions::new(source, &dir.root())
@@ -370,9 +350,7 @@ async fn registers_again_after_the_plugin_restarts(source: Source) {
 }
 
 async fn recovers_after_get_info_errors_are_cleared(source: Source) {
-    let test = test_name("recovers_after_get_info_errors_are_cleared", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     let socket = dir.path("flaky.sock");
@@ -411,12 +389,7 @@ async fn recovers_after_get_info_errors_are_cleared(source: Source) {
 }
 
 async fn deregisters_a_re_registered_name_only_when_its_newest_socket_goes(source: Source) {
-    let test = test_name(
-        "deregisters_a_re_registered_name_only_when_its_newest_socket_goes",
-        source,
-    );
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
     let (old_socket, new_socket) = (dir.path("old.sock"), dir.path("new.sock"));
