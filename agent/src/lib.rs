@@ -1,12 +1,16 @@
 //! plugin-agent: discovers kubelet plugin registration sockets with kernel-fed events and registers
-//! the plugins with their handlers. The modules follow the data flow of `shared/DESIGN.md`:
+//! the plugins with their handlers. The modules follow the data flow (`docs/architecture.md` has
+//! one paragraph per module: what it owns and what it may import):
 //!
 //! ```text
 //! event_source -> watcher -> state::desired -> reconciler -> executor -> registration (plugin gRPC)
-//!                                                                   \-> handler (by plugin type)
-//!                                                      state::actual <-/
+//!                               state::queue <-/                     \-> handler (by plugin type)
+//!                         state::actual, state::backoff <-/
+//! watcher, executor --> notifications (admin API events), telemetry (metrics, traces)
+//! state::view (a plugin's state, derived once) --> admin API, metrics
 //! ```
-//! [`agent`] assembles them; [`cli`] is the `plugin-agent` command line.
+//! [`agent`] assembles them; [`cli`] is the `plugin-agent` command line. `cargo xtask modules`
+//! prints the import graph and fails on a cycle.
 
 pub mod admin;
 pub mod agent;

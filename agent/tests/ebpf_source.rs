@@ -181,6 +181,14 @@ impl Action {
                 mknod(path, SFlag::S_IFSOCK, Mode::from_bits_truncate(0o600), 0).expect(path);
             }
             ["rename", from, to] => std::fs::rename(from, to).expect(from),
+            _ => Self::perform_namespaced_or_load(line, &fields),
+        }
+    }
+
+    /// The actions of [`Self::perform`] that rename across directories with flags, change the mount
+    /// namespace, or generate load.
+    fn perform_namespaced_or_load(line: &str, fields: &[&str]) {
+        match *fields {
             ["renameat2", from_dir, from, to_dir, to, flags, errno] => {
                 let from_dir = std::fs::File::open(from_dir).expect(from_dir);
                 let to_dir = std::fs::File::open(to_dir).expect(to_dir);

@@ -4,7 +4,8 @@
 //! ```text
 //! executor ──record──> operations, registration latency, retries, backoff, handler call latency
 //! watcher  ──record──> rescans by reason
-//! scrape ──> StateCollector reads desired / actual state, handlers, watcher and source counters
+//! scrape ──> StateCollector reads state::view (desired, actual, backoff: each plugin's state,
+//!            derived as the admin API derives it), handlers, watcher and source counters
 //!        ──> plugin_manager_total_plugins (kubelet's gauge), plugins by type and state, ...
 //! ```
 //!
