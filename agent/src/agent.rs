@@ -114,15 +114,7 @@ impl RunningAgent {
         let source_description = source.describe();
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
 
-        let Stages {
-            desired,
-            actual,
-            notifications,
-            telemetry,
-            executor,
-            watcher,
-            reconciler,
-        } = Stages::assemble(&config, &handlers, source.clone(), &cancel);
+        let stages = Stages::assemble(&config, &handlers, source.clone(), &cancel);
 
         let (ready_tx, ready) = watch::channel(false);
 
@@ -130,20 +122,17 @@ impl RunningAgent {
         let metrics_addr = match config.metrics_addr {
             Some(addr) => {
                 let collector = StateCollector {
-                    state: StateView {
-                        desired: desired.clone(),
-                        actual: actual.clone(),
-                        backoff: executor.backoffs(),
-                    },
+                    state: stages.state_view(),
                     handlers: handlers.clone(),
-                    watcher: telemetry.watcher.clone(),
+                    watcher: stages.telemetry.watcher.clone(),
                     source,
                 };
-                let registry = telemetry.metrics.registry(collector);
+                let registry = stages.telemetry.metrics.registry(collector);
                 serve_metrics(addr, registry, ready.clone(), cancel.clone(), &mut tasks).await?
             }
             None => None,
         };
+        let (reconciler, watcher) = (stages.reconciler, stages.watcher);
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
             reconciler.run(reconciler_cancel).await;
@@ -158,15 +147,15 @@ impl RunningAgent {
                 .await
         });
         Ok(RunningAgent {
-            desired,
-            actual,
+            desired: stages.desired,
+            actual: stages.actual,
             handlers,
-            executor,
+            executor: stages.executor,
             source: source_kind,
             source_description,
             ready,
-            notifications,
-            telemetry,
+            notifications: stages.notifications,
+            telemetry: stages.telemetry,
             metrics_addr,
             config,
             started_at: std::time::SystemTime::now(),
@@ -177,11 +166,7 @@ impl RunningAgent {
 
     /// The tables a plugin's state is derived from, for the admin API and tests.
     pub fn state_view(&self) -> StateView {
-        StateView {
-            desired: self.desired.clone(),
-            actual: self.actual.clone(),
-            backoff: self.executor.backoffs(),
-        }
+        state_view(&self.desired, &self.actual, &self.executor)
     }
 
     /// Waits for the first full scan of the plugin directory.
@@ -252,6 +237,11 @@ struct Stages {
 }
 
 impl Stages {
+    /// The tables a plugin's state is derived from, for metrics.
+    fn state_view(&self) -> StateView {
+        state_view(&self.desired, &self.actual, &self.executor)
+    }
+
     /// Creates the caches, the reconcile queue, the notification bus and telemetry, and the
     /// executor, watcher and reconciler over them, as the data flow of `docs/architecture.md`.
     fn assemble(
@@ -300,5 +290,18 @@ impl Stages {
             watcher,
             reconciler,
         }
+    }
+}
+
+/// The view over desired state, actual state and the executor's backoff table.
+fn state_view(
+    desired: &Arc<DesiredState>,
+    actual: &Arc<ActualState>,
+    executor: &OperationExecutor,
+) -> StateView {
+    StateView {
+        desired: desired.clone(),
+        actual: actual.clone(),
+        backoff: executor.backoffs(),
     }
 }
