@@ -14,7 +14,7 @@ use anyhow::Context;
 use crate::{build, build_ebpf, deps, shell};
 
 /// Debian packages: the cross linker and C library, and qemu-user to run the tests.
-const APT_PACKAGES: &[&str] = &[
+pub const APT_PACKAGES: &[&str] = &[
     "gcc-aarch64-linux-gnu",
     "libc6-dev-arm64-cross",
     "qemu-user",

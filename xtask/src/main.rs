@@ -5,6 +5,7 @@
 //! bpf-linker, then embedded into the agent. These commands make that two-toolchain build one step
 //! and install what a fresh machine lacks. See ../shared/ebpf-toolchain.md for why.
 
+mod apt_plan;
 mod bench;
 mod bench_sources;
 mod build;
@@ -33,8 +34,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install what is missing (apt packages, bpf-linker), idempotently, saying what it does.
-    Deps,
+    /// Install what is missing (apt packages, bpf-linker), idempotently, saying what it does;
+    /// each apt install is resolved with `apt-get install -s` first, from the suite that agrees
+    /// with what the machine has.
+    Deps(deps::Options),
     /// Build the eBPF object with Debian's rustc-web and bpf-linker.
     BuildEbpf(build_ebpf::Options),
     /// Build the eBPF object, then the workspace with the object embedded.
@@ -63,7 +66,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Deps => deps::install_missing(),
+        Command::Deps(options) => deps::deps(&options),
         Command::BuildEbpf(options) => build_ebpf::build(&options).map(|_| ()),
         Command::Build(options) => build::build(&options),
         Command::Run(options) => run::run(options),

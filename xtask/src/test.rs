@@ -27,7 +27,13 @@ pub struct Options {
 
 /// Runs the whole suite.
 pub fn test(options: &Options) -> anyhow::Result<()> {
-    deps::install_missing()?;
+    let stages_after_host = !options.no_vm && options.cargo_args.is_empty();
+    // Every package of every stage, resolved and installed before the first build: a plan apt
+    // cannot carry out fails in the first minute, not after the host suite.
+    deps::deps(&deps::Options {
+        all: stages_after_host,
+        check: false,
+    })?;
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     if !options.no_lint {
         lint::lint()?;
@@ -40,7 +46,7 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
     let host = shell::run(&mut command);
     // The other architecture and the second kernel run even when a host test failed: their
     // results say whether a failure is tied to one of them.
-    if options.no_vm || !options.cargo_args.is_empty() {
+    if !stages_after_host {
         return host;
     }
     let arm64 = cross_test::cross_test();

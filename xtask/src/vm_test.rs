@@ -29,7 +29,7 @@ use anyhow::{Context, bail};
 use crate::{build, build_ebpf, deps, shell};
 
 /// Debian packages the guest needs: the emulator, and busybox for the initramfs.
-const APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static"];
+pub const APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static"];
 
 /// Kernel modules the guest loads to mount the host's root over virtio 9p.
 const MODULES: &[&str] = &[
