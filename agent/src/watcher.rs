@@ -30,8 +30,10 @@ use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::{Found, Via};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsStr;
+use std::ffi::OsString;
+use std::ops::Bound;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -45,13 +47,19 @@ use tracing::{debug, info, warn};
 /// (bounds latency under a storm while still batching).
 const BATCH: usize = 1024;
 
+/// Up to this many distinct name hints in a batch are checked by `stat` in every watched
+/// directory; more, by one read of each directory (see `Watcher::check_names`).
+const FEW_NAMES: usize = 4;
+
 /// See the module docs.
 pub struct Watcher {
     root: PathBuf,
     source: Arc<dyn EventSource>,
     desired: Arc<DesiredState>,
     queue: Arc<ReconcileQueue>,
-    dirs: HashMap<PathBuf, WatchedDir>,
+    /// Ordered by path, so a directory's subtree is one contiguous range (path order compares
+    /// component by component): removing a directory costs its subtree, not the whole tree.
+    dirs: BTreeMap<PathBuf, WatchedDir>,
     /// The root's parent, watched only so that the root's own removal and re-creation are seen
     /// by every source (a source reports changes *inside* the directories it watches); events for
     /// the root's siblings are ignored.
@@ -61,6 +69,8 @@ pub struct Watcher {
     rescan_requests: Arc<tokio::sync::Notify>,
     notifications: NotificationBus,
     telemetry: Arc<Telemetry>,
+    /// When the first name hint of the batch being handled was observed.
+    names_observed: Observed,
 }
 
 impl Watcher {
@@ -84,11 +94,12 @@ impl Watcher {
             source,
             desired,
             queue,
-            dirs: HashMap::new(),
+            dirs: BTreeMap::new(),
             anchor: None,
             rescan_requests: Arc::default(),
             notifications,
             telemetry,
+            names_observed: Observed::default(),
         }
     }
 
@@ -123,6 +134,7 @@ impl Watcher {
                 }
             }
             let mut rescan: Option<RescanReason> = None;
+            let mut names: HashSet<OsString> = HashSet::new();
             self.telemetry
                 .watcher
                 .hints
@@ -132,9 +144,21 @@ impl Watcher {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
                         self.check(&path, observed)
                     }
-                    FsEvent::NameChanged { name, observed } => self.check_name(&name, observed),
+                    FsEvent::NameChanged { name, observed } => {
+                        // Name hints are checked once per batch, together: a burst of them (a
+                        // `mkdir -p` of thousands by absolute path) costs one pass over the
+                        // tree, not one per name. Their timestamps only time discovery, which
+                        // the first hint of the batch does well enough.
+                        if names.is_empty() {
+                            self.names_observed = observed;
+                        }
+                        names.insert(name);
+                    }
                     FsEvent::Rescan { reason } => rescan = Some(RescanReason::EventLoss(reason)),
                 }
+            }
+            if rescan.is_none() && !names.is_empty() {
+                self.check_names(&names);
             }
             if let Some(reason) = rescan {
                 self.rescan(reason);
@@ -174,14 +198,58 @@ impl Watcher {
         }
     }
 
-    /// `name` changed in some watched directory: check it in all of them.
-    fn check_name(&mut self, name: &OsStr, observed: Observed) {
-        if name.as_bytes().contains(&b'/') {
+    /// Each of `names` changed in some watched directory, which the source could not name.
+    ///
+    /// A few names are checked by one `stat` per watched directory each. Many are checked by
+    /// reading every watched directory once and looking at the entries with those names, plus
+    /// every known socket or directory with those names (which may be gone): linear in the size
+    /// of the tree whatever the number of names, where a `stat` per name and directory would be
+    /// quadratic (a thousand new directories by absolute path: a million `stat` calls).
+    fn check_names(&mut self, names: &HashSet<OsString>) {
+        let observed = self.names_observed;
+        let names: Vec<&OsString> = names
+            .iter()
+            .filter(|name| !name.as_bytes().contains(&b'/'))
+            .collect();
+        // The anchor too: the name may be the root's own.
+        let dirs: Vec<PathBuf> = self
+            .dirs
+            .keys()
+            .chain(self.anchor.iter().map(|a| &a.path))
+            .cloned()
+            .collect();
+        if names.len() <= FEW_NAMES {
+            for name in names {
+                for dir in &dirs {
+                    self.check(&dir.join(name), observed);
+                }
+            }
             return;
         }
-        // The anchor too: the name may be the root's own.
-        let dirs = self.dirs.keys().chain(self.anchor.iter().map(|a| &a.path));
-        let candidates: Vec<PathBuf> = dirs.map(|dir| dir.join(name)).collect();
+        let wanted: HashSet<&OsStr> = names.iter().map(|name| name.as_os_str()).collect();
+        let has_wanted_name =
+            |path: &Path| path.file_name().is_some_and(|name| wanted.contains(name));
+        let mut candidates: Vec<PathBuf> = self.desired.paths_where(has_wanted_name);
+        candidates.extend(
+            self.dirs
+                .keys()
+                .filter(|path| has_wanted_name(path))
+                .cloned(),
+        );
+        for dir in &dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                // Gone or unreadable: its own event or the next rescan settles it.
+                continue;
+            };
+            candidates.extend(
+                entries
+                    .flatten()
+                    .filter(|entry| wanted.contains(entry.file_name().as_os_str()))
+                    .map(|entry| entry.path()),
+            );
+        }
+        candidates.sort();
+        candidates.dedup();
         for path in candidates {
             self.check(&path, observed);
         }
@@ -298,8 +366,9 @@ impl Watcher {
     fn forget_dir(&mut self, dir: &Path) {
         let gone: Vec<PathBuf> = self
             .dirs
-            .keys()
-            .filter(|d| d.starts_with(dir))
+            .range::<Path, _>((Bound::Included(dir), Bound::Unbounded))
+            .map(|(path, _)| path)
+            .take_while(|path| path.starts_with(dir))
             .cloned()
             .collect();
         for path in &gone {

@@ -137,6 +137,15 @@ impl DesiredState {
             .collect()
     }
 
+    /// The desired paths for which `keep` holds (without cloning the rest).
+    pub fn paths_where(&self, keep: impl Fn(&Path) -> bool) -> Vec<PathBuf> {
+        self.lock()
+            .keys()
+            .filter(|p| keep(p))
+            .map(|p| p.to_path_buf())
+            .collect()
+    }
+
     /// Number of desired sockets.
     pub fn len(&self) -> usize {
         self.lock().len()
