@@ -133,12 +133,21 @@ impl Watcher {
                     }
                 }
             }
-            let mut rescan: Option<RescanReason> = None;
-            let mut names: HashSet<OsString> = HashSet::new();
             self.telemetry
                 .watcher
                 .hints
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            // A rescan in the batch covers every hint beside it: each was committed before the
+            // watcher received it, so before the walk. Checking them one by one first would
+            // only delay the walk, which under a flood is what makes progress.
+            let rescan = batch.iter().rev().find_map(|event| match event {
+                FsEvent::Rescan { reason } => Some(RescanReason::EventLoss(reason.clone())),
+                _ => None,
+            });
+            if rescan.is_some() {
+                batch.clear();
+            }
+            let mut names: HashSet<OsString> = HashSet::new();
             for event in batch.drain(..) {
                 match event {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
@@ -154,10 +163,10 @@ impl Watcher {
                         }
                         names.insert(name);
                     }
-                    FsEvent::Rescan { reason } => rescan = Some(RescanReason::EventLoss(reason)),
+                    FsEvent::Rescan { .. } => {}
                 }
             }
-            if rescan.is_none() && !names.is_empty() {
+            if !names.is_empty() {
                 self.check_names(&names);
             }
             if let Some(reason) = rescan {

@@ -35,6 +35,12 @@ use crate::event_source::{FsEvent, monotonic_now_ns};
 /// Most records handled between two sends to the channel, so one drain holds bounded memory.
 const MAX_BATCH: usize = 1024;
 
+/// Most records drained in one pass before the loss counters are read. Under a sustained flood
+/// the ring never empties; without this budget the reader would drain it for as long as the flood
+/// lasts and only then see that records were lost, so the rescan that finds the plugins created
+/// meanwhile would wait for the flood to end.
+const DRAIN_BUDGET: usize = 8 * MAX_BATCH;
+
 /// Everything the reader task owns.
 pub struct Reader {
     /// The ring buffer the programs write [`agent_ebpf::Event`]s into.
@@ -66,9 +72,10 @@ struct Losses<'a> {
 async fn report_losses(
     losses: Losses<'_>,
     filters: &Filters,
+    ring: &mut RingBuf<MapData>,
     sink: &Sender<FsEvent>,
     cancel: &CancellationToken,
-) -> bool {
+) -> Option<bool> {
     let mut report = new_losses(losses.counters, losses.seen, losses.ring_buffer_bytes);
     if filters.take_names_overflow() {
         report = Some(LossReport::merge(
@@ -76,21 +83,31 @@ async fn report_losses(
             "a name found by the watcher did not fit the eBPF name table",
         ));
     }
-    let Some(reason) = report else {
-        return true;
+    let Some(mut reason) = report else {
+        return Some(false);
     };
     if reason.names_full {
         filters.forget_names();
     }
+    // What is still queued was committed before the rescan's walk starts (the walk follows this
+    // send), so the walk sees its effects: handling it would only delay the walk, which under a
+    // flood is what makes progress.
+    let (superseded, left_queued) = discard(ring, losses.ring_buffer_bytes);
+    if superseded > 0 {
+        reason
+            .text
+            .push_str(&format!("; {superseded} queued events superseded by the rescan"));
+    }
     tracing::warn!(reason = %reason.text, "eBPF event source lost events; rescanning");
-    send(
+    let sent = send(
         sink,
         cancel,
         FsEvent::Rescan {
             reason: reason.text,
         },
     )
-    .await
+    .await;
+    sent.then_some(left_queued)
 }
 
 impl Reader {
@@ -143,16 +160,14 @@ impl Reader {
                 () = filters.names_overflow() => false,
             };
             let mut drained = 0;
-            loop {
-                let full = drain(ring.get_mut(), &filters, &mut batch);
-                drained += full.1;
+            let mut more = true;
+            while more && drained < DRAIN_BUDGET {
+                let (full, consumed) = drain(ring.get_mut(), &filters, &mut batch);
+                (more, drained) = (full, drained + consumed);
                 for event in batch.drain(..) {
                     if !send(&sink, &cancel, event).await {
                         return;
                     }
-                }
-                if !full.0 {
-                    break;
                 }
             }
             if drained > 0 {
@@ -165,10 +180,16 @@ impl Reader {
                 seen: &mut seen_losses,
                 ring_buffer_bytes,
             };
-            if !report_losses(losses, &filters, &sink, &cancel).await {
-                return;
+            match report_losses(losses, &filters, ring.get_mut(), &sink, &cancel).await {
+                None => return,
+                Some(left_queued) => more = more || left_queued,
             }
-            follow_up = (woken || drained > 0).then(|| Instant::now() + batch_delay);
+            follow_up = if more {
+                // Stopped at the budget with records queued: come straight back for them.
+                Some(Instant::now())
+            } else {
+                (woken || drained > 0).then(|| Instant::now() + batch_delay)
+            };
         }
     }
 }
@@ -225,6 +246,21 @@ fn drain(
         }
     }
     (true, consumed)
+}
+
+/// Consumes, without reading them, at most one ring's worth of queued records (a bound, so a
+/// flood that refills the ring as fast as it is emptied cannot keep the reader here). Returns
+/// how many, and whether it stopped at the bound (more may be queued).
+fn discard(ring: &mut RingBuf<MapData>, ring_buffer_bytes: u32) -> (usize, bool) {
+    let most = ring_buffer_bytes as usize / size_of::<agent_ebpf::Event>();
+    let mut discarded = 0;
+    while discarded < most {
+        if ring.next().is_none() {
+            return (discarded, false);
+        }
+        discarded += 1;
+    }
+    (discarded, true)
 }
 
 /// Why a rescan is needed, if any loss counter moved since the last look.
