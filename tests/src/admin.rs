@@ -22,6 +22,22 @@ pub struct Listed {
     pub last_error: Option<String>,
 }
 
+/// `plugin-agent status -o json`, as JSON. Panics with the CLI's output if it fails.
+pub fn status(admin_socket: &Path) -> serde_json::Value {
+    let output = Command::new(agent_bin())
+        .arg("--admin-socket")
+        .arg(admin_socket)
+        .args(["status", "-o", "json"])
+        .output()
+        .expect("run plugin-agent status");
+    assert!(
+        output.status.success(),
+        "plugin-agent status failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("plugin-agent status -o json prints JSON")
+}
+
 /// Every socket the agent listening on `admin_socket` knows, by path. Panics with the CLI's
 /// output if it fails.
 pub fn list(admin_socket: &Path) -> BTreeMap<PathBuf, Listed> {

@@ -23,6 +23,8 @@ per_source!(
     walks_a_mode_000_sub_directory_with_its_cap_dac_read_search,
     registers_a_socket_path_at_the_108_byte_limit_and_reports_one_beyond_it,
     converges_on_a_plugin_recreating_its_socket_100_times_a_second,
+    registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path,
+    registers_a_plugin_made_during_a_sustained_socket_flood_before_the_flood_ends,
 );
 
 /// The DaemonSet's memory limit: the agent's peak resident set must stay below it.
@@ -500,4 +502,97 @@ async fn reports_a_handler_that_answers_garbage_and_keeps_other_types_registerin
     memory_stayed_bounded(test, &agent);
     tcp_server.abort();
     unix_server.abort();
+}
+
+/// Directories created by absolute path reach the eBPF tracepoints as name hints (the kernel
+/// cannot resolve the path); a burst of them once cost one `stat` per name and watched directory
+/// (53 s for 1,000 here). Every source must stay linear in the tree.
+async fn registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path(source: Source) {
+    let test = test_name("plugin_after_1000_directories_by_absolute_path", source);
+    let dir = PluginDir::new();
+    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+        return;
+    };
+    for i in 0..1000 {
+        std::fs::create_dir(dir.path(&format!("d{i}"))).expect("mkdir");
+    }
+    let made = Instant::now();
+    let plugin = plugin!(dir.path("d999/after.sock"))
+        .name("after.example.com")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    eprintln!(
+        "{test}: registered {:?} after the last mkdir",
+        made.elapsed()
+    );
+    for i in 0..1000 {
+        std::fs::remove_dir(dir.path(&format!("d{i}"))).ok();
+    }
+    let _good = good_plugins_register(&dir, &agent).await;
+    memory_stayed_bounded(&test, &agent);
+}
+
+/// Two threads bind and unlink sockets as fast as they can for up to 30 s; a plugin started
+/// a second in must be registered while the flood still runs, not after it (eBPF lost every
+/// record to the full ring and once rescanned only when the flood ended). The eBPF agent gets a
+/// one-page ring, so the flood overflows it on any machine and the loss path is what is tested.
+async fn registers_a_plugin_made_during_a_sustained_socket_flood_before_the_flood_ends(
+    source: Source,
+) {
+    const FLOOD_FOR: Duration = Duration::from_secs(30);
+    let test = test_name("plugin_during_a_sustained_socket_flood", source);
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(source, &dir.root());
+    options.extra = vec!["--ring-buffer-bytes".into(), "4096".into()];
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    std::fs::create_dir(dir.path("flood")).expect("mkdir");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooders: Vec<_> = (0..2)
+        .map(|t| {
+            let stop = Arc::clone(&stop);
+            let base = dir.path(&format!("flood/f{t}"));
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let mut made = 0u64;
+                while !stop.load(Ordering::Relaxed) && started.elapsed() < FLOOD_FOR {
+                    let path = base.with_extension(format!("{}.sock", made % 64));
+                    let _ = std::fs::remove_file(&path);
+                    drop(std::os::unix::net::UnixListener::bind(&path));
+                    let _ = std::fs::remove_file(&path);
+                    made += 1;
+                }
+                made
+            })
+        })
+        .collect();
+    // Let the flood fill whatever queue the source has before the plugin appears.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let flood_started = Instant::now();
+    let plugin = plugin!(dir.path("during.sock"))
+        .name("during.example.com")
+        .spawn();
+    plugin.wait_for_notify(true, FLOOD_FOR).await;
+    let registered_after = flood_started.elapsed();
+    let flood_was_running = flooders.iter().all(|f| !f.is_finished());
+    stop.store(true, Ordering::Relaxed);
+    let made: u64 = flooders
+        .into_iter()
+        .map(|f| f.join().expect("flood thread"))
+        .sum();
+    eprintln!("{test}: registered {registered_after:?} into the flood ({made} sockets bound)");
+    assert!(
+        flood_was_running,
+        "{test}: the plugin registered only after the flood ended ({registered_after:?})"
+    );
+    if source == Source::Ebpf {
+        let status = admin::status(&dir.root().with_file_name("admin.sock"));
+        assert!(
+            status["loss_rescans"].as_u64() > Some(0),
+            "{test}: the one-page ring never overflowed, so the loss path was not tested: {status}"
+        );
+    }
+    let _good = good_plugins_register(&dir, &agent).await;
+    memory_stayed_bounded(&test, &agent);
 }
