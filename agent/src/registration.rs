@@ -42,6 +42,29 @@ use unary::UnaryClient;
 const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
 const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
 
+/// How an attempt waits between tries while a plugin is not listening or not serving yet. The
+/// executor's operation slot implements it by stepping out of the slot for the pause (see
+/// `slots`), so sockets that only make the agent wait never hold up other plugins.
+pub trait Pause: Send {
+    /// Waits `duration`.
+    fn pause(
+        &mut self,
+        duration: Duration,
+    ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
+}
+
+/// A plain sleep, for callers that hold nothing worth giving back.
+pub struct Sleep;
+
+impl Pause for Sleep {
+    fn pause(
+        &mut self,
+        duration: Duration,
+    ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(tokio::time::sleep(duration))
+    }
+}
+
 /// Deadlines for the calls to a plugin.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -119,17 +142,20 @@ impl PluginConnection {
     /// how not-yet-serving plugins are waited for).
     /// `expected` is the socket instance being registered: if the path comes to hold another
     /// socket while this attempt waits, the attempt ends (the new socket has its own).
+    /// `waiting` does the pauses between tries.
     pub async fn get_info(
         socket: &Path,
         expected: SocketId,
         timeouts: Timeouts,
+        waiting: &mut dyn Pause,
     ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
-            let (stream, peer) = connect_when_listening(socket, expected, budget_end, started)
-                .instrument(info_span!("dial"))
-                .await?;
+            let (stream, peer) =
+                connect_when_listening(socket, expected, budget_end, started, waiting)
+                    .instrument(info_span!("dial"))
+                    .await?;
             let remaining = budget_end.saturating_duration_since(Instant::now());
             let mut client = match tokio::time::timeout(
                 remaining,
@@ -170,7 +196,8 @@ impl PluginConnection {
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
             // ask again on a fresh connection, within the dial budget.
             if !peer.heard() && Instant::now() + NOT_SERVING_PAUSE < budget_end {
-                tokio::time::sleep(NOT_SERVING_PAUSE).await;
+                drop(client);
+                waiting.pause(NOT_SERVING_PAUSE).await;
                 continue;
             }
             if let Some(not_http2) = peer.not_http2() {
@@ -259,6 +286,7 @@ async fn connect_when_listening(
     expected: SocketId,
     budget_end: Instant,
     started: Instant,
+    waiting: &mut dyn Pause,
 ) -> Result<(HeardStream, Arc<PeerBytes>), PluginCallError> {
     let mut pause = Duration::from_millis(1);
     loop {
@@ -288,7 +316,7 @@ async fn connect_when_listening(
             io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock
                 if Instant::now() + pause < budget_end =>
             {
-                tokio::time::sleep(pause).await;
+                waiting.pause(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));
             }
             _ => return Err(dial_error(socket, error.to_string(), started)),

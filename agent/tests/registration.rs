@@ -1,7 +1,7 @@
 //! The plugin client against real tonic servers on real Unix sockets: kubelet's Notify semantics,
 //! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
 
-use plugin_agent::registration::{PluginCallError, PluginConnection, Timeouts};
+use plugin_agent::registration::{PluginCallError, PluginConnection, Sleep, Timeouts};
 use plugin_agent::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
@@ -91,7 +91,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
             ..Plugin::default()
         },
     );
-    let (mut connection, info) = PluginConnection::get_info(&ok, identity(&ok), fast())
+    let (mut connection, info) = PluginConnection::get_info(&ok, identity(&ok), fast(), &mut Sleep)
         .await
         .expect("GetInfo");
     assert_eq!(info.name, "ok");
@@ -107,9 +107,10 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
         tokio::net::UnixListener::bind(&failing).expect("bind"),
         plugin,
     );
-    let (mut connection, _) = PluginConnection::get_info(&failing, identity(&failing), fast())
-        .await
-        .expect("GetInfo");
+    let (mut connection, _) =
+        PluginConnection::get_info(&failing, identity(&failing), fast(), &mut Sleep)
+            .await
+            .expect("GetInfo");
     match connection.notify(false, "rejected").await {
         Err(PluginCallError::Notify(message)) => {
             assert!(message.contains("disk full"), "{message}")
@@ -129,9 +130,10 @@ async fn notify_transport_error_is_wrapped() {
             ..Plugin::default()
         },
     );
-    let (mut connection, _) = PluginConnection::get_info(&path, identity(&path), fast())
-        .await
-        .expect("GetInfo");
+    let (mut connection, _) =
+        PluginConnection::get_info(&path, identity(&path), fast(), &mut Sleep)
+            .await
+            .expect("GetInfo");
     stop.cancel();
     // Wait for the server to close the connection; then Notify has no transport.
     let mut result = connection.notify(true, "").await;
@@ -170,7 +172,7 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast()).await }
+        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep).await }
     });
     // The client is now getting ECONNREFUSED; start listening and serving.
     tokio::task::yield_now().await;
@@ -196,7 +198,7 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast()).await }
+        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep).await }
     });
     // Serve only after more than one GetInfo deadline (300 ms) has passed.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -222,7 +224,7 @@ async fn hung_get_info_fails_after_its_deadline() {
     };
     let _stop = serve(tokio::net::UnixListener::bind(&path).expect("bind"), plugin);
     let started = tokio::time::Instant::now();
-    let result = PluginConnection::get_info(&path, identity(&path), fast()).await;
+    let result = PluginConnection::get_info(&path, identity(&path), fast(), &mut Sleep).await;
     assert!(
         matches!(result, Err(PluginCallError::GetInfo(_))),
         "got {:?}",
@@ -243,7 +245,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         ..Plugin::default()
     };
     let _stop = serve(tokio::net::UnixListener::bind(&huge).expect("bind"), plugin);
-    let result = PluginConnection::get_info(&huge, identity(&huge), fast()).await;
+    let result = PluginConnection::get_info(&huge, identity(&huge), fast(), &mut Sleep).await;
     assert!(
         matches!(result, Err(PluginCallError::GetInfo(_))),
         "got {:?}",
@@ -257,7 +259,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         ..Plugin::default()
     };
     let _stop2 = serve(tokio::net::UnixListener::bind(&many).expect("bind"), plugin);
-    let result = PluginConnection::get_info(&many, identity(&many), fast()).await;
+    let result = PluginConnection::get_info(&many, identity(&many), fast(), &mut Sleep).await;
     assert!(
         matches!(result, Err(PluginCallError::InvalidInfo(_))),
         "got {:?}",
@@ -273,7 +275,7 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
     let stale = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, stale, fast()).await }
+        async move { PluginConnection::get_info(&path, stale, fast(), &mut Sleep).await }
     });
     std::fs::remove_file(&path).expect("unlink stale");
     let _stop = serve(

@@ -508,9 +508,7 @@ async fn reports_a_handler_that_answers_garbage_and_keeps_other_types_registerin
 /// cannot resolve the path); a burst of them once cost one `stat` per name and watched directory
 /// (53 s for 1,000 here). Every source must stay linear in the tree.
 async fn registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path(source: Source) {
-    let test = test_name("plugin_after_1000_directories_by_absolute_path", source);
-    let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
         return;
     };
     for i in 0..1000 {
@@ -540,7 +538,7 @@ async fn registers_a_plugin_made_during_a_sustained_socket_flood_before_the_floo
     source: Source,
 ) {
     const FLOOD_FOR: Duration = Duration::from_secs(30);
-    let test = test_name("plugin_during_a_sustained_socket_flood", source);
+    let test = test_name();
     let dir = PluginDir::new();
     let mut options = AgentOptions::new(source, &dir.root());
     options.extra = vec!["--ring-buffer-bytes".into(), "4096".into()];
@@ -595,4 +593,55 @@ async fn registers_a_plugin_made_during_a_sustained_socket_flood_before_the_floo
     }
     let _good = good_plugins_register(&dir, &agent).await;
     memory_stayed_bounded(&test, &agent);
+}
+
+/// Sockets nobody listens on (1,000 bound then closed, like crashed plugins' leftovers) and
+/// servers that accept and close at once (300) are retried within the 10 s dial budget. They used
+/// to hold an operation slot each for all of it, so a good plugin waited behind them (28.5 s for
+/// 1,000 stale sockets). Dial waits give their slot back now. The starvation is the executor's,
+/// the same on every source, so this runs on inotify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_a_plugin_promptly_beside_1000_stale_sockets_and_300_servers_that_hang_up() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    std::fs::create_dir_all(dir.path("stale")).expect("mkdir");
+    for i in 0..1000 {
+        drop(
+            std::os::unix::net::UnixListener::bind(dir.path(&format!("stale/s{i}.sock")))
+                .expect("bind"),
+        );
+    }
+    let hang_ups: Vec<_> = (0..300)
+        .map(|i| {
+            let listener = tokio::net::UnixListener::bind(dir.path(&format!("stale/h{i}.sock")))
+                .expect("bind");
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    drop(stream);
+                }
+            })
+        })
+        .collect();
+    let Some(agent) = AgentProcess::start_default(test, Source::Inotify, &dir.root()).await else {
+        return;
+    };
+    let started = Instant::now();
+    let plugin = plugin!(dir.path("good.sock"))
+        .name("good.example.com")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    eprintln!(
+        "{test}: registered {:?} after it started",
+        started.elapsed()
+    );
+    let listed = admin::list(&dir.root().with_file_name("admin.sock"));
+    assert_eq!(
+        listed.get(&dir.path("good.sock")).map(|e| e.state.as_str()),
+        Some("registered"),
+        "{test}"
+    );
+    memory_stayed_bounded(test, &agent);
+    for task in hang_ups {
+        task.abort();
+    }
 }

@@ -31,6 +31,7 @@
 mod claims;
 mod observe;
 mod operation;
+mod slots;
 
 use crate::event_source::monotonic_now_ns;
 use crate::handler::HandlerRegistry;
@@ -44,11 +45,11 @@ use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::Via;
 use claims::NameLocks;
 use operation::RegisterFailure;
+use slots::Slots;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -126,7 +127,7 @@ pub struct OperationExecutor {
     config: ExecutorConfig,
     in_flight: Mutex<HashMap<PathBuf, OperationKind>>,
     backoff: Arc<BackoffTable>,
-    slots: Arc<Semaphore>,
+    slots: Slots,
     name_locks: NameLocks,
     tasks: TaskTracker,
     notifications: NotificationBus,
@@ -164,7 +165,7 @@ impl OperationExecutor {
             config,
             in_flight: Mutex::new(HashMap::new()),
             backoff: Arc::default(),
-            slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
+            slots: Slots::new(config.max_concurrent),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
@@ -224,9 +225,9 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Ok(_slot) = this.slots.clone().acquire_owned().await else { return };
+                let Some(mut slot) = this.slots.acquire().await else { return };
                 let started = Instant::now();
-                let result = this.run_register(&path, &desired).await;
+                let result = this.run_register(&path, &desired, &mut slot).await;
                 this.observe_register(source, &desired, &result);
                 match result {
                     Ok(plugin) => {
@@ -271,7 +272,7 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Ok(_slot) = this.slots.clone().acquire_owned().await else {
+                let Some(_slot) = this.slots.acquire().await else {
                     return;
                 };
                 this.run_deregister(&path, registered).await;

@@ -3,6 +3,7 @@
 //! an operation may run) is the room's `mod.rs`; recording outcomes is `observe.rs`.
 
 use super::OperationExecutor;
+use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
 use crate::notifications::{AgentEvent, EventKind};
 use crate::registration::{PluginCallError, PluginConnection};
@@ -99,9 +100,11 @@ impl OperationExecutor {
         &self,
         path: &Path,
         desired: &DesiredPlugin,
+        slot: &mut Slot,
     ) -> Result<Plugin, RegisterFailure> {
         let (mut connection, info) =
-            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts).await?;
+            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts, slot)
+                .await?;
         let plugin = plugin_of(path, info);
         let span = tracing::Span::current();
         span.record("plugin_name", plugin.name.as_str());

@@ -94,9 +94,9 @@ async fn report_losses(
     // flood is what makes progress.
     let (superseded, left_queued) = discard(ring, losses.ring_buffer_bytes);
     if superseded > 0 {
-        reason
-            .text
-            .push_str(&format!("; {superseded} queued events superseded by the rescan"));
+        reason.text.push_str(&format!(
+            "; {superseded} queued events superseded by the rescan"
+        ));
     }
     tracing::warn!(reason = %reason.text, "eBPF event source lost events; rescanning");
     let sent = send(
