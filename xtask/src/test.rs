@@ -30,26 +30,44 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
     let stages_after_host = !options.no_vm && options.cargo_args.is_empty();
     // Every package of every stage, resolved and installed before the first build: a plan apt
     // cannot carry out fails in the first minute, not after the host suite.
-    deps::deps(&deps::Options {
-        all: stages_after_host,
-        check: false,
+    timed("set-up", || {
+        deps::deps(&deps::Options {
+            all: stages_after_host,
+            check: false,
+        })
     })?;
-    let object = build_ebpf::build(&build_ebpf::Options::default())?;
-    if !options.no_lint {
-        lint::lint()?;
-    }
-    let mut command = shell::cargo();
-    command
-        .args(["test", "--workspace", "--no-fail-fast"])
-        .args(&options.cargo_args);
-    build::with_ebpf_object(&mut command, &object);
-    let host = shell::run(&mut command);
+    let host = timed("host", || {
+        let object = build_ebpf::build(&build_ebpf::Options::default())?;
+        if !options.no_lint {
+            lint::lint()?;
+        }
+        let mut command = shell::cargo();
+        command
+            .args(["test", "--workspace", "--no-fail-fast"])
+            .args(&options.cargo_args);
+        build::with_ebpf_object(&mut command, &object);
+        shell::run(&mut command)
+    });
     // The other architecture and the second kernel run even when a host test failed: their
     // results say whether a failure is tied to one of them.
     if !stages_after_host {
         return host;
     }
-    let arm64 = cross_test::cross_test();
-    let vm = vm_test::vm_test(&vm_test::Options::default());
+    let arm64 = timed("arm64", cross_test::cross_test);
+    let vm = timed("VM", || vm_test::vm_test(&vm_test::Options::default()));
     host.and(arm64).and(vm)
+}
+
+/// Runs one stage and prints its wall time, so a CI log says where the run's time went.
+fn timed(stage: &str, run: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let result = run();
+    let took = started.elapsed().as_secs();
+    let verdict = if result.is_ok() { "passed" } else { "FAILED" };
+    eprintln!(
+        "xtask: test: stage {stage} {verdict} in {}m {:02}s",
+        took / 60,
+        took % 60
+    );
+    result
 }
