@@ -121,7 +121,10 @@ pub struct Event {
     pub name_len: u32,
     /// `bpf_ktime_get_ns()` (`CLOCK_MONOTONIC`) when the syscall returned.
     pub ktime_ns: u64,
-    /// The directory holding the entry, valid when `scope` is [`scope::EXACT`].
+    /// The directory holding the entry, when `scope` is [`scope::EXACT`]. When it is
+    /// [`scope::NAME_ONLY`], `dev` is 0 and `ino` is the `NAMES` value (userspace's id for the
+    /// name) of the path's parent component if the kernel matched it there, else 0: a hint of
+    /// which watched directories to look in.
     pub parent: DirKey,
     /// The entry's name.
     pub name: NameKey,

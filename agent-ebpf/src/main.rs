@@ -62,7 +62,7 @@ mod programs {
     static WATCHED: HashMap<DirKey, u8> = HashMap::with_max_entries(16384, 0);
 
     #[map]
-    static NAMES: HashMap<NameKey, u8> = HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
+    static NAMES: HashMap<NameKey, u32> = HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
 
     #[map]
     static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
@@ -98,6 +98,8 @@ mod programs {
         event: Event,
         /// The component before the last one, for [`parent_known`].
         parent: NameKey,
+        /// The NAMES value of `parent` when [`parent_known`] found it (0: none).
+        parent_id: u64,
         /// A reported entry's name on its way to NAMES (see [`report_dentry`]).
         name: NameKey,
         start: u64,
@@ -541,6 +543,7 @@ mod programs {
     /// `scratch.event` if so.
     #[inline(always)]
     fn classify(scratch: &mut Scratch, dfd: i64, path: u64, op: PathOp) -> Option<()> {
+        scratch.parent_id = 0;
         let single = last_component(scratch, path)?;
         if single {
             // "name": its parent is the start directory, which the kernel can name exactly.
@@ -569,7 +572,7 @@ mod programs {
                 }
             }
             scratch.event.scope = scope::NAME_ONLY;
-            scratch.event.parent = DirKey { dev: 0, ino: 0 };
+            scratch.event.parent = name_only_parent(scratch);
         }
         let event = &mut scratch.event;
         event.kind = if op == PathOp::Remove {
@@ -625,6 +628,9 @@ mod programs {
         // SAFETY: presence check only.
         let known = unsafe { NAMES.get(&scratch.event.name) }.is_some();
         if scratch.event.scope == scope::EXACT || known || parent_known(scratch) {
+            if scratch.event.scope == scope::NAME_ONLY {
+                scratch.event.parent = name_only_parent(scratch);
+            }
             park(&PENDING_TARGET, &scratch.event);
         } else {
             park(&PENDING_IF_SOURCE, &scratch.event);
@@ -705,8 +711,25 @@ mod programs {
         if copy_component(scratch, start, end, parent).is_none() {
             return false;
         }
-        // SAFETY: presence check only.
-        unsafe { NAMES.get(&scratch.parent) }.is_some()
+        // SAFETY: the value is copied out at once.
+        match unsafe { NAMES.get(&scratch.parent) } {
+            Some(id) => {
+                scratch.parent_id = u64::from(*id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The `parent` of a name-only event: no identity (dev 0), and in `ino` the NAMES value of
+    /// the path's parent component when [`parent_known`] found one, so userspace checks the name
+    /// only in the watched directories so named (0: unknown, check everywhere).
+    #[inline(always)]
+    fn name_only_parent(scratch: &Scratch) -> DirKey {
+        DirKey {
+            dev: 0,
+            ino: scratch.parent_id,
+        }
     }
 
     /// Where the component that ends at `end` (exclusive) in `scratch.path` starts: after the last

@@ -30,7 +30,7 @@ use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::{Found, Via};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::ffi::OsString;
 use std::ops::Bound;
@@ -50,6 +50,31 @@ const BATCH: usize = 1024;
 /// Up to this many distinct name hints in a batch are checked by `stat` in every watched
 /// directory; more, by one read of each directory (see `Watcher::check_names`).
 const FEW_NAMES: usize = 4;
+
+/// The name hints of one batch: names the source placed in a directory of a known name, by that
+/// name, and names that may be in any watched directory.
+#[derive(Default)]
+struct NameHints {
+    in_dirs_named: HashMap<OsString, HashSet<OsString>>,
+    anywhere: HashSet<OsString>,
+}
+
+impl NameHints {
+    fn add(&mut self, name: OsString, parent: Option<OsString>) {
+        match parent {
+            Some(parent) => {
+                self.in_dirs_named.entry(parent).or_default().insert(name);
+            }
+            None => {
+                self.anywhere.insert(name);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.in_dirs_named.is_empty() && self.anywhere.is_empty()
+    }
+}
 
 /// See the module docs.
 pub struct Watcher {
@@ -147,13 +172,17 @@ impl Watcher {
             if rescan.is_some() {
                 batch.clear();
             }
-            let mut names: HashSet<OsString> = HashSet::new();
+            let mut names = NameHints::default();
             for event in batch.drain(..) {
                 match event {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
                         self.check(&path, observed)
                     }
-                    FsEvent::NameChanged { name, observed } => {
+                    FsEvent::NameChanged {
+                        name,
+                        parent,
+                        observed,
+                    } => {
                         // Name hints are checked once per batch, together: a burst of them (a
                         // `mkdir -p` of thousands by absolute path) costs one pass over the
                         // tree, not one per name. Their timestamps only time discovery, which
@@ -161,7 +190,7 @@ impl Watcher {
                         if names.is_empty() {
                             self.names_observed = observed;
                         }
-                        names.insert(name);
+                        names.add(name, parent);
                     }
                     FsEvent::Rescan { .. } => {}
                 }
@@ -209,17 +238,15 @@ impl Watcher {
 
     /// Each of `names` changed in some watched directory, which the source could not name.
     ///
-    /// A few names are checked by one `stat` per watched directory each. Many are checked by
-    /// reading every watched directory once and looking at the entries with those names, plus
-    /// every known socket or directory with those names (which may be gone): linear in the size
-    /// of the tree whatever the number of names, where a `stat` per name and directory would be
-    /// quadratic (a thousand new directories by absolute path: a million `stat` calls).
-    fn check_names(&mut self, names: &HashSet<OsString>) {
+    /// A name whose parent directory's name the source knows is checked only in the watched
+    /// directories so named: one `stat` each, usually one in all. The others may be anywhere. A
+    /// few of those are checked by one `stat` per watched directory each; many, by reading every
+    /// watched directory once and looking at the entries with those names, plus every known socket
+    /// or directory with those names (which may be gone). Either way the cost is linear in the
+    /// tree, where a `stat` per name and directory would be quadratic (a thousand new directories
+    /// by absolute path: a million `stat` calls).
+    fn check_names(&mut self, names: &NameHints) {
         let observed = self.names_observed;
-        let names: Vec<&OsString> = names
-            .iter()
-            .filter(|name| !name.as_bytes().contains(&b'/'))
-            .collect();
         // The anchor too: the name may be the root's own.
         let dirs: Vec<PathBuf> = self
             .dirs
@@ -227,41 +254,56 @@ impl Watcher {
             .chain(self.anchor.iter().map(|a| &a.path))
             .cloned()
             .collect();
-        if names.len() <= FEW_NAMES {
-            for name in names {
-                for dir in &dirs {
-                    self.check(&dir.join(name), observed);
-                }
-            }
-            return;
-        }
-        let wanted: HashSet<&OsStr> = names.iter().map(|name| name.as_os_str()).collect();
-        let has_wanted_name =
-            |path: &Path| path.file_name().is_some_and(|name| wanted.contains(name));
-        let mut candidates: Vec<PathBuf> = self.desired.paths_where(has_wanted_name);
-        candidates.extend(
-            self.dirs
-                .keys()
-                .filter(|path| has_wanted_name(path))
-                .cloned(),
-        );
+        let mut candidates: Vec<PathBuf> = Vec::new();
         for dir in &dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                // Gone or unreadable: its own event or the next rescan settles it.
-                continue;
-            };
-            candidates.extend(
-                entries
-                    .flatten()
-                    .filter(|entry| wanted.contains(entry.file_name().as_os_str()))
-                    .map(|entry| entry.path()),
-            );
+            if let Some(parents) = dir.file_name().and_then(|n| names.in_dirs_named.get(n)) {
+                candidates.extend(parents.iter().map(|name| dir.join(name)));
+            }
+        }
+        let anywhere: Vec<&OsString> = names
+            .anywhere
+            .iter()
+            .filter(|name| !name.as_bytes().contains(&b'/'))
+            .collect();
+        if anywhere.len() <= FEW_NAMES {
+            for name in anywhere {
+                candidates.extend(dirs.iter().map(|dir| dir.join(name)));
+            }
+        } else {
+            candidates.extend(self.entries_named(&anywhere, &dirs));
         }
         candidates.sort();
         candidates.dedup();
         for path in candidates {
             self.check(&path, observed);
         }
+    }
+
+    /// Every path in `dirs` with one of `names`, and every known one (which may be gone).
+    fn entries_named(&self, names: &[&OsString], dirs: &[PathBuf]) -> Vec<PathBuf> {
+        let wanted: HashSet<&OsStr> = names.iter().map(|name| name.as_os_str()).collect();
+        let has_wanted_name =
+            |path: &Path| path.file_name().is_some_and(|name| wanted.contains(name));
+        let mut found: Vec<PathBuf> = self.desired.paths_where(has_wanted_name);
+        found.extend(
+            self.dirs
+                .keys()
+                .filter(|path| has_wanted_name(path))
+                .cloned(),
+        );
+        for dir in dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                // Gone or unreadable: its own event or the next rescan settles it.
+                continue;
+            };
+            found.extend(
+                entries
+                    .flatten()
+                    .filter(|entry| wanted.contains(entry.file_name().as_os_str()))
+                    .map(|entry| entry.path()),
+            );
+        }
+        found
     }
 
     fn socket_present(

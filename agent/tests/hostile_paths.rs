@@ -158,7 +158,11 @@ impl Tree {
                 path: self.path(b, p),
                 observed,
             },
-            Hint::Name(name) => FsEvent::NameChanged { name, observed },
+            Hint::Name(name) => FsEvent::NameChanged {
+                name,
+                parent: None,
+                observed,
+            },
             Hint::Rescan => FsEvent::Rescan {
                 reason: "fuzz".into(),
             },

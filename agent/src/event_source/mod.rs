@@ -80,7 +80,15 @@ pub enum FsEvent {
     /// An entry called `name` changed in a watched directory the source could not pin down (a
     /// path resolved in another mount namespace, say): the watcher checks `name` in every watched
     /// directory.
-    NameChanged { name: OsString, observed: Observed },
+    ///
+    /// `parent`, when the source knows it, is the name of the directory the path named as the
+    /// entry's parent (`b` in `/a/b/name`): the entry is then in a watched directory of that name
+    /// if it is in the tree at all.
+    NameChanged {
+        name: OsString,
+        parent: Option<OsString>,
+        observed: Observed,
+    },
     /// Events may have been lost; the watcher walks the whole tree and converges on it. `reason`
     /// says what was lost, for operators (it becomes [`RescanReason::EventLoss`]).
     Rescan { reason: String },

@@ -11,7 +11,7 @@
 //! report anything in it.
 
 use std::collections::HashMap;
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,10 +24,23 @@ use tokio::sync::Notify;
 
 use crate::event_source::WatchedDir;
 
+/// The name table and userspace's ids for its names.
+///
+/// The kernel reports a name-only event with the id of the path's parent component when it found
+/// that component in the table (see `agent_ebpf::Event::parent`), so the watcher looks for the
+/// entry only in the watched directories so named instead of in every one. Ids start at 1 (0 is
+/// "none", which the kernel's own insertions carry until the watcher announces the name).
+struct Names {
+    map: BpfHashMap<MapData, NameKey, u32>,
+    ids: HashMap<OsString, u32>,
+    by_id: HashMap<u32, OsString>,
+    next_id: u32,
+}
+
 /// The watched-directory and name filters, shared by the source (writer) and its reader.
 pub struct Filters {
     watched: Mutex<BpfHashMap<MapData, DirKey, u8>>,
-    names: Mutex<BpfHashMap<MapData, NameKey, u8>>,
+    names: Mutex<Names>,
     paths: Mutex<HashMap<DirKey, PathBuf>>,
     watched_capacity: u32,
     /// Set when `entry_present` could not record a name; the reader clears the map and rescans.
@@ -45,12 +58,17 @@ impl Filters {
     /// Takes the two filter maps from the loaded object.
     pub fn new(
         watched: BpfHashMap<MapData, DirKey, u8>,
-        names: BpfHashMap<MapData, NameKey, u8>,
+        names: BpfHashMap<MapData, NameKey, u32>,
         watched_capacity: u32,
     ) -> Self {
         Filters {
             watched: Mutex::new(watched),
-            names: Mutex::new(names),
+            names: Mutex::new(Names {
+                map: names,
+                ids: HashMap::new(),
+                by_id: HashMap::new(),
+                next_id: 1,
+            }),
             paths: Mutex::new(HashMap::new()),
             watched_capacity,
             names_overflowed: AtomicBool::new(false),
@@ -100,12 +118,26 @@ impl Filters {
             return true;
         };
         let mut names = lock(&self.names);
-        if names.get(&key, 0).is_ok() || names.insert(key, 0, 0).is_ok() {
+        if names.ids.contains_key(name) {
+            return true;
+        }
+        let id = names.next_id;
+        // Overwrites the kernel's own insertion of the name (id 0) with userspace's id.
+        if names.map.insert(key, id, 0).is_ok() {
+            names.next_id = id.wrapping_add(1).max(1);
+            names.ids.insert(name.to_os_string(), id);
+            names.by_id.insert(id, name.to_os_string());
             return true;
         }
         self.names_overflowed.store(true, Ordering::Release);
         self.overflow.notify_one();
         false
+    }
+
+    /// The name the kernel's id `id` stands for (see [`Names`]).
+    pub fn name_of(&self, id: u64) -> Option<OsString> {
+        let id = u32::try_from(id).ok().filter(|id| *id != 0)?;
+        lock(&self.names).by_id.get(&id).cloned()
     }
 
     /// Resolves when `remember_name` found the map full (the reader waits on this).
@@ -121,10 +153,12 @@ impl Filters {
     /// Empties the name map (after it filled up); the rescan that follows re-adds what exists.
     pub fn forget_names(&self) {
         let mut names = lock(&self.names);
-        let keys: Vec<NameKey> = names.keys().filter_map(Result::ok).collect();
+        let keys: Vec<NameKey> = names.map.keys().filter_map(Result::ok).collect();
         for key in keys {
-            let _ = names.remove(&key);
+            let _ = names.map.remove(&key);
         }
+        names.ids.clear();
+        names.by_id.clear();
     }
 
     /// The agent's path of the watched directory with kernel identity `key`.

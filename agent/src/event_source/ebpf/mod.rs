@@ -157,7 +157,7 @@ pub fn open(
     let ebpf = &mut loaded.ebpf;
 
     let watched: BpfHashMap<MapData, DirKey, u8> = take_map(ebpf, names::WATCHED)?;
-    let name_map: BpfHashMap<MapData, NameKey, u8> = take_map(ebpf, names::NAMES)?;
+    let name_map: BpfHashMap<MapData, NameKey, u32> = take_map(ebpf, names::NAMES)?;
     let ring: RingBuf<MapData> = take_map(ebpf, names::EVENTS)?;
     let losses: PerCpuArray<MapData, u64> = take_map(ebpf, names::LOSSES)?;
     let losses = Arc::new(LossCounters::new(losses));

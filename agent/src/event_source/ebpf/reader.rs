@@ -235,7 +235,9 @@ fn drain(
             continue;
         };
         drop(item);
-        if let Some(mut fs_event) = record::translate(&event, |key| filters.path_of(key)) {
+        if let Some(mut fs_event) =
+            record::translate(&event, |key| filters.path_of(key), |id| filters.name_of(id))
+        {
             if let FsEvent::Created { observed, .. }
             | FsEvent::Removed { observed, .. }
             | FsEvent::NameChanged { observed, .. } = &mut fs_event

@@ -7,7 +7,7 @@
 //! An exact event names its directory by kernel identity, which the caller maps back to the path it
 //! watched; a name-only event becomes [`FsEvent::NameChanged`].
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -35,10 +35,12 @@ pub fn name(event: &Event) -> &OsStr {
 
 /// What the watcher is told about `event`. `parent_path` maps a directory identity to the path the
 /// watcher watches it under; `None` from it means the directory was unwatched since, and the event
-/// is dropped (the watcher ignores paths outside its tree anyway).
+/// is dropped (the watcher ignores paths outside its tree anyway). `parent_name` maps the name id
+/// a name-only event may carry (see `agent_ebpf::Event::parent`) back to the name.
 pub fn translate(
     event: &Event,
     parent_path: impl FnOnce(&DirKey) -> Option<PathBuf>,
+    parent_name: impl FnOnce(u64) -> Option<OsString>,
 ) -> Option<FsEvent> {
     let name = name(event);
     if name.is_empty() || name == "." || name == ".." || name.as_bytes().contains(&b'/') {
@@ -59,6 +61,7 @@ pub fn translate(
         }
         scope::NAME_ONLY => Some(FsEvent::NameChanged {
             name: name.to_os_string(),
+            parent: parent_name(event.parent.ino),
             observed,
         }),
         _ => None,
@@ -85,6 +88,10 @@ mod tests {
         }
     }
 
+    fn no_name(_: u64) -> Option<OsString> {
+        None
+    }
+
     fn watched(key: &DirKey) -> Option<PathBuf> {
         (*key == DirKey { dev: 1, ino: 2 }).then(|| PathBuf::from("/plugins"))
     }
@@ -97,7 +104,7 @@ mod tests {
     #[test]
     fn exact_bind_becomes_created_under_the_watched_path() {
         assert_eq!(
-            translate(&event(kind::BIND, scope::EXACT, "a.sock"), watched),
+            translate(&event(kind::BIND, scope::EXACT, "a.sock"), watched, no_name),
             Some(FsEvent::Created {
                 path: "/plugins/a.sock".into(),
                 observed: AT_7
@@ -108,7 +115,11 @@ mod tests {
     #[test]
     fn exact_unlink_becomes_removed() {
         assert_eq!(
-            translate(&event(kind::REMOVE, scope::EXACT, "a.sock"), watched),
+            translate(
+                &event(kind::REMOVE, scope::EXACT, "a.sock"),
+                watched,
+                no_name
+            ),
             Some(FsEvent::Removed {
                 path: "/plugins/a.sock".into(),
                 observed: AT_7
@@ -119,9 +130,29 @@ mod tests {
     #[test]
     fn name_only_unlink_becomes_name_changed() {
         assert_eq!(
-            translate(&event(kind::REMOVE, scope::NAME_ONLY, "a.sock"), |_| None),
+            translate(
+                &event(kind::REMOVE, scope::NAME_ONLY, "a.sock"),
+                |_| None,
+                no_name
+            ),
             Some(FsEvent::NameChanged {
                 name: "a.sock".into(),
+                parent: None,
+                observed: AT_7
+            })
+        );
+    }
+
+    #[test]
+    fn name_only_event_names_its_parent_by_the_kernel_s_id() {
+        let mut e = event(kind::CREATE, scope::NAME_ONLY, "d1");
+        e.parent = DirKey { dev: 0, ino: 5 };
+        let names = |id: u64| (id == 5).then(|| OsString::from("plugins"));
+        assert_eq!(
+            translate(&e, |_| None, names),
+            Some(FsEvent::NameChanged {
+                name: "d1".into(),
+                parent: Some("plugins".into()),
                 observed: AT_7
             })
         );
@@ -131,14 +162,14 @@ mod tests {
     fn event_in_a_directory_no_longer_watched_is_dropped() {
         let mut e = event(kind::BIND, scope::EXACT, "a.sock");
         e.parent.ino = 3;
-        assert_eq!(translate(&e, watched), None);
+        assert_eq!(translate(&e, watched, no_name), None);
     }
 
     #[test]
     fn names_that_cannot_be_entries_are_dropped() {
         for bad in ["", ".", ".."] {
             assert_eq!(
-                translate(&event(kind::BIND, scope::EXACT, bad), watched),
+                translate(&event(kind::BIND, scope::EXACT, bad), watched, no_name),
                 None
             );
         }
@@ -198,7 +229,7 @@ mod tests {
             let decoded = decode(&bytes);
             proptest::prop_assert_eq!(decoded.is_some(), bytes.len() >= size_of::<Event>());
             if let Some(event) = decoded {
-                proptest::prop_assert!(names_one_entry(translate(&event, watched)));
+                proptest::prop_assert!(names_one_entry(translate(&event, watched, no_name)));
             }
         }
 
@@ -206,7 +237,7 @@ mod tests {
         /// entry directly inside a watched directory, or about a bare name.
         #[test]
         fn arbitrary_events_translate_to_one_entry_below_a_watched_directory(event in arbitrary_event()) {
-            proptest::prop_assert!(names_one_entry(translate(&event, watched)));
+            proptest::prop_assert!(names_one_entry(translate(&event, watched, no_name)));
         }
     }
 
