@@ -21,7 +21,9 @@
 //!   directory (cwd or dirfd): [`FsEvent::Created`] / [`FsEvent::Removed`];
 //! - the same calls by any other path (`/registration/x.sock` from a container): the path cannot be
 //!   resolved in BPF, so names decide, all in the kernel, and the event is a
-//!   [`FsEvent::NameChanged`] the watcher checks in every watched directory. A removal (or rename
+//!   [`FsEvent::NameChanged`] the watcher checks in every watched directory, or, when the path's
+//!   parent component matched a name in the name table, only in the watched directories of that
+//!   name (the kernel reports the table's id for it; see `filters`). A removal (or rename
 //!   source) passes when its last component is a name present under the tree; a socket `mknod`
 //!   always; a rename target when its name is known, when its source was in the tree, or when its
 //!   parent component is a watched directory's name (a move in from anywhere to a new name);
