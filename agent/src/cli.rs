@@ -551,6 +551,15 @@ async fn list(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
 }
 
 fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
+    // Cells hold what plugins announce: no control character reaches the terminal.
+    let rows: Vec<[String; N]> = rows
+        .iter()
+        .map(|row| {
+            row.clone()
+                .map(|cell| crate::text::escape(&cell).into_owned())
+        })
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: [usize; N] = header.map(str::len);
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -630,7 +639,7 @@ async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
                 if let Some(d) = &row.detail {
                     line += &format!(" ({d})");
                 }
-                println!("{line}");
+                println!("{}", crate::text::escape(&line));
             }
         }
     }
@@ -722,10 +731,11 @@ async fn status(socket: &std::path::Path, output: Output) -> anyhow::Result<()> 
             .as_deref()
             .map(|e| format!(" last error: {e}"))
             .unwrap_or_default();
-        println!(
+        let line = format!(
             "  {:<16} {:<8} {}{}",
             h.plugin_type, health, h.target, error
         );
+        println!("{}", crate::text::escape(&line));
     }
     Ok(())
 }

@@ -24,5 +24,6 @@ pub mod registration;
 pub mod runtime;
 pub mod state;
 pub mod telemetry;
+pub mod text;
 pub mod unix_channel;
 pub mod watcher;
