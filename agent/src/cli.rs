@@ -658,6 +658,8 @@ struct StatusView {
     plugins_registered: u64,
     rescans: u64,
     loss_rescans: u64,
+    watched_directories: u64,
+    problems: Vec<String>,
     handlers: Vec<HandlerView>,
 }
 
@@ -687,6 +689,8 @@ async fn status(socket: &std::path::Path, output: Output) -> anyhow::Result<()> 
         plugins_registered: s.plugins_registered,
         rescans: s.rescans,
         loss_rescans: s.events_lost,
+        watched_directories: s.watched_directories,
+        problems: s.problems,
         handlers: s
             .handlers
             .into_iter()
@@ -723,6 +727,10 @@ async fn status(socket: &std::path::Path, output: Output) -> anyhow::Result<()> 
         "rescans:       {} ({} after event loss)",
         view.rescans, view.loss_rescans
     );
+    println!("watching:      {} directories", view.watched_directories);
+    for problem in &view.problems {
+        println!("PROBLEM:       {}", crate::text::escape(problem));
+    }
     println!("handlers:");
     for h in &view.handlers {
         let health = if h.healthy { "healthy" } else { "UNREACHABLE" };

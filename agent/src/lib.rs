@@ -26,4 +26,5 @@ pub mod state;
 pub mod telemetry;
 pub mod text;
 pub mod unix_channel;
+pub mod watch_health;
 pub mod watcher;

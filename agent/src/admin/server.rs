@@ -175,6 +175,11 @@ impl AdminService {
             started_unix_ms: unix_ms(self.status.started_at),
             plugin_dir: self.status.plugin_dir.clone(),
             reconcile_mode: self.status.reconcile_mode.clone(),
+            watched_directories: self.stats.watched_dirs.load(Relaxed),
+            problems: {
+                let problems = self.stats.health.get();
+                problems.root.into_iter().chain(problems.lines).collect()
+            },
         }
     }
 }

@@ -70,6 +70,13 @@ pub struct RescanLabels {
     pub reason: &'static str,
 }
 
+/// The label set of walk errors.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WalkErrorLabels {
+    /// `unreadable`, `too_long` or `root_not_directory`.
+    pub kind: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -96,6 +103,7 @@ pub struct Metrics {
     backoff_delay: Histogram,
     handler_calls: HistogramFamily<HandlerCallLabels>,
     rescans: Family<RescanLabels, Counter>,
+    walk_errors: Family<WalkErrorLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -107,6 +115,7 @@ impl Default for Metrics {
             backoff_delay: backoff_histogram(),
             handler_calls: Family::new_with_constructor(handler_histogram),
             rescans: Family::default(),
+            walk_errors: Family::default(),
         }
     }
 }
@@ -167,6 +176,14 @@ impl Metrics {
         self.rescans.get_or_create(&RescanLabels { reason }).inc();
     }
 
+    /// A walk could not read something (`kind`: `unreadable`, `too_long`,
+    /// `root_not_directory`); what was known there was kept.
+    pub fn walk_error(&self, kind: &'static str) {
+        self.walk_errors
+            .get_or_create(&WalkErrorLabels { kind })
+            .inc();
+    }
+
     /// Registers these metrics and the scrape-time `state` ones in a registry for exposition.
     pub fn registry(&self, state: StateCollector) -> Registry {
         let mut registry = self.registry_without_state();
@@ -207,6 +224,11 @@ impl Metrics {
             "rescans",
             "Full walks of the plugin directory, by reason class",
             self.rescans.clone(),
+        );
+        agent.register(
+            "walk_errors",
+            "Directories and paths a walk could not read (what was known there is kept), by kind",
+            self.walk_errors.clone(),
         );
         registry
     }
@@ -438,6 +460,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_handler_call_duration_seconds_sum",
     "plugin_agent_handler_call_duration_seconds_count",
     "plugin_agent_rescans_total",
+    "plugin_agent_walk_errors_total",
     "plugin_agent_plugins",
     "plugin_agent_handler_up",
     "plugin_agent_event_source_events_total",
@@ -521,6 +544,7 @@ mod tests {
         m.backoff(Duration::from_millis(500));
         m.handler_call("CSIPlugin", "validate", "ok", Duration::from_micros(40));
         m.rescan("start");
+        m.walk_error("unreadable");
         let registry = m.registry(StateCollector {
             desired,
             actual,
