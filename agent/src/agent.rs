@@ -169,8 +169,10 @@ impl RunningAgent {
                             });
                     info!(addr = %bound, "serving /metrics, /healthz and /readyz");
                     let (ready, http_cancel) = (ready.clone(), cancel.clone());
+                    let stats = watcher_stats.clone();
                     tasks.spawn(async move {
-                        crate::telemetry::http::serve(listener, registry, ready, http_cancel).await
+                        crate::telemetry::http::serve(listener, registry, ready, stats, http_cancel)
+                            .await
                     });
                     metrics_addr = Some(bound);
                 }
@@ -234,10 +236,13 @@ impl RunningAgent {
         result
     }
 
-    /// Stops discovery and reconciliation and waits for running operations.
+    /// Stops discovery and reconciliation and waits for running operations, for at most
+    /// [`crate::shutdown::OPERATIONS_GRACE`] in all (what is left is ended with the process).
     pub async fn stop(&mut self) {
         self.cancel.cancel();
-        while self.tasks.join_next().await.is_some() {}
-        self.executor.drain().await;
+        let deadline = tokio::time::Instant::now() + crate::shutdown::OPERATIONS_GRACE;
+        let tasks = async { while self.tasks.join_next().await.is_some() {} };
+        crate::shutdown::until(deadline, "agent tasks", tasks).await;
+        crate::shutdown::until(deadline, "running operations", self.executor.drain()).await;
     }
 }

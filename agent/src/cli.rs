@@ -432,7 +432,8 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
     let result = agent.run_until(shutdown_signal()).await;
     admin_cancel.cancel();
     if let Some(admin) = admin {
-        let _ = admin.await;
+        // Its connections end with the cancel (see `serving`); the bound is a backstop.
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(500), admin).await;
     }
     result
 }

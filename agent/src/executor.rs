@@ -106,6 +106,9 @@ enum RegisterError {
     Plugin(#[from] RegistrationError),
     #[error("no handler registered for plugin type: {plugin_type} at socket {socket}")]
     NoHandler { plugin_type: String, socket: String },
+    /// The agent began shutting down before the plugin answered: no outcome to report.
+    #[error("the agent is shutting down")]
+    ShuttingDown,
     #[error("{message}")]
     Handler {
         message: String,
@@ -126,6 +129,7 @@ impl RegisterError {
             RegisterError::Plugin(RegistrationError::InvalidInfo(_)) => "invalid_info",
             RegisterError::Plugin(RegistrationError::Notify(_)) => "notify_error",
             RegisterError::NoHandler { .. } => "no_handler",
+            RegisterError::ShuttingDown => "shutting_down",
             RegisterError::Handler { outcome, .. } => outcome,
         }
     }
@@ -284,9 +288,15 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Ok(_slot) = this.slots.clone().acquire_owned().await else { return };
+                // Shutdown starts no operation: those still waiting for a slot end here.
+                let slot = this.slots.clone().acquire_owned();
+                let Some(Ok(_slot)) = crate::shutdown::unless_stopping(&this.cancel, slot).await else { return };
                 let started = Instant::now();
                 let result = this.run_register(&path, &desired).await;
+                if matches!(result, Err(RegisterError::ShuttingDown)) {
+                    debug!("registration abandoned before the plugin answered: shutting down");
+                    return;
+                }
                 this.observe_register(source, &desired, &result);
                 match result {
                     Ok(plugin) => {
@@ -331,7 +341,9 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Ok(_slot) = this.slots.clone().acquire_owned().await else {
+                let slot = this.slots.clone().acquire_owned();
+                let Some(Ok(_slot)) = crate::shutdown::unless_stopping(&this.cancel, slot).await
+                else {
                     return;
                 };
                 this.run_deregister(&path, registered).await;
@@ -375,8 +387,12 @@ impl OperationExecutor {
         path: &Path,
         desired: &DesiredPlugin,
     ) -> Result<Plugin, RegisterError> {
-        let (mut connection, info) =
-            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts).await?;
+        // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
+        let answer = PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts);
+        let Some(answer) = crate::shutdown::unless_stopping(&self.cancel, answer).await else {
+            return Err(RegisterError::ShuttingDown);
+        };
+        let (mut connection, info) = answer?;
         let socket_path = path.to_string_lossy().into_owned();
         let plugin = Plugin {
             endpoint: if info.endpoint.is_empty() {

@@ -22,6 +22,8 @@ pub mod privileges;
 pub mod reconciler;
 pub mod registration;
 pub mod runtime;
+pub mod serving;
+pub mod shutdown;
 pub mod state;
 pub mod telemetry;
 pub mod text;

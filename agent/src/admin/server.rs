@@ -355,12 +355,21 @@ pub async fn serve(
     let server = api::agent_server::AgentServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(16 * 1024 * 1024);
+    // Bounded connections (see `serving`): a client that connects and goes quiet, sends only the
+    // HTTP/2 preface, or stops reading its `watch` stream cannot hold the agent open at shutdown
+    // or take the descriptors plugin dials need.
+    let gate = crate::serving::Gate::new("admin", crate::serving::ADMIN, cancel.clone());
+    let incoming = futures::stream::unfold((listener, gate), |(listener, gate)| async move {
+        let stream = gate
+            .admit(|| async { listener.accept().await.map(|(s, _)| s) })
+            .await?;
+        Some((Ok::<_, std::io::Error>(stream), (listener, gate)))
+    });
     let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(crate::serving::ADMIN_KEEPALIVE))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(server)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(listener),
-            cancel.cancelled_owned(),
-        )
+        .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
         .await;
     let _ = std::fs::remove_file(socket);
     result.context("admin API server failed")
