@@ -399,6 +399,12 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
 
 /// `plugin-agent run`, until SIGINT or SIGTERM.
 pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
+    // One agent per runtime directory, checked before anything starts (see `runtime_dir`).
+    let _lock = settings
+        .admin_socket
+        .as_deref()
+        .map(crate::runtime_dir::lock)
+        .transpose()?;
     let handlers = Arc::new(HandlerRegistry::default());
     for (plugin_type, target) in &settings.handlers {
         let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;

@@ -22,6 +22,7 @@ pub mod privileges;
 pub mod reconciler;
 pub mod registration;
 pub mod runtime;
+pub mod runtime_dir;
 pub mod serving;
 pub mod shutdown;
 pub mod state;
