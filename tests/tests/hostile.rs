@@ -981,3 +981,63 @@ async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_
     exchange();
     wait_for_http(addr, "/readyz", 200).await;
 }
+
+/// Issue 22, item 10: a socket whose path exceeds PATH_MAX was never listed nor logged. It still
+/// cannot be registered (no path names it), but the agent says so, and `status` shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_status() {
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::{Mode, mkdirat};
+    let test = "reports_a_socket_below_a_path_longer_than_path_max";
+    let dir = PluginDir::new();
+    // Directories of 250-byte names, made relative to each other (no path names them all).
+    let name = "d".repeat(250);
+    let mut parent = std::fs::File::open(dir.root())
+        .map(std::os::fd::OwnedFd::from)
+        .expect("open root");
+    let mut depth_bytes = dir.root().as_os_str().len();
+    while depth_bytes < 4096 + 300 {
+        mkdirat(&parent, name.as_str(), Mode::from_bits_truncate(0o755)).expect("mkdirat");
+        parent = openat(
+            &parent,
+            name.as_str(),
+            OFlag::O_DIRECTORY | OFlag::O_RDONLY,
+            Mode::empty(),
+        )
+        .expect("openat");
+        depth_bytes += 1 + name.len();
+    }
+    let short = format!(
+        "/proc/{}/fd/{}/deep.sock",
+        std::process::id(),
+        std::os::fd::AsRawFd::as_raw_fd(&parent)
+    );
+    let _deep = plugin!(&short)
+        .name("deep.example.com")
+        .start_listening()
+        .await;
+    let agent = AgentProcess::start_default(test, Source::Inotify, &dir.root())
+        .await
+        .expect("inotify");
+    let line = agent
+        .wait_for_log("the over-long path reported", EVENT_TIMEOUT, |l| {
+            l.message().starts_with("path longer than PATH_MAX")
+        })
+        .await;
+    eprintln!("{test}: {}", line.message());
+    let status = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(dir.root().with_file_name("admin.sock"))
+        .arg("status")
+        .output()
+        .expect("status");
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("PROBLEM") && l.contains("PATH_MAX")),
+        "{test}: {status}"
+    );
+    let _good = good_plugins_register(&dir, &agent).await;
+    memory_stayed_bounded(test, &agent);
+}
