@@ -174,8 +174,10 @@ impl Watcher {
             return;
         }
         if path == self.root && !self.root_unchanged() {
-            // The root was removed, or replaced (by a symlink, or by another directory): only a
-            // full walk says what is watched now, and `status` and `/readyz` learn of it there.
+            // The root was removed, or replaced (by a symlink, or by another directory): what was
+            // watched under it is gone, and only a full walk says what is watched now (`status`
+            // and `/readyz` learn of it there).
+            self.forget_dir(path);
             self.rescan(ROOT_CHANGED);
             return;
         }
@@ -298,7 +300,12 @@ impl Watcher {
                 return;
             }
         };
-        if !self.dirs.contains_key(dir) {
+        // A directory replaced by another at the same path (re-created, mounted over) is watched
+        // by its new identity.
+        if self.dirs.get(dir) != Some(&watched) {
+            if let Some(old) = self.dirs.remove(dir) {
+                self.source.unwatch(&old);
+            }
             if let Err(e) = self.source.watch(&watched) {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
