@@ -439,7 +439,7 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
     admin_cancel.cancel();
     if let Some(admin) = admin {
         // Its connections end with the cancel (see `serving`); the bound is a backstop.
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(500), admin).await;
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(600), admin).await;
     }
     result
 }

@@ -319,6 +319,9 @@ fn validate_type(plugin_type: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// How long open admin calls get to end gracefully at shutdown before their connections are cut.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// Serves the admin API on `socket` until `cancel` fires. The socket's directory is created
 /// 0700 and the socket chmod 0600; a stale socket file from a previous run is replaced.
 pub async fn serve(
@@ -358,7 +361,22 @@ pub async fn serve(
     // Bounded connections (see `serving`): a client that connects and goes quiet, sends only the
     // HTTP/2 preface, or stops reading its `watch` stream cannot hold the agent open at shutdown
     // or take the descriptors plugin dials need.
-    let gate = crate::serving::Gate::new("admin", crate::serving::ADMIN, cancel.clone());
+    // At shutdown tonic first ends every call gracefully (a `watch` stream ends with its status,
+    // so `plugin-agent watch` exits 0); what is still open CLOSE_GRACE later is cut.
+    let cut = CancellationToken::new();
+    let gate = crate::serving::Gate::new("admin", crate::serving::ADMIN, cut.clone());
+    let cutter = {
+        let (cut, cancel) = (cut.clone(), cancel.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = cut.cancelled() => {}
+                _ = async {
+                    cancel.cancelled().await;
+                    tokio::time::sleep(CLOSE_GRACE).await;
+                } => cut.cancel(),
+            }
+        })
+    };
     let incoming = futures::stream::unfold((listener, gate), |(listener, gate)| async move {
         let stream = gate
             .admit(|| async { listener.accept().await.map(|(s, _)| s) })
@@ -371,6 +389,8 @@ pub async fn serve(
         .add_service(server)
         .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
         .await;
+    cut.cancel();
+    let _ = cutter.await;
     let _ = std::fs::remove_file(socket);
     result.context("admin API server failed")
 }
