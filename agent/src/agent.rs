@@ -128,7 +128,9 @@ impl RunningAgent {
                     source,
                 };
                 let registry = stages.telemetry.metrics.registry(collector);
-                serve_metrics(addr, registry, ready.clone(), cancel.clone(), &mut tasks).await?
+                let watcher = stages.telemetry.watcher.clone();
+                let served = (registry, ready.clone(), watcher, cancel.clone());
+                serve_metrics(addr, served, &mut tasks).await?
             }
             None => None,
         };
@@ -192,11 +194,14 @@ impl RunningAgent {
         result
     }
 
-    /// Stops discovery and reconciliation and waits for running operations.
+    /// Stops discovery and reconciliation and waits for running operations, for at most
+    /// [`crate::shutdown::OPERATIONS_GRACE`] in all (what is left is ended with the process).
     pub async fn stop(&mut self) {
         self.cancel.cancel();
-        while self.tasks.join_next().await.is_some() {}
-        self.executor.drain().await;
+        let deadline = tokio::time::Instant::now() + crate::shutdown::OPERATIONS_GRACE;
+        let tasks = async { while self.tasks.join_next().await.is_some() {} };
+        crate::shutdown::until(deadline, "agent tasks", tasks).await;
+        crate::shutdown::until(deadline, "running operations", self.executor.drain()).await;
     }
 }
 
@@ -205,9 +210,12 @@ impl RunningAgent {
 /// plugins: an address that cannot be bound is reported and the agent runs without them.
 async fn serve_metrics(
     addr: SocketAddr,
-    registry: prometheus_client::registry::Registry,
-    ready: watch::Receiver<bool>,
-    cancel: CancellationToken,
+    (registry, ready, watcher, cancel): (
+        prometheus_client::registry::Registry,
+        watch::Receiver<bool>,
+        Arc<crate::telemetry::WatcherStats>,
+        CancellationToken,
+    ),
     tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let listener = match tokio::net::TcpListener::bind(addr).await {
@@ -219,9 +227,9 @@ async fn serve_metrics(
     };
     let bound = listener.local_addr()?;
     info!(addr = %bound, "serving /metrics, /healthz and /readyz");
-    tasks.spawn(
-        async move { crate::telemetry::http::serve(listener, registry, ready, cancel).await },
-    );
+    tasks.spawn(async move {
+        crate::telemetry::http::serve(listener, registry, ready, watcher, cancel).await
+    });
     Ok(Some(bound))
 }
 

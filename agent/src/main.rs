@@ -45,6 +45,8 @@ fn main() -> std::process::ExitCode {
         }
     };
     logging.shutdown();
+    // Tasks still running past the shutdown deadline are dropped, not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(250));
     code
 }
 

@@ -187,8 +187,19 @@ impl PluginConnection {
             .await
             {
                 Ok(Ok(info)) => {
-                    validate_info(&info)?;
-                    return Ok((PluginConnection { client, timeouts }, info));
+                    let mut connection = PluginConnection { client, timeouts };
+                    if let Err(invalid) = validate_info(&info) {
+                        // As kubelet does for a plugin it refuses: say why, then back off.
+                        let told = connection
+                            .notify(false, &invalid.to_string())
+                            .instrument(info_span!("NotifyRegistrationStatus", registered = false))
+                            .await;
+                        if let Err(e) = told {
+                            tracing::debug!(error = %e, "could not tell the plugin its PluginInfo is invalid");
+                        }
+                        return Err(invalid);
+                    }
+                    return Ok((connection, info));
                 }
                 Ok(Err(e)) => e.to_string(),
                 Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),

@@ -18,8 +18,11 @@
 //!   seen either by the walk or by an event.
 //! - If the root itself is removed, the agent re-creates it (mode 0755, as kubelet does at start),
 //!   and rescans.
-//! - A directory that cannot be read (permission denied) is logged and skipped; its siblings are
-//!   not affected.
+//! - A directory that cannot be read (permission denied, or a transient EMFILE/ENOMEM) is logged,
+//!   counted and skipped; its siblings are not affected, and what was known under it is kept
+//!   until a walk reads it again (a failed read is not an empty directory: see
+//!   [`crate::watch_health`]). The same for a path beyond PATH_MAX, and for a plugin directory that
+//!   is not a directory (swapped for a symlink): logged, shown by `status`, and `/readyz` fails.
 
 use crate::event_source::{
     EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
@@ -30,6 +33,7 @@ use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::{Found, Via};
+use crate::watch_health::WalkReport;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::ffi::OsString;
@@ -209,6 +213,14 @@ impl Watcher {
         if !path.starts_with(&self.root) || ignored_name(path, &self.root) {
             return;
         }
+        if path == self.root && !self.root_unchanged() {
+            // The root was removed, or replaced (by a symlink, or by another directory): what was
+            // watched under it is gone, and only a full walk says what is watched now (`status`
+            // and `/readyz` learn of it there).
+            self.forget_dir(path);
+            self.rescan(RescanReason::RootRemoved);
+            return;
+        }
         match EntryKind::of(path) {
             Ok(EntryKind::Socket(socket)) => {
                 self.socket_present(path, socket, observed, Via::Event)
@@ -226,9 +238,6 @@ impl Watcher {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 self.forget_socket(path, observed, Via::Event);
                 self.forget_dir(path);
-                if path == self.root {
-                    self.rescan(RescanReason::RootRemoved);
-                }
             }
             Err(e) => {
                 warn!(path = %path.display(), error = %e, "cannot stat; leaving its state as it was")
@@ -360,28 +369,40 @@ impl Watcher {
     fn add_tree(&mut self, dir: &Path) {
         let mut found = Vec::new();
         let mut seen_dirs = HashSet::new();
-        self.walk(dir, &mut found, &mut seen_dirs);
+        let mut report = WalkReport::default();
+        self.walk(dir, &mut found, &mut seen_dirs, &mut report);
         for (path, socket) in found {
             self.socket_present(&path, socket, Observed::default(), Via::Event);
         }
     }
 
-    /// Watch-then-walk of one directory, recursively. Collects sockets into `found` and the
-    /// directories visited into `seen_dirs`.
+    /// Watch-then-walk of one directory, recursively. Collects sockets into `found`, the
+    /// directories visited into `seen_dirs`, and what could not be read into `report` (each
+    /// logged and counted here).
     fn walk(
         &mut self,
         dir: &Path,
         found: &mut Vec<(PathBuf, crate::state::SocketId)>,
         seen_dirs: &mut HashSet<PathBuf>,
+        report: &mut WalkReport,
     ) {
         let watched = match WatchedDir::stat(dir) {
             Ok(watched) => watched,
-            Err(e) => {
+            Err(e) if gone(&e) => {
                 debug!(dir = %dir.display(), error = %e, "directory vanished before it could be watched");
                 return;
             }
+            Err(e) => {
+                self.unreadable(dir, &e, report);
+                return;
+            }
         };
-        if !self.dirs.contains_key(dir) {
+        // A directory replaced by another at the same path (re-created, mounted over) is watched
+        // by its new identity.
+        if self.dirs.get(dir) != Some(&watched) {
+            if let Some(old) = self.dirs.remove(dir) {
+                self.source.unwatch(&old);
+            }
             if let Err(e) = self.source.watch(&watched) {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
@@ -396,21 +417,48 @@ impl Watcher {
         seen_dirs.insert(dir.to_path_buf());
         let entries = match std::fs::read_dir(dir) {
             Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
             Err(e) => {
-                warn!(dir = %dir.display(), error = %e, "cannot read directory; its plugins are not discovered");
+                self.unreadable(dir, &e, report);
                 return;
             }
         };
-        for entry in entries.flatten() {
-            let path = entry.path();
+        for entry in entries {
+            let path = match entry {
+                Ok(entry) => entry.path(),
+                Err(e) => {
+                    // Part of the directory was read: the rest is unknown, so all of it is kept.
+                    self.unreadable(dir, &e, report);
+                    return;
+                }
+            };
             if ignored_name(&path, &self.root) {
                 continue;
             }
             match EntryKind::of(&path) {
                 Ok(EntryKind::Socket(socket)) => found.push((path, socket)),
-                Ok(EntryKind::Directory { .. }) => self.walk(&path, found, seen_dirs),
-                Ok(EntryKind::Other) | Err(_) => {}
+                Ok(EntryKind::Directory { .. }) => self.walk(&path, found, seen_dirs, report),
+                Ok(EntryKind::Other) => {}
+                Err(e) if gone(&e) => {}
+                Err(e) => self.unreadable(&path, &e, report),
             }
+        }
+    }
+
+    /// `path` could not be read: logged, counted, and its previous state kept (see the module
+    /// docs).
+    fn unreadable(&self, path: &Path, error: &std::io::Error, report: &mut WalkReport) {
+        report.failed(path, error);
+        if crate::watch_health::is_too_long(path, error) {
+            self.telemetry.metrics.walk_error("too_long");
+            warn!(
+                path_bytes = path.as_os_str().len(),
+                path_start = %crate::text::escape(&path.to_string_lossy().chars().take(200).collect::<String>()),
+                "path longer than PATH_MAX: neither watched nor walked; sockets below it are not discovered"
+            );
+        } else {
+            self.telemetry.metrics.walk_error("unreadable");
+            warn!(dir = %path.display(), error = %error, known_kept = true, "cannot read directory; its plugins are not discovered");
         }
     }
 
@@ -494,13 +542,18 @@ impl Watcher {
             warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
         }
         self.watch_anchor();
+        let root_problem = self.root_problem();
         let mut found = Vec::new();
         let mut seen_dirs = HashSet::new();
-        self.walk(&self.root.clone(), &mut found, &mut seen_dirs);
+        let mut report = WalkReport::default();
+        self.walk(&self.root.clone(), &mut found, &mut seen_dirs, &mut report);
+        self.telemetry.watcher.health.set(root_problem, &report);
+        // What could not be read keeps its watches and sockets: a failed read is no empty
+        // directory (see the module docs).
         let stale_dirs: Vec<PathBuf> = self
             .dirs
             .keys()
-            .filter(|d| !seen_dirs.contains(*d))
+            .filter(|d| !seen_dirs.contains(*d) && !report.keeps(d))
             .cloned()
             .collect();
         for dir in stale_dirs {
@@ -515,7 +568,7 @@ impl Watcher {
         let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
         let mut removed = 0;
         for (path, _) in self.desired.snapshot() {
-            if !present.contains(&path) {
+            if !present.contains(&path) && !report.keeps(&path) {
                 self.forget_socket(&path, Observed::default(), Via::Scan);
                 removed += 1;
             }
@@ -534,6 +587,7 @@ impl Watcher {
                 dirs = self.dirs.len(),
                 sockets = self.desired.len(),
                 removed,
+                kept_unread = report.kept.len(),
                 "scanned plugin directory"
             );
         } else {
@@ -545,6 +599,42 @@ impl Watcher {
             );
         }
     }
+}
+
+impl Watcher {
+    /// True if the root is the directory being watched as the root (same identity).
+    fn root_unchanged(&self) -> bool {
+        match (WatchedDir::stat(&self.root), self.dirs.get(&self.root)) {
+            (Ok(now), Some(watched)) => (now.dev, now.ino) == (watched.dev, watched.ino),
+            _ => false,
+        }
+    }
+
+    /// Why the plugin directory is not a directory the agent can watch, if it is not: logged at
+    /// every full walk while it lasts (a symlink swapped in for the directory would otherwise
+    /// leave nothing watched and nothing said).
+    fn root_problem(&self) -> Option<String> {
+        let problem = match std::fs::symlink_metadata(&self.root) {
+            Ok(meta) if meta.is_dir() => return None,
+            Ok(meta) if meta.file_type().is_symlink() => {
+                "the plugin directory is a symlink (symlinks are never followed): nothing is watched".to_string()
+            }
+            Ok(_) => "the plugin directory is not a directory: nothing is watched".to_string(),
+            Err(e) if gone(&e) => return None,
+            Err(e) => format!("cannot stat the plugin directory: {e}"),
+        };
+        self.telemetry.metrics.walk_error("root_not_directory");
+        warn!(root = %self.root.display(), problem = %problem, "plugin directory not watched");
+        Some(problem)
+    }
+}
+
+/// True if `error` means the entry is not there (any more): a walk then simply does not find it.
+fn gone(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+    )
 }
 
 /// True for paths with a component below the root that starts with `.`.

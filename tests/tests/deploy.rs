@@ -464,3 +464,33 @@ fn containerfile_runs_the_binary_it_builds_with_arguments_the_agent_accepts() {
         config.display()
     );
 }
+
+/// Issue 22, item 4: the DaemonSet bound metrics on 0.0.0.0, where any process or pod could flood
+/// them. They are on the node's loopback, in the host network, where only the kubelet's probes
+/// and a node-local scraper reach them.
+#[test]
+fn daemonset_serves_metrics_on_the_node_loopback_only_and_probes_reach_them_there() {
+    let daemonset = document("DaemonSet");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true, "loopback must be the node's");
+    assert_eq!(
+        pod["dnsPolicy"], "ClusterFirstWithHostNet",
+        "cluster DNS (an OTLP collector's service name) still resolves on the host network"
+    );
+    let container = container();
+    let run = parse_run(&strings(&container["args"]));
+    let metrics = run.metrics_addr.expect("the DaemonSet sets --metrics-addr");
+    assert!(metrics.ip().is_loopback(), "metrics on {metrics}");
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(
+            container[probe]["httpGet"]["host"], "127.0.0.1",
+            "{probe} must probe the loopback address the agent serves on"
+        );
+    }
+    let env = container["env"].as_array().expect("env");
+    assert!(
+        env.iter().any(|e| e["name"] == "HOST_IP"
+            && e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"),
+        "HOST_IP is offered for --metrics-addr=$(HOST_IP):9464"
+    );
+}

@@ -647,3 +647,539 @@ async fn registers_a_plugin_promptly_beside_1000_stale_sockets_and_300_servers_t
         task.abort();
     }
 }
+
+// ---- Denial of service and silent state (issue 22) ----
+
+/// The unprivileged user the hostile processes run as.
+const NOBODY: [&str; 4] = [
+    "setpriv",
+    "--reuid=65534",
+    "--regid=65534",
+    "--clear-groups",
+];
+
+/// An agent on inotify serving metrics on a free loopback port, with a 1 s safety pass (so
+/// safety passes run while the test attacks it); returns the agent and the metrics address.
+async fn agent_with_metrics(test: &str, dir: &PluginDir) -> (AgentProcess, std::net::SocketAddr) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    options.extra = vec![
+        "--metrics-addr".into(),
+        addr.to_string(),
+        "--safety-period".into(),
+        "1s".into(),
+    ];
+    let agent = AgentProcess::start(test, options).await.expect("inotify");
+    (agent, addr)
+}
+
+/// One HTTP GET on a fresh connection: the status code and body.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not HTTP: {answer:?}")))?;
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Asks `addr` for `path` until it answers `status` (the server may be busy shedding a flood).
+async fn wait_for_http(addr: std::net::SocketAddr, path: &str, status: u16) -> String {
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    let path = path.to_string();
+    loop {
+        let asked = path.clone();
+        let answer = tokio::task::spawn_blocking(move || http_get(addr, &asked))
+            .await
+            .expect("http task");
+        match answer {
+            Ok((code, body)) if code == status => return body,
+            other if Instant::now() > deadline => {
+                panic!("GET {path} never answered {status}; last: {other:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// `slow-client` processes (run as nobody), killed when dropped.
+struct SlowClients(std::process::Child);
+
+impl SlowClients {
+    /// Opens `connections` connections to `target` (`--tcp ADDR` or `--unix PATH`) as uid 65534,
+    /// each sent `send`, and waits until all were tried; returns how many are open.
+    async fn open(test: &str, target: [&str; 2], connections: usize, send: &str) -> (Self, u64) {
+        let mut child = std::process::Command::new(NOBODY[0])
+            .args(&NOBODY[1..])
+            .arg(env!("CARGO_BIN_EXE_slow-client"))
+            .args(target)
+            .args(["--connections", &connections.to_string(), "--send", send])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start slow-client");
+        let stdout = child.stdout.take().expect("piped");
+        let log = plugin_agent_tests::events::EventLog::read_from(stdout, format!("slow-{test}"));
+        let line = log
+            .wait_for(Mark(0), EVENT_TIMEOUT, |l| l.event() == "connected")
+            .await
+            .unwrap_or_else(|e| panic!("{test}: slow-client did not connect: {e:?}"));
+        let connected = line
+            .field("connected")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        eprintln!("{test}: slow clients: {line}");
+        (SlowClients(child), connected)
+    }
+}
+
+impl Drop for SlowClients {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 22, item 4: 1,000 slow HTTP connections from an unprivileged user took the agent to its
+/// descriptor limit and 400 MB, hung `list`, and made the safety pass deregister live plugins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_descriptors_and_no_admin_answer()
+ {
+    let test = "a_flood_of_slow_metrics_connections_from_nobody";
+    let dir = PluginDir::new();
+    if !plugin_agent_tests::env::privileged(test) {
+        return;
+    }
+    let (agent, addr) = agent_with_metrics(test, &dir).await;
+    let good = good_plugins_register(&dir, &agent).await;
+    let pid = agent.pid().expect("running");
+    let rss_before = procfs::rss_kib(pid).expect("VmRSS");
+    let mark = agent.mark();
+    let (flood, connected) = SlowClients::open(
+        test,
+        ["--tcp", &addr.to_string()],
+        1000,
+        "GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n",
+    )
+    .await;
+    // The kernel's accept queue takes what the agent does not accept yet; the rest time out.
+    assert!(
+        connected >= 100,
+        "{test}: only {connected} connections opened"
+    );
+    // Safety passes run during the flood (1 s period): wait for two of them.
+    agent
+        .wait_for_logs(
+            mark,
+            2,
+            "two safety passes during the flood",
+            EVENT_TIMEOUT,
+            |l| {
+                l.message() == "scanned plugin directory"
+                    && l.field_is("reason", "periodic safety pass")
+            },
+        )
+        .await;
+    let fds = procfs::open_fds(pid).expect("fds");
+    let rss = procfs::rss_kib(pid).expect("VmRSS");
+    eprintln!(
+        "{test}: during the flood: {fds} descriptors open, RSS {} MiB (before {} MiB)",
+        rss / 1024,
+        rss_before / 1024
+    );
+    assert!(fds < 200, "{test}: the agent has {fds} descriptors open");
+    assert!(rss < 64 * 1024, "{test}: RSS {rss} KiB under the flood");
+    // The admin API answers at once, and a new plugin registers.
+    let listed_in = Instant::now();
+    let listed = admin::list(&dir.root().with_file_name("admin.sock"));
+    let listed_in = listed_in.elapsed();
+    eprintln!("{test}: list answered in {listed_in:?}");
+    assert!(
+        listed_in < Duration::from_secs(5),
+        "{test}: list took {listed_in:?}"
+    );
+    assert_eq!(
+        listed.values().filter(|e| e.state == "registered").count(),
+        3,
+        "{test}: {listed:?}"
+    );
+    let late = plugin!(dir.path("late.sock"))
+        .name("late.example.com")
+        .spawn();
+    late.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let lost = agent.logs_since(mark, |l| {
+        good.iter()
+            .any(|p| logs::deregistered(p.socket())(l) || logs::removed(p.socket())(l))
+    });
+    assert!(lost.is_empty(), "{test}: live plugins dropped: {lost:?}");
+    // The flood ends: the metrics port serves again.
+    drop(flood);
+    let body = wait_for_http(addr, "/metrics", 200).await;
+    assert!(body.contains("plugin_manager_total_plugins"), "{test}");
+    memory_stayed_bounded(test, &agent);
+}
+
+/// Issue 22, item 5: one open connection held SIGTERM for 20-91 s, and with 1,000 stale sockets
+/// SIGTERM took 39 s, starting the queued registrations after "finishing running operations".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_the_agent_within_5_s_whatever_is_open_and_starts_no_operation_after_it() {
+    let test = "sigterm_ends_the_agent_within_5_s_whatever_is_open";
+    let dir = PluginDir::new();
+    // 1,000 stale sockets: bound, then closed (like crashed plugins): dials are refused.
+    std::fs::create_dir_all(dir.path("stale")).expect("mkdir");
+    for i in 0..1000 {
+        drop(
+            std::os::unix::net::UnixListener::bind(dir.path(&format!("stale/s-{i}.sock")))
+                .expect("bind"),
+        );
+    }
+    let (agent, addr) = agent_with_metrics(test, &dir).await;
+    let admin_socket = dir.root().with_file_name("admin.sock");
+    // A partial HTTP request, an idle and a preface-only admin connection.
+    let mut partial = std::net::TcpStream::connect(addr).expect("connect metrics");
+    std::io::Write::write_all(&mut partial, b"GET /metrics HTTP/1.1\r\nHost: x\r\n").expect("send");
+    let _idle = std::os::unix::net::UnixStream::connect(&admin_socket).expect("connect admin");
+    let mut preface =
+        std::os::unix::net::UnixStream::connect(&admin_socket).expect("connect admin");
+    std::io::Write::write_all(&mut preface, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").expect("send");
+    // An unread `watch` stream: the client is stopped, so it reads nothing at all.
+    let mut watch = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(&admin_socket)
+        .arg("watch")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start watch");
+    let watch_log = plugin_agent_tests::events::EventLog::read_from(
+        watch.stderr.take().expect("piped"),
+        format!("watch-{test}"),
+    );
+    watch_log
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| {
+            l.message().starts_with("watching events of")
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{test}: watch did not start: {e:?}"));
+    let watch_pid = nix::unistd::Pid::from_raw(watch.id() as i32);
+    nix::sys::signal::kill(watch_pid, nix::sys::signal::Signal::SIGSTOP).expect("stop watch");
+    // Registrations of the stale sockets are under way (256 at once, each retrying its refused
+    // dial for 10 s); the rest wait for a slot.
+    agent
+        .wait_for_log("registrations under way", EVENT_TIMEOUT, |l| {
+            l.message() == "scanned plugin directory" && l.field_is("reason", "start")
+        })
+        .await;
+    let log = agent.log().clone();
+    let mark = agent.mark();
+    let stopping = Instant::now();
+    let status = agent.stop().await;
+    let took = stopping.elapsed();
+    eprintln!("{test}: exited {status:?} {took:?} after SIGTERM");
+    let _ = nix::sys::signal::kill(watch_pid, nix::sys::signal::Signal::SIGKILL);
+    let _ = watch.wait();
+    assert_eq!(status.code(), Some(0), "{test}: exit status");
+    assert!(
+        took < Duration::from_secs(5),
+        "{test}: SIGTERM took {took:?}"
+    );
+    // No operation started after SIGTERM: no outcome was logged for any stale socket, and at most
+    // the 256 running ones were abandoned.
+    let failed = log.matching_since(mark, logs::any_registration_failed);
+    assert!(
+        failed.is_empty(),
+        "{test}: registrations ran after SIGTERM: {failed:?}"
+    );
+    let abandoned = log
+        .matching_since(mark, |l| l.message().starts_with("registration abandoned"))
+        .len();
+    eprintln!("{test}: {abandoned} dials abandoned at SIGTERM");
+    assert!(
+        abandoned <= 256,
+        "{test}: {abandoned} registrations abandoned: new ones started"
+    );
+}
+
+/// Issue 22, item 7: a second `run` with the same admin socket unlinked the live agent's socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_with_the_same_admin_socket_fails_and_the_first_keeps_serving() {
+    let test = "a_second_agent_with_the_same_admin_socket_fails";
+    let dir = PluginDir::new();
+    let agent = AgentProcess::start_default(test, Source::Inotify, &dir.root())
+        .await
+        .expect("inotify");
+    let admin_socket = dir.root().with_file_name("admin.sock");
+    let ino = std::fs::symlink_metadata(&admin_socket)
+        .expect("admin socket")
+        .ino();
+    let other = dir.outside("other-plugins");
+    let second = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(plugin_agent_tests::env::agent_bin())
+            .args(["run", "--source", "inotify", "--no-metrics", "--plugin-dir"])
+            .arg(&other)
+            .env("PLUGIN_AGENT_ADMIN_SOCKET", &admin_socket)
+            .output()
+            .expect("run a second agent")
+    })
+    .await
+    .expect("second agent");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    eprintln!("{test}: second agent: {stderr}");
+    assert!(!second.status.success(), "{test}: the second agent ran");
+    assert!(stderr.contains("another plugin-agent"), "{test}: {stderr}");
+    let admin_socket = dir.root().with_file_name("admin.sock");
+    assert_eq!(
+        std::fs::symlink_metadata(&admin_socket)
+            .expect("admin socket")
+            .ino(),
+        ino,
+        "{test}: the first agent's admin socket was replaced"
+    );
+    let _good = good_plugins_register(&dir, &agent).await;
+    assert_eq!(admin::list(&admin_socket).len(), 3, "{test}");
+}
+
+/// Issue 22, item 8: invalid PluginInfo was refused without telling the plugin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tells_a_plugin_whose_plugin_info_is_invalid_why_and_backs_off() {
+    let test = "tells_a_plugin_whose_plugin_info_is_invalid_why";
+    let dir = PluginDir::new();
+    let agent = AgentProcess::start_default(test, Source::Inotify, &dir.root())
+        .await
+        .expect("inotify");
+    let invalid = [
+        ("empty-name.sock", vec!["--name", ""]),
+        ("empty-type.sock", vec!["--type", ""]),
+        ("65-versions.sock", vec!["--versions-count", "65"]),
+        ("257-byte-name.sock", vec!["--huge-name-bytes", "257"]),
+    ];
+    // One at a time, so each one's refusals are timed from its first.
+    for (socket, args) in &invalid {
+        let mut options = plugin!(dir.path(socket));
+        for arg in args {
+            options = options.arg(*arg);
+        }
+        let plugin = options.spawn();
+        let first = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+        let seen = Instant::now();
+        let error = first.field("error").unwrap_or_default();
+        assert!(
+            error.contains("invalid PluginInfo"),
+            "{test}: {}: told {error:?}",
+            plugin.socket().display()
+        );
+        // Backoff: 0.5 s, then 1 s, before the third attempt.
+        plugin.wait_for_events("notify", 3, EVENT_TIMEOUT).await;
+        let between = seen.elapsed();
+        eprintln!(
+            "{test}: {}: {error}; third refusal {between:?} after the first",
+            plugin.socket().display()
+        );
+        assert!(
+            between >= Duration::from_secs(1),
+            "{test}: retried without backoff ({between:?} for three refusals)"
+        );
+    }
+    let _good = good_plugins_register(&dir, &agent).await;
+}
+
+/// Issue 22, item 9: names with newlines or terminal escapes were printed raw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn escapes_control_characters_of_plugin_names_in_text_logs_and_operator_tables() {
+    let test = "escapes_control_characters_of_plugin_names";
+    let dir = PluginDir::new();
+    let admin_socket = dir.root().with_file_name("admin.sock");
+    let log_path = dir.outside("agent.log");
+    let log_file = std::fs::File::create(&log_path).expect("log file");
+    let mut agent = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .args([
+            "--log-format",
+            "text",
+            "--log-level",
+            "plugin_agent=debug",
+            "run",
+        ])
+        .args([
+            "--source",
+            "inotify",
+            "--no-metrics",
+            "--handler",
+            "CSIPlugin=accept-all",
+        ])
+        .arg("--plugin-dir")
+        .arg(dir.root())
+        .env("PLUGIN_AGENT_ADMIN_SOCKET", &admin_socket)
+        .stderr(log_file)
+        .spawn()
+        .expect("start the agent");
+    let hostile = "evil\nERROR forged line\u{1b}]0;owned\u{7}\u{1b}[2J\r";
+    let plugin = plugin!(dir.path("evil.sock")).name(hostile).spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let table = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(&admin_socket)
+        .arg("list")
+        .output()
+        .expect("list");
+    let json = admin::list(&admin_socket);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = agent.wait();
+    let log = std::fs::read(&log_path).expect("read the log");
+    let table = table.stdout;
+    for (what, bytes) in [("the text log", &log), ("the list table", &table)] {
+        let text = String::from_utf8_lossy(bytes);
+        assert!(
+            !bytes
+                .iter()
+                .any(|b| *b == 0x1b || *b == 0x07 || *b == b'\r'),
+            "{test}: {what} carries terminal control bytes:\n{text}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("ERROR forged line")),
+            "{test}: {what} has a forged line:\n{text}"
+        );
+        assert!(
+            text.contains("evil\\nERROR forged line\\u{1b}]0;owned"),
+            "{test}: {what} does not show the name escaped:\n{text}"
+        );
+    }
+    assert_eq!(
+        json.get(&dir.path("evil.sock")).map(|e| e.name.as_str()),
+        Some(hostile),
+        "{test}: JSON output keeps the exact name"
+    );
+}
+
+/// Issue 22, item 10: the plugin directory swapped for a symlink left nothing watched, nothing
+/// logged, and `/readyz` at 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_readyz() {
+    let test = "reports_a_plugin_directory_swapped_for_a_symlink";
+    let dir = PluginDir::new();
+    let (agent, addr) = agent_with_metrics(test, &dir).await;
+    let _good = good_plugins_register(&dir, &agent).await;
+    wait_for_http(addr, "/readyz", 200).await;
+    // Swap atomically: a symlink takes the directory's name, the directory the symlink's, and the
+    // symlink points at it (so the sockets are still reachable through it, by the symlink).
+    let link = dir.outside("link");
+    std::os::unix::fs::symlink(&link, &link).expect("symlink");
+    let exchange = || {
+        nix::fcntl::renameat2(
+            nix::fcntl::AT_FDCWD,
+            &dir.root(),
+            nix::fcntl::AT_FDCWD,
+            &link,
+            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+        )
+        .expect("renameat2(RENAME_EXCHANGE)")
+    };
+    let mark = agent.mark();
+    exchange();
+    let line = agent
+        .wait_for_log_after(mark, "the swap reported", EVENT_TIMEOUT, |l| {
+            l.message() == "plugin directory not watched"
+        })
+        .await;
+    eprintln!("{test}: {line}");
+    let body = wait_for_http(addr, "/readyz", 503).await;
+    eprintln!("{test}: /readyz: {body}");
+    let status = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(dir.root().with_file_name("admin.sock"))
+        .arg("status")
+        .output()
+        .expect("status");
+    let status = String::from_utf8_lossy(&status.stdout);
+    eprintln!("{test}: status:\n{status}");
+    assert!(
+        status.contains("PROBLEM") && status.contains("symlink"),
+        "{test}: {status}"
+    );
+    assert!(
+        status.contains("watching:      0 directories"),
+        "{test}: {status}"
+    );
+    // Back to a directory: watched again, ready again.
+    exchange();
+    wait_for_http(addr, "/readyz", 200).await;
+}
+
+/// Issue 22, item 10: a socket whose path exceeds PATH_MAX was never listed nor logged. It still
+/// cannot be registered (no path names it), but the agent says so, and `status` shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_status() {
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::{Mode, mkdirat};
+    let test = "reports_a_socket_below_a_path_longer_than_path_max";
+    let dir = PluginDir::new();
+    // Directories of 250-byte names, made relative to each other (no path names them all).
+    let name = "d".repeat(250);
+    let mut parent = std::fs::File::open(dir.root())
+        .map(std::os::fd::OwnedFd::from)
+        .expect("open root");
+    let mut depth_bytes = dir.root().as_os_str().len();
+    while depth_bytes < 4096 + 300 {
+        mkdirat(&parent, name.as_str(), Mode::from_bits_truncate(0o755)).expect("mkdirat");
+        parent = openat(
+            &parent,
+            name.as_str(),
+            OFlag::O_DIRECTORY | OFlag::O_RDONLY,
+            Mode::empty(),
+        )
+        .expect("openat");
+        depth_bytes += 1 + name.len();
+    }
+    let short = format!(
+        "/proc/{}/fd/{}/deep.sock",
+        std::process::id(),
+        std::os::fd::AsRawFd::as_raw_fd(&parent)
+    );
+    let _deep = plugin!(&short)
+        .name("deep.example.com")
+        .start_listening()
+        .await;
+    let agent = AgentProcess::start_default(test, Source::Inotify, &dir.root())
+        .await
+        .expect("inotify");
+    let line = agent
+        .wait_for_log("the over-long path reported", EVENT_TIMEOUT, |l| {
+            l.message().starts_with("path longer than PATH_MAX")
+        })
+        .await;
+    eprintln!("{test}: {}", line.message());
+    let status = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(dir.root().with_file_name("admin.sock"))
+        .arg("status")
+        .output()
+        .expect("status");
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("PROBLEM") && l.contains("PATH_MAX")),
+        "{test}: {status}"
+    );
+    let _good = good_plugins_register(&dir, &agent).await;
+    memory_stayed_bounded(test, &agent);
+}

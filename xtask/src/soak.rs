@@ -5,8 +5,9 @@
 //! plugin-host (N DRA plugins, churning R/s) --+
 //! bad plugins (hang, lie), noise files -------+--> registry dir <-- plugin-agent --> dra-handler
 //! faults, round robin every --fault-every:        (SIGKILL+restart    (SIGKILL+restart)
-//!   agent SIGKILL/restart (first half only), handler SIGKILL/restart, a hung plugin,
-//!   a lying plugin, 500 noise files
+//!   agent SIGKILL/restart (first half only), handler SIGKILL/restart, a hung plugin or a flood
+//!   of 300 half-sent requests to the metrics port from uid 65534 (in turn), a lying plugin,
+//!   500 noise files
 //! RSS of the agent sampled from /proc every second
 //! end: churn paused, bad plugins stopped -> `plugin-agent list` must equal the live sockets,
 //!      all registered
@@ -113,6 +114,8 @@ struct Run {
     admin: PathBuf,
     handler_socket: PathBuf,
     source: String,
+    /// Where the agent serves metrics (floods are aimed there).
+    metrics: std::net::SocketAddr,
 }
 
 impl Run {
@@ -146,7 +149,9 @@ impl Run {
                 "--plugin-dir",
             ])
             .arg(&self.registry)
-            .args(["--source", &self.source, "--no-metrics", "--admin-socket"])
+            .args(["--source", &self.source, "--metrics-addr"])
+            .arg(self.metrics.to_string())
+            .arg("--admin-socket")
             .arg(&self.admin)
             .arg("--handler")
             .arg(format!(
@@ -158,6 +163,37 @@ impl Run {
             .stderr(self.log("agent.log")?)
             .spawn()
             .context("starting plugin-agent")?;
+        Ok(Guard(child))
+    }
+
+    /// 300 connections to the metrics port, each sent half a request and held open (until the
+    /// guard goes), by uid 65534 when the soak runs as root: an unprivileged process on the node.
+    fn start_flood(&self) -> anyhow::Result<Guard> {
+        let client = self.bin.join("slow-client");
+        // SAFETY: geteuid has no preconditions.
+        let mut command = if unsafe { libc::geteuid() } == 0 {
+            let mut command = Command::new("setpriv");
+            command
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(client);
+            command
+        } else {
+            Command::new(client)
+        };
+        let child = command
+            .arg("--tcp")
+            .arg(self.metrics.to_string())
+            .args([
+                "--connections",
+                "300",
+                "--send",
+                "GET /metrics HTTP/1.1\\r\\n",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(self.log("slow-client.log")?)
+            .spawn()
+            .context("starting slow-client")?;
         Ok(Guard(child))
     }
 
@@ -323,6 +359,9 @@ pub fn soak(options: &Options) -> anyhow::Result<()> {
         handler_socket: dir.join("handler.sock"),
         source: options.source.clone(),
         dir: dir.clone(),
+        metrics: std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("a free port for the agent's metrics")?,
     };
     eprintln!(
         "xtask: soak: {:?} in {} (logs there)",
@@ -392,6 +431,8 @@ struct Churn<'a> {
     fault: usize,
     noise_round: usize,
     agent_restarts: usize,
+    /// Of the hung-plugin faults (kind 2), every other one is a flood of the metrics port.
+    floods: usize,
     first_memory: Memory,
     last_memory: Memory,
 }
@@ -410,6 +451,7 @@ impl<'a> Churn<'a> {
             fault: 0,
             noise_round: 0,
             agent_restarts: 0,
+            floods: 0,
             first_memory: Memory::default(),
             last_memory: Memory::default(),
         })
@@ -481,6 +523,14 @@ impl<'a> Churn<'a> {
                 );
                 self.handler.kill();
                 self.handler = run.start_handler()?;
+            }
+            2 if (fault / 5).is_multiple_of(2) => {
+                eprintln!(
+                    "xtask: soak: {:>4}s 300 slow connections to the metrics port",
+                    elapsed.as_secs()
+                );
+                self.bad.push(run.start_flood()?);
+                self.floods += 1;
             }
             2 => {
                 self.bad.push(
@@ -558,8 +608,12 @@ fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
     let missing: Vec<PathBuf> = end.live.difference(&end.registered).cloned().collect();
     let extra: Vec<PathBuf> = end.listed.difference(&end.live).cloned().collect();
     let mib = |kib: u64| kib as f64 / 1024.0;
-    let (first_memory, last_memory, counts) =
-        (&churn.first_memory, &churn.last_memory, churn.counts);
+    let (first_memory, last_memory, counts, floods) = (
+        &churn.first_memory,
+        &churn.last_memory,
+        churn.counts,
+        churn.floods,
+    );
     let growth = last_memory.end as i64 - last_memory.start.unwrap_or(0) as i64;
     let flat = growth < 16 * 1024;
     println!(
@@ -567,8 +621,13 @@ fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
         options.duration, options.source, options.plugins, options.churn
     );
     println!(
-        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} lying plugins, {} noise rounds (500 files)",
-        counts[0], counts[1], counts[2], counts[3], counts[4]
+        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} metrics floods (300 slow connections), {} lying plugins, {} noise rounds (500 files)",
+        counts[0],
+        counts[1],
+        counts[2] - floods,
+        floods,
+        counts[3],
+        counts[4]
     );
     println!(
         "end: {} live plugins, {} listed, {} registered, {} missing, {} extra; converged {:.1}s after churn stopped",

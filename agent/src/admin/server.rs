@@ -112,6 +112,11 @@ impl AdminService {
             started_unix_ms: unix_ms(self.status.started_at),
             plugin_dir: self.status.plugin_dir.clone(),
             reconcile_mode: self.status.reconcile_mode.clone(),
+            watched_directories: self.stats.watched_dirs.load(Relaxed),
+            problems: {
+                let problems = self.stats.health.get();
+                problems.root.into_iter().chain(problems.lines).collect()
+            },
         }
     }
 }
@@ -296,6 +301,9 @@ fn validate_type(plugin_type: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// How long open admin calls get to end gracefully at shutdown before their connections are cut.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// Serves the admin API on `socket` until `cancel` fires. The socket's directory is created
 /// 0700 and the socket chmod 0600; a stale socket file from a previous run is replaced.
 pub async fn serve(
@@ -332,13 +340,39 @@ pub async fn serve(
     let server = api::agent_server::AgentServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(16 * 1024 * 1024);
+    // Bounded connections (see `serving`): a client that connects and goes quiet, sends only the
+    // HTTP/2 preface, or stops reading its `watch` stream cannot hold the agent open at shutdown
+    // or take the descriptors plugin dials need.
+    // At shutdown tonic first ends every call gracefully (a `watch` stream ends with its status,
+    // so `plugin-agent watch` exits 0); what is still open CLOSE_GRACE later is cut.
+    let cut = CancellationToken::new();
+    let gate = crate::serving::Gate::new("admin", crate::serving::ADMIN, cut.clone());
+    let cutter = {
+        let (cut, cancel) = (cut.clone(), cancel.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = cut.cancelled() => {}
+                _ = async {
+                    cancel.cancelled().await;
+                    tokio::time::sleep(CLOSE_GRACE).await;
+                } => cut.cancel(),
+            }
+        })
+    };
+    let incoming = futures::stream::unfold((listener, gate), |(listener, gate)| async move {
+        let stream = gate
+            .admit(|| async { listener.accept().await.map(|(s, _)| s) })
+            .await?;
+        Some((Ok::<_, std::io::Error>(stream), (listener, gate)))
+    });
     let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(crate::serving::ADMIN_KEEPALIVE))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(server)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(listener),
-            cancel.cancelled_owned(),
-        )
+        .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
         .await;
+    cut.cancel();
+    let _ = cutter.await;
     let _ = std::fs::remove_file(socket);
     result.context("admin API server failed")
 }

@@ -22,6 +22,15 @@ pub(super) fn print_structured<T: serde::Serialize>(
 }
 
 pub(super) fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
+    // Cells hold what plugins announce: no control character reaches the terminal.
+    let rows: Vec<[String; N]> = rows
+        .iter()
+        .map(|row| {
+            row.clone()
+                .map(|cell| crate::text::escape(&cell).into_owned())
+        })
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: [usize; N] = header.map(str::len);
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {

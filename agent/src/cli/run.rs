@@ -223,6 +223,12 @@ impl RunArgs {
 
 /// `plugin-agent run`, until SIGINT or SIGTERM.
 pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
+    // One agent per runtime directory, checked before anything starts (see `runtime_dir`).
+    let _lock = settings
+        .admin_socket
+        .as_deref()
+        .map(crate::runtime_dir::lock)
+        .transpose()?;
     let handlers = Arc::new(HandlerRegistry::default());
     for (plugin_type, target) in &settings.handlers {
         let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;
@@ -256,7 +262,8 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
     let result = agent.run_until(shutdown_signal()).await;
     admin_cancel.cancel();
     if let Some(admin) = admin {
-        let _ = admin.await;
+        // Its connections end with the cancel (see `serving`); the bound is a backstop.
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(600), admin).await;
     }
     result
 }

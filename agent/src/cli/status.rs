@@ -18,6 +18,8 @@ struct StatusView {
     plugins_registered: u64,
     rescans: u64,
     loss_rescans: u64,
+    watched_directories: u64,
+    problems: Vec<String>,
     handlers: Vec<HandlerView>,
 }
 
@@ -47,6 +49,8 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         plugins_registered: s.plugins_registered,
         rescans: s.rescans,
         loss_rescans: s.loss_rescans,
+        watched_directories: s.watched_directories,
+        problems: s.problems,
         handlers: s
             .handlers
             .into_iter()
@@ -83,6 +87,10 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         "rescans:       {} ({} after event loss)",
         view.rescans, view.loss_rescans
     );
+    println!("watching:      {} directories", view.watched_directories);
+    for problem in &view.problems {
+        println!("PROBLEM:       {}", crate::text::escape(problem));
+    }
     println!("handlers:");
     for h in &view.handlers {
         let health = if h.healthy { "healthy" } else { "UNREACHABLE" };
@@ -91,10 +99,11 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
             .as_deref()
             .map(|e| format!(" last error: {e}"))
             .unwrap_or_default();
-        println!(
+        let line = format!(
             "  {:<16} {:<8} {}{}",
             h.plugin_type, health, h.target, error
         );
+        println!("{}", crate::text::escape(&line));
     }
     Ok(())
 }

@@ -64,7 +64,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                 if let Some(d) = &row.detail {
                     line += &format!(" ({d})");
                 }
-                println!("{line}");
+                println!("{}", crate::text::escape(&line));
             }
         }
     }

@@ -225,9 +225,15 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Some(mut slot) = this.slots.acquire().await else { return };
+                // Shutdown starts no operation: those still waiting for a slot end here.
+                let slot = crate::shutdown::unless_stopping(&this.cancel, this.slots.acquire());
+                let Some(Some(mut slot)) = slot.await else { return };
                 let started = Instant::now();
                 let result = this.run_register(&path, &desired, &mut slot).await;
+                if matches!(result, Err(RegisterFailure::ShuttingDown)) {
+                    debug!("registration abandoned before the plugin answered: shutting down");
+                    return;
+                }
                 this.observe_register(source, &desired, &result);
                 match result {
                     Ok(plugin) => {
@@ -272,7 +278,8 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let Some(_slot) = this.slots.acquire().await else {
+                let slot = crate::shutdown::unless_stopping(&this.cancel, this.slots.acquire());
+                let Some(Some(_slot)) = slot.await else {
                     return;
                 };
                 this.run_deregister(&path, registered).await;

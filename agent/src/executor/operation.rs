@@ -23,6 +23,9 @@ pub(super) enum RegisterFailure {
     Plugin(#[from] PluginCallError),
     #[error("no handler registered for plugin type: {plugin_type} at socket {socket}")]
     NoHandler { plugin_type: String, socket: String },
+    /// The agent began shutting down before the plugin answered: no outcome to report.
+    #[error("the agent is shutting down")]
+    ShuttingDown,
     #[error("{message}")]
     Handler {
         message: String,
@@ -43,6 +46,7 @@ impl RegisterFailure {
             RegisterFailure::Plugin(PluginCallError::InvalidInfo(_)) => "invalid_info",
             RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
             RegisterFailure::NoHandler { .. } => "no_handler",
+            RegisterFailure::ShuttingDown => "shutting_down",
             RegisterFailure::Handler { outcome, .. } => outcome,
         }
     }
@@ -102,9 +106,13 @@ impl OperationExecutor {
         desired: &DesiredPlugin,
         slot: &mut Slot,
     ) -> Result<Plugin, RegisterFailure> {
-        let (mut connection, info) =
-            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts, slot)
-                .await?;
+        // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
+        let answer =
+            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts, slot);
+        let Some(answer) = crate::shutdown::unless_stopping(&self.cancel, answer).await else {
+            return Err(RegisterFailure::ShuttingDown);
+        };
+        let (mut connection, info) = answer?;
         let plugin = plugin_of(path, info);
         let span = tracing::Span::current();
         span.record("plugin_name", plugin.name.as_str());

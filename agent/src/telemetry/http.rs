@@ -4,10 +4,17 @@
 //! Prometheus ──GET /metrics──> metrics::render(registry)   (recorded metrics + state read now)
 //! kubelet/systemd probes ──GET /healthz──> 200 while the process serves
 //!                        ──GET /readyz───> 200 once the event source is attached and the first
-//!                                          full scan is done; 503 before, and while shutting down
+//!                                          full scan is done, while a directory is watched;
+//!                                          503 before, while nothing is watched, and while
+//!                                          shutting down
 //! ```
 //!
 //! Nothing here touches the data flow except reading state under its short locks.
+//!
+//! The port may be reachable by unprivileged processes, so every connection is bounded
+//! ([`crate::serving::METRICS`]): at most 32 open (the rest wait in the kernel's queue), request
+//! headers within [`HEADER_READ_TIMEOUT`] (and an idle keep-alive connection closed after it), 10 s
+//! without progress closes a connection, and the server's stop ends every connection at once.
 
 use super::metrics;
 use axum::Router;
@@ -18,8 +25,16 @@ use axum::routing::get;
 use prometheus_client::registry::Registry;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tower::Service as _;
+
+/// Time for a client to send a request's headers, counted from when the connection is ready for
+/// a request (so also the longest an idle keep-alive connection stays open). A scraper sends its
+/// headers in one packet.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The default `--metrics-addr`: loopback (metrics name every plugin socket, so they are not for
 /// the network unless the operator says so), port 9464 (the Prometheus exporter port the
@@ -29,22 +44,26 @@ pub const DEFAULT_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::
 struct Served {
     registry: Registry,
     ready: watch::Receiver<bool>,
+    watcher: Arc<super::WatcherStats>,
     stopping: CancellationToken,
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `cancel` fires.
 /// - `registry`: what `/metrics` renders (see [`metrics::Metrics::registry`]);
 /// - `ready`: becomes true after the first full scan (the source was attached before it);
-/// - `cancel`: the agent is stopping: `/readyz` turns 503 and the server stops.
+/// - `watcher`: `/readyz` fails while no directory is watched, and says why;
+/// - `cancel`: the agent is stopping: the server stops and every open connection ends.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Registry,
     ready: watch::Receiver<bool>,
+    watcher: Arc<super::WatcherStats>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let served = Arc::new(Served {
         registry,
         ready,
+        watcher,
         stopping: cancel.clone(),
     });
     let app = Router::new()
@@ -52,9 +71,29 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(served);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await?;
+    let gate = crate::serving::Gate::new("metrics", crate::serving::METRICS, cancel.clone());
+    let connections = tokio_util::task::TaskTracker::new();
+    while let Some(stream) = gate
+        .admit(|| async { listener.accept().await.map(|(s, _)| s) })
+        .await
+    {
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |request| app.clone().call(request));
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .max_buf_size(64 * 1024)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        connections.spawn(async move {
+            // Errors are the client's (timeouts, resets, garbage): nothing to act on.
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+    // The stop token has ended every connection's I/O: they finish at once.
+    connections.close();
+    connections.wait().await;
     Ok(())
 }
 
@@ -76,12 +115,20 @@ async fn metrics_page(State(served): State<Arc<Served>>) -> impl IntoResponse {
 async fn readyz(State(served): State<Arc<Served>>) -> (StatusCode, &'static str) {
     if served.stopping.is_cancelled() {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-    } else if *served.ready.borrow() {
-        (StatusCode::OK, "ok\n")
-    } else {
+    } else if !*served.ready.borrow() {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             "first scan of the plugin directory not done\n",
         )
+    } else if served.watcher.health.get().root.is_some()
+        || served.watcher.watched_dirs.load(Ordering::Relaxed) == 0
+    {
+        // Nothing watched is nothing discovered: the agent is not doing its job.
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the plugin directory is not watched (see plugin-agent status)\n",
+        )
+    } else {
+        (StatusCode::OK, "ok\n")
     }
 }

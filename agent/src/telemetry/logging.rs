@@ -9,6 +9,11 @@
 //! traces. Log lines about a plugin carry `socket_path` (and `plugin_name`, `plugin_type` once the
 //! plugin has said who it is) from the executor's operation spans: JSON lines list them under
 //! `span` and `spans`, text lines in the span prefix.
+//!
+//! Text lines escape every control character in field values and span fields ([`text_fields`]):
+//! plugin names, types, endpoints, socket paths and error texts come from plugins and handlers,
+//! and a raw newline would forge a log line, an escape sequence drive a terminal. JSON lines need
+//! no such help (JSON escapes control characters) and stay exact.
 
 use super::otlp::{self, Traces};
 use tracing::level_filters::LevelFilter;
@@ -52,7 +57,7 @@ pub fn init(
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(writer);
     let fmt = match format {
-        Format::Text => fmt.with_filter(filter).boxed(),
+        Format::Text => fmt.fmt_fields(text_fields()).with_filter(filter).boxed(),
         Format::Json => fmt
             .json()
             .flatten_event(true)
@@ -86,6 +91,23 @@ pub fn init(
         (None, None) => {}
     }
     Logging { traces, log_flush }
+}
+
+/// The text format's field formatter: the default's `name=value` layout (the message bare), with
+/// every control character escaped (see the module docs).
+pub fn text_fields()
+-> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + Send + Sync + 'static {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let text = format!("{value:?}");
+        let text = crate::text::escape(&text);
+        if field.name() == "message" {
+            write!(writer, "{text}")
+        } else {
+            write!(writer, "{}={text}", field.name())
+        }
+    })
+    .delimited(" ")
 }
 
 /// Log lines buffered for the writer thread before new ones are dropped. The buffer is allocated

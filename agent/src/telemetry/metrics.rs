@@ -69,6 +69,13 @@ pub struct RescanLabels {
     pub reason: &'static str,
 }
 
+/// The label set of walk errors.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WalkErrorLabels {
+    /// `unreadable`, `too_long` or `root_not_directory`.
+    pub kind: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -95,6 +102,7 @@ pub struct Metrics {
     backoff_delay: Histogram,
     handler_calls: HistogramFamily<HandlerCallLabels>,
     rescans: Family<RescanLabels, Counter>,
+    walk_errors: Family<WalkErrorLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -106,6 +114,7 @@ impl Default for Metrics {
             backoff_delay: backoff_histogram(),
             handler_calls: Family::new_with_constructor(handler_histogram),
             rescans: Family::default(),
+            walk_errors: Family::default(),
         }
     }
 }
@@ -163,6 +172,14 @@ impl Metrics {
             .inc();
     }
 
+    /// A walk could not read something (`kind`: `unreadable`, `too_long`,
+    /// `root_not_directory`); what was known there was kept.
+    pub fn walk_error(&self, kind: &'static str) {
+        self.walk_errors
+            .get_or_create(&WalkErrorLabels { kind })
+            .inc();
+    }
+
     /// Registers these metrics and the scrape-time `state` ones in a registry for exposition.
     pub fn registry(&self, state: StateCollector) -> Registry {
         let mut registry = self.registry_without_state();
@@ -203,6 +220,11 @@ impl Metrics {
             "rescans",
             "Full walks of the plugin directory, by reason class",
             self.rescans.clone(),
+        );
+        agent.register(
+            "walk_errors",
+            "Directories and paths a walk could not read (what was known there is kept), by kind",
+            self.walk_errors.clone(),
         );
         registry
     }
@@ -446,6 +468,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_handler_call_duration_seconds_sum",
     "plugin_agent_handler_call_duration_seconds_count",
     "plugin_agent_rescans_total",
+    "plugin_agent_walk_errors_total",
     "plugin_agent_plugins",
     "plugin_agent_handler_up",
     "plugin_agent_event_source_events_total",
@@ -520,6 +543,7 @@ mod tests {
         m.backoff(Duration::from_millis(500));
         m.handler_call("CSIPlugin", "validate", "ok", Duration::from_micros(40));
         m.rescan(&RescanReason::Start);
+        m.walk_error("unreadable");
         let registry = m.registry(StateCollector {
             state: StateView {
                 desired,

@@ -55,6 +55,8 @@ pub struct WatcherStats {
     pub watched_dirs: AtomicU64,
     /// Hints received from the event source.
     pub hints: AtomicU64,
+    /// What the last full walk could not see (status, `/readyz`).
+    pub health: crate::watch_health::WatchHealth,
 }
 
 impl Telemetry {

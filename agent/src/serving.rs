@@ -1,0 +1,345 @@
+//! Limits on the agent's own servers (the metrics HTTP port and the admin gRPC socket), so that
+//! no client, privileged or not, can exhaust the agent's descriptors or memory, or hold up its
+//! shutdown.
+//!
+//! ```text
+//! listener ──Gate::admit──> at most `max_connections` open; beyond that, new connections wait
+//!                           in the kernel's accept queue (they cost the agent no descriptor, no memory)
+//!          ──Guarded io──>  closed after `idle` without a byte either way, and at once when the
+//!                           server's stop token fires (shutdown ends every open connection)
+//! ```
+//!
+//! Why here and not in each server: hyper (HTTP/1) bounds header reads but not a client that stops
+//! reading its response; tonic (HTTP/2) has no idle-connection timeout, and its graceful shutdown
+//! waits for every connection, preface-only and idle ones included. A byte-level wrapper bounds
+//! all of them the same way. The connection caps are far below the descriptor limit (see
+//! [`cap`]), so a flood of connections never starves plugin dials or directory reads.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+/// Limits of one server.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// A connection with no byte read or written for this long is closed.
+    pub idle: Duration,
+}
+
+/// The metrics server: Prometheus and kubelet probes use one or two connections each; 32 leaves
+/// room for several scrapers while staying far from the descriptor limit. A scrape is one request
+/// answered at once, so 10 s without progress is a client that is not reading.
+pub const METRICS: Limits = Limits {
+    max_connections: 32,
+    idle: Duration::from_secs(10),
+};
+
+/// The admin socket (root or the agent's user only): a few operators' `list` and `watch`. Idle
+/// is measured on bytes, and HTTP/2 keepalive pings every [`ADMIN_KEEPALIVE`] keep a live
+/// `watch` busy, so only a peer that stopped answering is closed.
+pub const ADMIN: Limits = Limits {
+    max_connections: 16,
+    idle: Duration::from_secs(60),
+};
+
+/// HTTP/2 keepalive ping interval on the admin socket (see [`ADMIN`]).
+pub const ADMIN_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// Descriptors kept free for the work that matters (plugin dials, directory reads, the event
+/// source): a server never has more than 1/8 of the soft `RLIMIT_NOFILE` in connections.
+pub fn cap(wanted: usize) -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct passed to it.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+    } else {
+        1024
+    };
+    wanted.min(soft / 8).max(1)
+}
+
+/// Admits connections up to a server's limit and wraps each in a [`Guarded`] stream.
+pub struct Gate {
+    slots: Arc<Semaphore>,
+    limits: Limits,
+    stop: CancellationToken,
+    server: &'static str,
+}
+
+impl Gate {
+    /// A gate for `server` (named in log lines) with `limits` (the connection count capped by
+    /// [`cap`]); `stop` ends every admitted connection and the accepting.
+    pub fn new(server: &'static str, limits: Limits, stop: CancellationToken) -> Gate {
+        let limits = Limits {
+            max_connections: cap(limits.max_connections),
+            ..limits
+        };
+        Gate {
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            limits,
+            stop,
+            server,
+        }
+    }
+
+    /// Waits for a free slot, then for a connection from `accept`; `None` once `stop` fired.
+    /// Accept errors are logged and retried after a pause (EMFILE leaves the connection queued,
+    /// so retrying at once would spin).
+    pub async fn admit<S, F, Fut>(&self, mut accept: F) -> Option<Guarded<S>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = io::Result<S>>,
+    {
+        let permit = tokio::select! {
+            biased;
+            _ = self.stop.cancelled() => return None,
+            permit = self.slots.clone().acquire_owned() => permit.ok()?,
+        };
+        loop {
+            let accepted = tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => return None,
+                accepted = accept() => accepted,
+            };
+            match accepted {
+                Ok(stream) => {
+                    return Some(Guarded::new(stream, self.limits.idle, permit, &self.stop));
+                }
+                Err(e) if transient(&e) => continue,
+                Err(e) => {
+                    tracing::warn!(server = self.server, error = %e, "cannot accept a connection; retrying in 100 ms");
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return None,
+                        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// The connection limit in force.
+    pub fn max_connections(&self) -> usize {
+        self.limits.max_connections
+    }
+}
+
+/// Errors about one connection that the next `accept` does not repeat.
+fn transient(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    )
+}
+
+/// A connection that ends after `idle` without progress, or when its server stops; it holds its
+/// server's connection slot until dropped.
+pub struct Guarded<S> {
+    inner: S,
+    idle: Duration,
+    idle_timer: Pin<Box<Sleep>>,
+    stop: Pin<Box<WaitForCancellationFutureOwned>>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<S> Guarded<S> {
+    fn new(inner: S, idle: Duration, slot: OwnedSemaphorePermit, stop: &CancellationToken) -> Self {
+        Guarded {
+            inner,
+            idle,
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
+            stop: Box::pin(stop.clone().cancelled_owned()),
+            _slot: slot,
+        }
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// An error if the connection must end now (stopping, or idle too long); registers the
+    /// caller's waker with both, so a connection waiting for its peer is woken to end.
+    fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if self.stop.as_mut().poll(cx).is_ready() {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the agent is shutting down",
+            ));
+        }
+        if self.idle_timer.as_mut().poll(cx).is_ready() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connection idle too long",
+            ));
+        }
+        Ok(())
+    }
+
+    fn progressed(&mut self) {
+        let idle = self.idle;
+        self.idle_timer.as_mut().reset(Instant::now() + idle);
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.check(cx)?;
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.progressed();
+        }
+        poll
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.check(cx)?;
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(n)) if n > 0) {
+            self.progressed();
+        }
+        poll
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.check(cx)?;
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Guarded<tokio::net::UnixStream> {
+    type ConnectInfo = tonic::transport::server::UdsConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn pair_gate(limits: Limits, stop: &CancellationToken) -> Gate {
+        Gate::new("test", limits, stop.clone())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_closed_after_the_idle_time() {
+        let stop = CancellationToken::new();
+        let gate = pair_gate(
+            Limits {
+                max_connections: 4,
+                idle: Duration::from_secs(10),
+            },
+            &stop,
+        );
+        let (ours, _theirs) = tokio::io::duplex(64);
+        let mut once = Some(ours);
+        let mut conn = gate
+            .admit(|| std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))))
+            .await
+            .expect("admitted");
+        // Paused time: the read waits for the peer until the idle timer fires.
+        let mut buf = [0u8; 8];
+        let error = conn.read(&mut buf).await.expect_err("idle connection ends");
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn progress_keeps_a_connection_open_and_stop_ends_it() {
+        let stop = CancellationToken::new();
+        let gate = pair_gate(
+            Limits {
+                max_connections: 4,
+                idle: Duration::from_secs(10),
+            },
+            &stop,
+        );
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut once = Some(ours);
+        let mut conn = gate
+            .admit(|| std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))))
+            .await
+            .expect("admitted");
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            theirs.write_all(b"x").await.expect("write");
+            let mut buf = [0u8; 1];
+            conn.read_exact(&mut buf)
+                .await
+                .expect("still open after 6 s quiet");
+        }
+        stop.cancel();
+        let mut buf = [0u8; 1];
+        let error = conn.read(&mut buf).await.expect_err("stopped");
+        assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_limit_wait_for_a_free_slot() {
+        let stop = CancellationToken::new();
+        let gate = Arc::new(pair_gate(
+            Limits {
+                max_connections: 1,
+                idle: Duration::from_secs(60),
+            },
+            &stop,
+        ));
+        let first = gate
+            .admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
+            .await
+            .expect("first admitted");
+        let waiting = {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
+                    .await
+                    .is_some()
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "a second connection was admitted");
+        drop(first);
+        assert!(
+            waiting.await.expect("task"),
+            "admitted once the first closed"
+        );
+        stop.cancel();
+        assert!(
+            gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
+                .await
+                .is_none(),
+            "nothing is admitted after stop"
+        );
+    }
+}

@@ -1,0 +1,69 @@
+//! The shutdown deadline: SIGTERM ends the agent within [`DEADLINE`], whatever is open.
+//!
+//! ```text
+//! SIGTERM ──> discovery and reconciliation stop (no new operation is started from here on)
+//!         ──> operations waiting for a slot, and dials not yet answered, end at once
+//!         ──> operations already talking to a handler get until OPERATIONS_GRACE
+//!         ──> every open metrics and admin connection is ended (`serving`), the process exits
+//! ```
+//!
+//! Why a deadline and not "wait for everything": a connection or a plugin that never finishes
+//! would otherwise hold the agent (and its pod's termination) for as long as it likes. An
+//! operation cut at the deadline is, for the handler, the same as a SIGKILL: the next agent
+//! registers the plugin again, which handlers take as a refresh (docs/operations.md).
+
+use std::future::Future;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// SIGTERM to exit, at most.
+pub const DEADLINE: Duration = Duration::from_secs(5);
+
+/// How long running operations may take to finish after SIGTERM; the rest of [`DEADLINE`] is for
+/// closing connections and the runtime.
+pub const OPERATIONS_GRACE: Duration = Duration::from_secs(4);
+
+/// Runs `work` unless `stop` fires first (then `None`: the work is dropped where it waits).
+pub async fn unless_stopping<F: Future>(stop: &CancellationToken, work: F) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        _ = stop.cancelled() => None,
+        output = work => Some(output),
+    }
+}
+
+/// Waits for `work` until `deadline`; says what was cut short if it did not finish.
+pub async fn until(deadline: Instant, what: &str, work: impl Future<Output = ()>) {
+    if tokio::time::timeout_at(deadline, work).await.is_err() {
+        tracing::warn!(
+            what,
+            "shutdown deadline reached; ending what is still running"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn work_is_not_started_once_stopping() {
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let ran = unless_stopping(&stop, async { true }).await;
+        assert_eq!(ran, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn until_returns_at_the_deadline() {
+        let started = Instant::now();
+        until(
+            started + Duration::from_secs(4),
+            "test",
+            std::future::pending(),
+        )
+        .await;
+        assert_eq!(started.elapsed(), Duration::from_secs(4));
+    }
+}
