@@ -22,38 +22,32 @@ pub struct Listed {
     pub last_error: Option<String>,
 }
 
-/// `plugin-agent status -o json`, as JSON. Panics with the CLI's output if it fails.
-pub fn status(admin_socket: &Path) -> serde_json::Value {
+/// `plugin-agent <command> -o json` against the agent on `admin_socket`, parsed. Panics with the
+/// CLI's output if it fails.
+fn json_of<T: serde::de::DeserializeOwned>(admin_socket: &Path, command: &str) -> T {
     let output = Command::new(agent_bin())
         .arg("--admin-socket")
         .arg(admin_socket)
-        .args(["status", "-o", "json"])
+        .args([command, "-o", "json"])
         .output()
-        .expect("run plugin-agent status");
+        .unwrap_or_else(|e| panic!("run plugin-agent {command}: {e}"));
     assert!(
         output.status.success(),
-        "plugin-agent status failed: {}",
+        "plugin-agent {command} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    serde_json::from_slice(&output.stdout).expect("plugin-agent status -o json prints JSON")
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("plugin-agent {command} -o json prints no JSON: {e}"))
 }
 
-/// Every socket the agent listening on `admin_socket` knows, by path. Panics with the CLI's
-/// output if it fails.
+/// `plugin-agent status -o json`, as JSON.
+pub fn status(admin_socket: &Path) -> serde_json::Value {
+    json_of(admin_socket, "status")
+}
+
+/// Every socket the agent listening on `admin_socket` knows, by path.
 pub fn list(admin_socket: &Path) -> BTreeMap<PathBuf, Listed> {
-    let output = Command::new(agent_bin())
-        .arg("--admin-socket")
-        .arg(admin_socket)
-        .args(["list", "-o", "json"])
-        .output()
-        .expect("run plugin-agent list");
-    assert!(
-        output.status.success(),
-        "plugin-agent list failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rows: Vec<Listed> =
-        serde_json::from_slice(&output.stdout).expect("plugin-agent list -o json prints JSON");
+    let rows: Vec<Listed> = json_of(admin_socket, "list");
     rows.into_iter()
         .map(|r| (r.socket_path.clone(), r))
         .collect()

@@ -926,6 +926,12 @@ async fn a_second_agent_with_the_same_admin_socket_fails_and_the_first_keeps_ser
         .await
         .expect("inotify");
     let admin_socket = dir.root().with_file_name("admin.sock");
+    // The admin API may start listening just after the first scan the fixture waits for.
+    agent
+        .wait_for_log("the admin API listening", EVENT_TIMEOUT, |l| {
+            l.message() == "admin API listening"
+        })
+        .await;
     let ino = std::fs::symlink_metadata(&admin_socket)
         .expect("admin socket")
         .ino();

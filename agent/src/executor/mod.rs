@@ -165,7 +165,7 @@ impl OperationExecutor {
             config,
             in_flight: Mutex::new(HashMap::new()),
             backoff: Arc::default(),
-            slots: Slots::new(config.max_concurrent),
+            slots: Slots::new(config.max_concurrent, cancel.clone()),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
@@ -226,8 +226,7 @@ impl OperationExecutor {
             async move {
                 let _claim = claim;
                 // Shutdown starts no operation: those still waiting for a slot end here.
-                let slot = crate::shutdown::unless_stopping(&this.cancel, this.slots.acquire());
-                let Some(Some(mut slot)) = slot.await else { return };
+                let Some(mut slot) = this.slots.acquire().await else { return };
                 let started = Instant::now();
                 let result = this.run_register(&path, &desired, &mut slot).await;
                 if matches!(result, Err(RegisterFailure::ShuttingDown)) {
@@ -278,8 +277,7 @@ impl OperationExecutor {
         self.tasks.spawn(
             async move {
                 let _claim = claim;
-                let slot = crate::shutdown::unless_stopping(&this.cancel, this.slots.acquire());
-                let Some(Some(_slot)) = slot.await else {
+                let Some(_slot) = this.slots.acquire().await else {
                     return;
                 };
                 this.run_deregister(&path, registered).await;

@@ -14,24 +14,36 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use crate::registration::Pause;
 
 /// The pool of slots.
 #[derive(Clone)]
-pub struct Slots(Arc<Semaphore>);
+pub struct Slots {
+    pool: Arc<Semaphore>,
+    /// The agent's shutdown: no slot is handed out once it fires, so no operation starts.
+    stop: CancellationToken,
+}
 
 impl Slots {
-    /// A pool of `count` slots (at least one).
-    pub fn new(count: usize) -> Self {
-        Slots(Arc::new(Semaphore::new(count.max(1))))
+    /// A pool of `count` slots (at least one) that hands out none once `stop` fires.
+    pub fn new(count: usize, stop: CancellationToken) -> Self {
+        Slots {
+            pool: Arc::new(Semaphore::new(count.max(1))),
+            stop,
+        }
     }
 
-    /// Waits for a free slot; `None` once the pool is closed (the agent is stopping).
+    /// Waits for a free slot; `None` once the agent is stopping (operations still waiting for a
+    /// slot end there).
     pub async fn acquire(&self) -> Option<Slot> {
-        let permit = self.0.clone().acquire_owned().await.ok()?;
+        let permit = self.pool.clone().acquire_owned();
+        let permit = crate::shutdown::unless_stopping(&self.stop, permit)
+            .await?
+            .ok()?;
         Some(Slot {
-            pool: self.0.clone(),
+            pool: self.pool.clone(),
             permit: Some(permit),
         })
     }
@@ -39,7 +51,7 @@ impl Slots {
     /// Slots free now.
     #[cfg(test)]
     fn available(&self) -> usize {
-        self.0.available_permits()
+        self.pool.available_permits()
     }
 }
 
@@ -67,7 +79,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pausing_operation_lets_another_take_its_slot() {
-        let slots = Slots::new(1);
+        let slots = Slots::new(1, CancellationToken::new());
         let mut waiting = slots.acquire().await.expect("open");
         assert_eq!(slots.available(), 0);
         let pause = tokio::spawn(async move {
@@ -81,5 +93,26 @@ mod tests {
         assert_eq!(slots.available(), 0, "the pause took its slot back");
         drop(waiting);
         assert_eq!(slots.available(), 1);
+    }
+
+    #[tokio::test]
+    async fn no_slot_is_handed_out_once_the_agent_stops() {
+        let stop = CancellationToken::new();
+        let slots = Slots::new(1, stop.clone());
+        let held = slots.acquire().await.expect("open");
+        let waiting = tokio::spawn({
+            let slots = slots.clone();
+            async move { slots.acquire().await.is_some() }
+        });
+        stop.cancel();
+        assert!(
+            !waiting.await.expect("task"),
+            "a waiter got a slot after stop"
+        );
+        drop(held);
+        assert!(
+            slots.acquire().await.is_none(),
+            "a slot was handed out after stop"
+        );
     }
 }
