@@ -1,0 +1,236 @@
+//! Walks: watch-then-walk of a directory and its subtree, and the full rescan that makes desired
+//! state and the watched set equal to the tree.
+
+use super::{Watcher, ensure_root, ignored_name};
+use crate::event_source::{Observed, RescanReason, WatchedDir};
+use crate::notifications::{AgentEvent, EventKind};
+use crate::state::EntryKind;
+use crate::telemetry::discovery::Via;
+use crate::watch_health::WalkReport;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use tracing::{debug, info, warn};
+
+impl Watcher {
+    /// Watches `dir` and everything below it, then records the sockets found.
+    pub(super) fn add_tree(&mut self, dir: &Path) {
+        let mut found = Vec::new();
+        let mut seen_dirs = HashSet::new();
+        let mut report = WalkReport::default();
+        self.walk(dir, &mut found, &mut seen_dirs, &mut report);
+        for (path, socket) in found {
+            self.socket_present(&path, socket, Observed::default(), Via::Event);
+        }
+    }
+
+    /// Watch-then-walk of one directory, recursively. Collects sockets into `found`, the
+    /// directories visited into `seen_dirs`, and what could not be read into `report` (each
+    /// logged and counted here).
+    pub(super) fn walk(
+        &mut self,
+        dir: &Path,
+        found: &mut Vec<(PathBuf, crate::state::SocketId)>,
+        seen_dirs: &mut HashSet<PathBuf>,
+        report: &mut WalkReport,
+    ) {
+        let watched = match WatchedDir::stat(dir) {
+            Ok(watched) => watched,
+            Err(e) if gone(&e) => {
+                debug!(dir = %dir.display(), error = %e, "directory vanished before it could be watched");
+                return;
+            }
+            Err(e) => {
+                self.unreadable(dir, &e, report);
+                return;
+            }
+        };
+        // A directory replaced by another at the same path (re-created, mounted over) is watched
+        // by its new identity.
+        if self.dirs.get(dir) != Some(&watched) {
+            if let Some(old) = self.dirs.remove(dir) {
+                self.source.unwatch(&old);
+            }
+            if let Err(e) = self.source.watch(&watched) {
+                warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
+            }
+            self.dirs.insert(dir.to_path_buf(), watched);
+            self.telemetry
+                .watcher
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
+        }
+        // Every walk re-announces the directory, like every rescan re-announces every socket.
+        self.announce(dir);
+        seen_dirs.insert(dir.to_path_buf());
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                self.unreadable(dir, &e, report);
+                return;
+            }
+        };
+        for entry in entries {
+            let path = match entry {
+                Ok(entry) => entry.path(),
+                Err(e) => {
+                    // Part of the directory was read: the rest is unknown, so all of it is kept.
+                    self.unreadable(dir, &e, report);
+                    return;
+                }
+            };
+            if ignored_name(&path, &self.root) {
+                continue;
+            }
+            match EntryKind::of(&path) {
+                Ok(EntryKind::Socket(socket)) => found.push((path, socket)),
+                Ok(EntryKind::Directory { .. }) => self.walk(&path, found, seen_dirs, report),
+                Ok(EntryKind::Other) => {}
+                Err(e) if gone(&e) => {}
+                Err(e) => self.unreadable(&path, &e, report),
+            }
+        }
+    }
+
+    /// `path` could not be read: logged, counted, and its previous state kept (see the module
+    /// docs).
+    pub(super) fn unreadable(&self, path: &Path, error: &std::io::Error, report: &mut WalkReport) {
+        report.failed(path, error);
+        if crate::watch_health::is_too_long(path, error) {
+            self.telemetry.metrics.walk_error("too_long");
+            warn!(
+                path_bytes = path.as_os_str().len(),
+                path_start = %crate::text::escape(&path.to_string_lossy().chars().take(200).collect::<String>()),
+                "path longer than PATH_MAX: neither watched nor walked; sockets below it are not discovered"
+            );
+        } else {
+            self.telemetry.metrics.walk_error("unreadable");
+            warn!(dir = %path.display(), error = %error, known_kept = true, "cannot read directory; its plugins are not discovered");
+        }
+    }
+
+    /// Watches the root's parent (once) and tells the source the root's name is present there.
+    pub(super) fn watch_anchor(&mut self) {
+        if self.anchor.is_none()
+            && let Some(parent) = self.root.parent().filter(|p| !p.as_os_str().is_empty())
+        {
+            match WatchedDir::stat(parent) {
+                Ok(anchor) => match self.source.watch(&anchor) {
+                    Ok(()) => self.anchor = Some(anchor),
+                    Err(e) => {
+                        debug!(dir = %parent.display(), error = %e, "cannot watch the root's parent; root removal is found by rescans")
+                    }
+                },
+                Err(e) => {
+                    debug!(dir = %parent.display(), error = %e, "cannot stat the root's parent")
+                }
+            }
+        }
+        if let (Some(anchor), Some(name)) = (&self.anchor, self.root.file_name()) {
+            self.source.entry_present(anchor, name);
+        }
+    }
+
+    /// Walks the whole tree and makes desired state and the watched set equal to it.
+    pub(super) fn rescan(&mut self, reason: RescanReason) {
+        self.telemetry.rescan(&reason);
+        let mut event = AgentEvent::new(EventKind::Rescan, &self.root);
+        event.detail = Some(reason.to_string());
+        self.notifications.publish(event);
+        if let Err(e) = ensure_root(&self.root) {
+            warn!(root = %self.root.display(), error = %e, "cannot create the plugin directory");
+        }
+        self.watch_anchor();
+        let root_problem = self.root_problem();
+        let mut found = Vec::new();
+        let mut seen_dirs = HashSet::new();
+        let mut report = WalkReport::default();
+        self.walk(&self.root.clone(), &mut found, &mut seen_dirs, &mut report);
+        self.telemetry.watcher.health.set(root_problem, &report);
+        // What could not be read keeps its watches and sockets: a failed read is no empty
+        // directory (see the module docs).
+        let stale_dirs: Vec<PathBuf> = self
+            .dirs
+            .keys()
+            .filter(|d| !seen_dirs.contains(*d) && !report.keeps(d))
+            .cloned()
+            .collect();
+        for dir in stale_dirs {
+            if let Some(watched) = self.dirs.remove(&dir) {
+                self.source.unwatch(&watched);
+            }
+            self.telemetry
+                .watcher
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
+        }
+        let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
+        let mut removed = 0;
+        for (path, _) in self.desired.snapshot() {
+            if !present.contains(&path) && !report.keeps(&path) {
+                self.forget_socket(&path, Observed::default(), Via::Scan);
+                removed += 1;
+            }
+        }
+        let before = self.desired.len();
+        for (path, socket) in found {
+            // Unchanged sockets too: a source that lost its name table asks for this rescan.
+            self.announce(&path);
+            self.socket_present(&path, socket, Observed::default(), Via::Scan);
+        }
+        let level_info =
+            reason == RescanReason::Start || removed > 0 || self.desired.len() != before;
+        if level_info {
+            info!(
+                reason = %reason,
+                dirs = self.dirs.len(),
+                sockets = self.desired.len(),
+                removed,
+                kept_unread = report.kept.len(),
+                "scanned plugin directory"
+            );
+        } else {
+            debug!(
+                reason = %reason,
+                dirs = self.dirs.len(),
+                sockets = self.desired.len(),
+                "scanned plugin directory"
+            );
+        }
+    }
+
+    /// True if the root is the directory being watched as the root (same identity).
+    pub(super) fn root_unchanged(&self) -> bool {
+        match (WatchedDir::stat(&self.root), self.dirs.get(&self.root)) {
+            (Ok(now), Some(watched)) => (now.dev, now.ino) == (watched.dev, watched.ino),
+            _ => false,
+        }
+    }
+
+    /// Why the plugin directory is not a directory the agent can watch, if it is not: logged at
+    /// every full walk while it lasts (a symlink swapped in for the directory would otherwise
+    /// leave nothing watched and nothing said).
+    pub(super) fn root_problem(&self) -> Option<String> {
+        let problem = match std::fs::symlink_metadata(&self.root) {
+            Ok(meta) if meta.is_dir() => return None,
+            Ok(meta) if meta.file_type().is_symlink() => {
+                "the plugin directory is a symlink (symlinks are never followed): nothing is watched".to_string()
+            }
+            Ok(_) => "the plugin directory is not a directory: nothing is watched".to_string(),
+            Err(e) if gone(&e) => return None,
+            Err(e) => format!("cannot stat the plugin directory: {e}"),
+        };
+        self.telemetry.metrics.walk_error("root_not_directory");
+        warn!(root = %self.root.display(), problem = %problem, "plugin directory not watched");
+        Some(problem)
+    }
+}
+
+/// True if `error` means the entry is not there (any more): a walk then simply does not find it.
+pub(super) fn gone(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+    )
+}
