@@ -167,6 +167,10 @@ impl OperationExecutor {
             self.roll_back(path, &entry).await;
             return Err(error);
         }
+        // The handler's Register replaced the plugin's other sockets in its view, so they are
+        // superseded from here on; marked before the plugin is told, so a plugin that stops its
+        // old instance on hearing Notify(true) never races this.
+        self.actual.supersede_others(path);
         if let Err(e) = connection
             .notify(true, "")
             .instrument(info_span!("NotifyRegistrationStatus", registered = true))
@@ -175,7 +179,6 @@ impl OperationExecutor {
             self.roll_back(path, &entry).await;
             return Err(e.into());
         }
-        self.actual.supersede_others(path);
         Ok(plugin)
     }
 
