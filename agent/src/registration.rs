@@ -157,10 +157,13 @@ impl PluginConnection {
                     .instrument(info_span!("dial"))
                     .await?;
             let remaining = budget_end.saturating_duration_since(Instant::now());
-            let mut client = match tokio::time::timeout(
+            // The HTTP/2 steps are boxed: until a peer accepts, this future stays small (a
+            // dial that waits for a bound-but-not-serving socket, or for a stale one until its
+            // budget ends, costs a few hundred bytes instead of the connection's kilobytes).
+            let mut client = match Box::pin(tokio::time::timeout(
                 remaining,
                 UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
-            )
+            ))
             .await
             {
                 Ok(Ok(client)) => client,
@@ -179,20 +182,23 @@ impl PluginConnection {
                     ));
                 }
             };
-            let answer = match tokio::time::timeout(
-                timeouts.get_info,
-                client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
+            let answer = match Box::pin(
+                tokio::time::timeout(
+                    timeouts.get_info,
+                    client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
+                )
+                .instrument(info_span!("GetInfo")),
             )
-            .instrument(info_span!("GetInfo"))
             .await
             {
                 Ok(Ok(info)) => {
                     let mut connection = PluginConnection { client, timeouts };
                     if let Err(invalid) = validate_info(&info) {
                         // As kubelet does for a plugin it refuses: say why, then back off.
-                        let told = connection
-                            .notify(false, &invalid.to_string())
-                            .instrument(info_span!("NotifyRegistrationStatus", registered = false))
+                        let told =
+                            Box::pin(connection.notify(false, &invalid.to_string()).instrument(
+                                info_span!("NotifyRegistrationStatus", registered = false),
+                            ))
                             .await;
                         if let Err(e) = told {
                             tracing::debug!(error = %e, "could not tell the plugin its PluginInfo is invalid");

@@ -7,8 +7,8 @@
 //! faults, round robin every --fault-every:        (SIGKILL+restart    (SIGKILL+restart)
 //!   agent SIGKILL/restart (first half only), handler SIGKILL/restart, a hung plugin or a flood
 //!   of 300 half-sent requests to the metrics port from uid 65534 (in turn), a lying plugin,
-//!   500 noise files
-//! RSS of the agent sampled from /proc every second
+//!   noise in turn: 500 files, a tree 1,000 directories deep, 1,000 directories, 300 stale sockets
+//! RSS of the agent sampled from /proc every second: never above 64 MiB, flat in the second half
 //! end: churn paused, bad plugins stopped -> `plugin-agent list` must equal the live sockets,
 //!      all registered
 //! ```
@@ -416,6 +416,13 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
             verdict.growth_kib as f64 / 1024.0
         );
     }
+    if verdict.max_kib > RSS_CEILING_KIB {
+        bail!(
+            "agent RSS reached {:.1} MiB, above the {} MiB ceiling",
+            verdict.max_kib as f64 / 1024.0,
+            RSS_CEILING_KIB / 1024
+        );
+    }
     Ok(())
 }
 
@@ -552,8 +559,74 @@ impl<'a> Churn<'a> {
                 self.noise_round += 1;
                 let new = run.registry.join(format!("noise-{}", self.noise_round));
                 std::fs::create_dir_all(&new)?;
+                let noise = Noise::ALL[self.noise_round % Noise::ALL.len()];
+                eprintln!(
+                    "xtask: soak: {:>4}s noise: {}",
+                    elapsed.as_secs(),
+                    noise.describe()
+                );
+                noise.make(&new)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a noise round leaves in the registry: nothing a plugin, all of it work for the agent.
+#[derive(Clone, Copy)]
+enum Noise {
+    /// 500 regular files.
+    Files,
+    /// A chain of 1,000 nested directories.
+    DeepTree,
+    /// 1,000 sibling directories.
+    ManyDirs,
+    /// 300 sockets bound and closed, like plugins that crashed.
+    StaleSockets,
+}
+
+impl Noise {
+    const ALL: [Noise; 4] = [
+        Noise::Files,
+        Noise::DeepTree,
+        Noise::ManyDirs,
+        Noise::StaleSockets,
+    ];
+
+    fn describe(self) -> &'static str {
+        match self {
+            Noise::Files => "500 files",
+            Noise::DeepTree => "a tree 1,000 directories deep",
+            Noise::ManyDirs => "1,000 directories",
+            Noise::StaleSockets => "300 stale sockets",
+        }
+    }
+
+    fn make(self, dir: &std::path::Path) -> anyhow::Result<()> {
+        match self {
+            Noise::Files => {
                 for i in 0..500 {
-                    std::fs::write(new.join(format!("f{i}")), b"noise")?;
+                    std::fs::write(dir.join(format!("f{i}")), b"noise")?;
+                }
+            }
+            Noise::DeepTree => {
+                let mut path = dir.to_path_buf();
+                for _ in 0..1000 {
+                    path.push("d");
+                    std::fs::create_dir(&path)?;
+                }
+            }
+            Noise::ManyDirs => {
+                for i in 0..1000 {
+                    std::fs::create_dir(dir.join(format!("d{i}")))?;
+                }
+            }
+            Noise::StaleSockets => {
+                for i in 0..300 {
+                    // Closed when dropped: the file stays and refuses connections.
+                    drop(std::os::unix::net::UnixListener::bind(
+                        dir.join(format!("stale-{i}.sock")),
+                    )?);
                 }
             }
         }
@@ -595,13 +668,19 @@ fn converge(run: &Run, live: BTreeSet<PathBuf>) -> End {
     }
 }
 
-/// The soak's verdict: plugins missing or extra at the end, and the second half's memory growth.
+/// The soak's verdict: plugins missing or extra at the end, the second half's memory growth, and
+/// the highest RSS either instance reached.
 struct Verdict {
     missing: Vec<PathBuf>,
     extra: Vec<PathBuf>,
     growth_kib: i64,
     flat: bool,
+    max_kib: u64,
 }
+
+/// The most the agent may ever be resident (issue 22: the DaemonSet's limit is 128 MiB; the
+/// agent stays within half of it under every fault the soak injects).
+const RSS_CEILING_KIB: u64 = 64 * 1024;
 
 /// Prints the faults, the end state and the memory, and returns the verdict.
 fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
@@ -621,7 +700,7 @@ fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
         options.duration, options.source, options.plugins, options.churn
     );
     println!(
-        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} metrics floods (300 slow connections), {} lying plugins, {} noise rounds (500 files)",
+        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} metrics floods (300 slow connections), {} lying plugins, {} noise rounds (files, deep tree, directories, stale sockets in turn)",
         counts[0],
         counts[1],
         counts[2] - floods,
@@ -657,5 +736,6 @@ fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
         extra,
         growth_kib: growth,
         flat,
+        max_kib: first_memory.max.max(last_memory.max),
     }
 }

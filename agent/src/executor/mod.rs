@@ -200,15 +200,43 @@ impl OperationExecutor {
             Ok(claim) => claim,
             Err(running) => return Start::AlreadyRunning(running),
         };
-        let this = self.clone();
-        let path = path.to_path_buf();
         let attempt = self
             .backoff
-            .get(&path, desired.socket)
+            .get(path, desired.socket)
             .map_or(1, |b| b.failures + 1);
         if attempt > 1 {
             self.telemetry.metrics.retry();
         }
+        let this = self.clone();
+        let path = path.to_path_buf();
+        self.tasks.spawn(async move {
+            let _claim = claim;
+            // Shutdown starts no operation: those still waiting for a slot end here. Waiting
+            // costs only this small future: the operation's own state (span, connection, the
+            // calls' futures) is allocated once it may run, so thousands of sockets queued
+            // behind a storm of dead ones cost bytes each, not kilobytes.
+            let queued = Instant::now();
+            let Some(slot) = this.slots.acquire().await else {
+                return;
+            };
+            Box::pin(
+                this.clone()
+                    .register_in_slot(path, desired, slot, attempt, queued),
+            )
+            .await;
+        });
+        Start::Started
+    }
+
+    /// A registration that holds its slot: its span, its steps, and what its outcome changes.
+    async fn register_in_slot(
+        self: Arc<Self>,
+        path: PathBuf,
+        desired: DesiredPlugin,
+        mut slot: slots::Slot,
+        attempt: u32,
+        queued: Instant,
+    ) {
         let source = self.telemetry.discovery.label(if desired.by_event {
             Via::Event
         } else {
@@ -217,45 +245,41 @@ impl OperationExecutor {
         let span = info_span!(
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
+            slot_wait_ms = queued.elapsed().as_millis() as u64,
             outcome = Empty, error = Empty, otel.status_code = Empty
         );
         if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
             let _ = span.set_parent(parent);
         }
-        self.tasks.spawn(
-            async move {
-                let _claim = claim;
-                // Shutdown starts no operation: those still waiting for a slot end here.
-                let Some(mut slot) = this.slots.acquire().await else { return };
-                let started = Instant::now();
-                let result = this.run_register(&path, &desired, &mut slot).await;
-                if matches!(result, Err(RegisterFailure::ShuttingDown)) {
-                    debug!("registration abandoned before the plugin answered: shutting down");
-                    return;
-                }
-                this.observe_register(source, &desired, &result);
-                match result {
-                    Ok(plugin) => {
-                        this.backoff.reset(&path, desired.socket);
-                        let since_event = desired.kernel_ns.map(|ns| {
-                            Duration::from_nanos(monotonic_now_ns().saturating_sub(ns))
-                        });
-                        info!(
-                            plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
-                            took = ?started.elapsed(), since_kernel_event = ?since_event, "plugin registered"
-                        );
-                        let mut event = AgentEvent::new(EventKind::Registered, &path);
-                        event.latency = since_event
-                            .or_else(|| desired.seen_at.elapsed().ok());
-                        event.plugin = Some(plugin);
-                        this.notifications.publish(event);
-                    }
-                    Err(error) => this.failed(&path, &desired, error),
-                }
+        let this = self;
+        async move {
+            let started = Instant::now();
+            let result = this.run_register(&path, &desired, &mut slot).await;
+            if matches!(result, Err(RegisterFailure::ShuttingDown)) {
+                debug!("registration abandoned before the plugin answered: shutting down");
+                return;
             }
-            .instrument(span),
-        );
-        Start::Started
+            this.observe_register(source, &desired, &result);
+            match result {
+                Ok(plugin) => {
+                    this.backoff.reset(&path, desired.socket);
+                    let since_event = desired
+                        .kernel_ns
+                        .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
+                    info!(
+                        plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
+                        took = ?started.elapsed(), since_kernel_event = ?since_event, "plugin registered"
+                    );
+                    let mut event = AgentEvent::new(EventKind::Registered, &path);
+                    event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
+                    event.plugin = Some(plugin);
+                    this.notifications.publish(event);
+                }
+                Err(error) => this.failed(&path, &desired, error),
+            }
+        }
+        .instrument(span)
+        .await
     }
 
     /// Starts deregistering `registered` from `path` unless an operation for it runs.
@@ -266,24 +290,22 @@ impl OperationExecutor {
         };
         let this = self.clone();
         let path = path.to_path_buf();
-        let span = info_span!(
-            "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
-            plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
-            otel.status_code = Empty
-        );
-        if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
-            let _ = span.set_parent(parent);
-        }
-        self.tasks.spawn(
-            async move {
-                let _claim = claim;
-                let Some(_slot) = this.slots.acquire().await else {
-                    return;
-                };
-                this.run_deregister(&path, registered).await;
+        self.tasks.spawn(async move {
+            let _claim = claim;
+            // As for a registration: waiting for a slot costs a small future.
+            let Some(_slot) = this.slots.acquire().await else {
+                return;
+            };
+            let span = info_span!(
+                "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
+                plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
+                otel.status_code = Empty
+            );
+            if let Some(parent) = this.telemetry.discovery.parent_of(&path) {
+                let _ = span.set_parent(parent);
             }
-            .instrument(span),
-        );
+            Box::pin(this.run_deregister(&path, registered).instrument(span)).await;
+        });
         Start::Started
     }
 

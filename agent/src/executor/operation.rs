@@ -109,7 +109,11 @@ impl OperationExecutor {
         // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
         let answer =
             PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts, slot);
-        let Some(answer) = crate::shutdown::unless_stopping(&self.cancel, answer).await else {
+        // Every step below is boxed where it is awaited: a future is as large as its largest
+        // step, and an operation that waits (for a slot, or in a dial's pauses) should cost
+        // that wait's few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
+        let Some(answer) = Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await
+        else {
             return Err(RegisterFailure::ShuttingDown);
         };
         let (mut connection, info) = answer?;
@@ -124,7 +128,7 @@ impl OperationExecutor {
                 plugin_type: plugin.plugin_type.clone(),
                 socket: plugin.socket_path.clone(),
             };
-            notify_failure(&mut connection, &error.to_string()).await;
+            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
             return Err(error);
         };
         let _name = self
@@ -133,17 +137,16 @@ impl OperationExecutor {
             .await;
         let timeouts = self.config.handler_timeouts;
 
-        if let Err(e) = self
-            .call_handler(
-                HandlerCall::Validate,
-                &plugin.plugin_type,
-                handler.validate(&plugin),
-                timeouts.validate,
-            )
-            .await
+        if let Err(e) = Box::pin(self.call_handler(
+            HandlerCall::Validate,
+            &plugin.plugin_type,
+            handler.validate(&plugin),
+            timeouts.validate,
+        ))
+        .await
         {
             let error = handler_error(HandlerCall::Validate, e, &plugin);
-            notify_failure(&mut connection, &error.to_string()).await;
+            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
             return Err(error);
         }
         let entry = self.actual.add(
@@ -153,30 +156,31 @@ impl OperationExecutor {
             plugin.clone(),
             handler.clone(),
         );
-        if let Err(e) = self
-            .call_handler(
-                HandlerCall::Register,
-                &plugin.plugin_type,
-                handler.register(&plugin),
-                timeouts.register,
-            )
-            .await
+        if let Err(e) = Box::pin(self.call_handler(
+            HandlerCall::Register,
+            &plugin.plugin_type,
+            handler.register(&plugin),
+            timeouts.register,
+        ))
+        .await
         {
             let error = handler_error(HandlerCall::Register, e, &plugin);
-            notify_failure(&mut connection, &error.to_string()).await;
-            self.roll_back(path, &entry).await;
+            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
+            Box::pin(self.roll_back(path, &entry)).await;
             return Err(error);
         }
         // The handler's Register replaced the plugin's other sockets in its view, so they are
         // superseded from here on; marked before the plugin is told, so a plugin that stops its
         // old instance on hearing Notify(true) never races this.
         self.actual.supersede_others(path);
-        if let Err(e) = connection
-            .notify(true, "")
-            .instrument(info_span!("NotifyRegistrationStatus", registered = true))
-            .await
+        if let Err(e) = Box::pin(
+            connection
+                .notify(true, "")
+                .instrument(info_span!("NotifyRegistrationStatus", registered = true)),
+        )
+        .await
         {
-            self.roll_back(path, &entry).await;
+            Box::pin(self.roll_back(path, &entry)).await;
             return Err(e.into());
         }
         Ok(plugin)

@@ -65,8 +65,9 @@ impl From<h2::Error> for CallError {
 /// is polled only while a call runs (nothing else happens on a registration connection).
 pub struct UnaryClient<T> {
     send: SendRequest<Bytes>,
-    /// `None` once the connection has ended.
-    connection: Option<Connection<T, Bytes>>,
+    /// `None` once the connection has ended. Boxed: h2's connection state is kilobytes, and a
+    /// client lives in the futures of operations that mostly wait.
+    connection: Option<Box<Connection<T, Bytes>>>,
     /// The largest message accepted in an answer.
     max_message: usize,
 }
@@ -83,7 +84,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> UnaryClient<T> {
             .await?;
         Ok(UnaryClient {
             send,
-            connection: Some(connection),
+            connection: Some(Box::new(connection)),
             max_message,
         })
     }

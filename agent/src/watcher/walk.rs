@@ -24,9 +24,14 @@ impl Watcher {
         }
     }
 
-    /// Watch-then-walk of one directory, recursively. Collects sockets into `found`, the
-    /// directories visited into `seen_dirs`, and what could not be read into `report` (each
-    /// logged and counted here).
+    /// Watch-then-walk of `dir` and its subtree. Collects sockets into `found`, the directories
+    /// visited into `seen_dirs`, and what could not be read into `report` (each logged and
+    /// counted here).
+    ///
+    /// Iterative, and each directory is read to the end and closed before any directory below
+    /// it is opened: a recursive walk holds one open directory stream (glibc gives each a
+    /// 32 KiB buffer) and one stack frame per level, so a tree 2,000 levels deep cost 64 MiB and
+    /// 2,000 descriptors per pass, and a deep enough one would overflow the thread's stack.
     pub(super) fn walk(
         &mut self,
         dir: &Path,
@@ -34,15 +39,35 @@ impl Watcher {
         seen_dirs: &mut HashSet<PathBuf>,
         report: &mut WalkReport,
     ) {
+        let mut pending = vec![dir.to_path_buf()];
+        while let Some(dir) = pending.pop() {
+            let before = pending.len();
+            if self.walk_one(&dir, found, &mut pending, report) {
+                seen_dirs.insert(dir);
+            }
+            // Visit sub-directories in the order they were read.
+            pending[before..].reverse();
+        }
+    }
+
+    /// Watches and reads one directory: sockets go to `found`, sub-directories to `pending`.
+    /// False if the directory was not there (or could not be stat'ed) to be watched.
+    fn walk_one(
+        &mut self,
+        dir: &Path,
+        found: &mut Vec<(PathBuf, crate::state::SocketId)>,
+        pending: &mut Vec<PathBuf>,
+        report: &mut WalkReport,
+    ) -> bool {
         let watched = match WatchedDir::stat(dir) {
             Ok(watched) => watched,
             Err(e) if gone(&e) => {
                 debug!(dir = %dir.display(), error = %e, "directory vanished before it could be watched");
-                return;
+                return false;
             }
             Err(e) => {
                 self.unreadable(dir, &e, report);
-                return;
+                return false;
             }
         };
         // A directory replaced by another at the same path (re-created, mounted over) is watched
@@ -62,13 +87,12 @@ impl Watcher {
         }
         // Every walk re-announces the directory, like every rescan re-announces every socket.
         self.announce(dir);
-        seen_dirs.insert(dir.to_path_buf());
         let entries = match std::fs::read_dir(dir) {
             Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
             Err(e) => {
                 self.unreadable(dir, &e, report);
-                return;
+                return true;
             }
         };
         for entry in entries {
@@ -77,7 +101,7 @@ impl Watcher {
                 Err(e) => {
                     // Part of the directory was read: the rest is unknown, so all of it is kept.
                     self.unreadable(dir, &e, report);
-                    return;
+                    return true;
                 }
             };
             if ignored_name(&path, &self.root) {
@@ -85,12 +109,13 @@ impl Watcher {
             }
             match EntryKind::of(&path) {
                 Ok(EntryKind::Socket(socket)) => found.push((path, socket)),
-                Ok(EntryKind::Directory { .. }) => self.walk(&path, found, seen_dirs, report),
+                Ok(EntryKind::Directory { .. }) => pending.push(path),
                 Ok(EntryKind::Other) => {}
                 Err(e) if gone(&e) => {}
                 Err(e) => self.unreadable(&path, &e, report),
             }
         }
+        true
     }
 
     /// `path` could not be read: logged, counted, and its previous state kept (see the module
