@@ -381,7 +381,9 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
     host.command(&format!("churn {}", options.churn))?;
     churn.run(options)?;
 
-    eprintln!("xtask: soak: churn paused; stopping misbehaving plugins and checking convergence");
+    eprintln!(
+        "xtask: soak: churn paused; stopping misbehaving plugins, removing noise, checking convergence"
+    );
     host.command("pause")?;
     let live: BTreeSet<PathBuf> = host
         .live
@@ -392,6 +394,9 @@ fn soak_in(run: &Run, options: &Options) -> anyhow::Result<()> {
     for mut b in churn.bad.drain(..) {
         b.terminate();
     }
+    // The last noise round's stale sockets are sockets in the tree, listed (and failing) as
+    // they should be: gone with their directory before the end state is compared.
+    let _ = std::fs::remove_dir_all(run.registry.join(format!("noise-{}", churn.noise_round)));
     let end = converge(run, live);
     if let Some(kib) = rss_kib(churn.agent.pid()) {
         churn.last_memory.sample(kib);
