@@ -6,8 +6,8 @@
 
 use plugin_agent_tests::events::EventLog;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, logs,
-    plugin,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source,
+    plugin, test_name,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -310,64 +310,123 @@ async fn handler_added_through_the_cli_registers_waiting_plugins() {
     assert_eq!(status["plugins_registered"], 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn re_registration_replaces_the_older_instance_and_only_the_newest_socket_deregisters() {
+/// kubernetes PR 129832 (kubelet 1.33, DRA "seamless upgrade"): a rolling update of a DRA driver
+/// starts the new pod, with its own registration socket (named with the pod UID) and endpoint,
+/// before the old one exits. Both are registered, and each socket's removal deregisters its own
+/// endpoint only. The agent used to report only the newest socket's removal, so when the old pod
+/// exited first a handler that tracks instances (as kubelet's DRA manager does) kept its dead
+/// endpoint, and when the new pod exited first the driver lost its last live instance unseen.
+async fn rolling_update_deregisters_each_instance_by_its_endpoint(
+    test: &str,
+    old_exits_first: bool,
+) {
     let base = PluginDir::new();
     let handler = Handler::start(&base.outside("h.sock"), &[]).await;
-    let s = start_agent(
-        "re_registration",
-        &[format!("DRAPlugin={}", handler.target)],
-        &[],
-    )
-    .await;
-    let old = dra_plugin(&s.dir, "gpu-v1.sock", "gpu");
+    let s = start_agent(test, &[format!("DRAPlugin={}", handler.target)], &[]).await;
+    let old = dra_plugin(&s.dir, "gpu-2c1a0f8e.sock", "gpu");
     old.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let new = dra_plugin(&s.dir, "gpu-v2.sock", "gpu");
+    let new = dra_plugin(&s.dir, "gpu-9b47d3c2.sock", "gpu");
     new.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let second = handler
+    let registers = handler
         .events
         .matching_since(Mark(0), call("register", "gpu"));
-    assert_eq!(second.len(), 2);
+    assert_eq!(registers.len(), 2, "{test}: {registers:?}");
     assert_eq!(
-        second[1].field("replaced"),
-        Some(s.dir.path("gpu-v1.sock").display().to_string())
+        registers[1].field("instances").as_deref(),
+        Some("2"),
+        "{test}: both instances kept: {registers:?}"
+    );
+    let listed = plugin_agent_tests::admin::list(&s.admin);
+    for plugin in [&old, &new] {
+        assert_eq!(
+            listed.get(plugin.socket()).map(|e| e.state.as_str()),
+            Some("registered"),
+            "{test}: {listed:?}"
+        );
+    }
+
+    let (first, second) = if old_exits_first {
+        (old, new)
+    } else {
+        (new, old)
+    };
+    let (first_socket, second_socket) = (
+        first.socket().display().to_string(),
+        second.socket().display().to_string(),
+    );
+    let mark = handler.events.mark();
+    first.stop().await;
+    let gone = handler
+        .wait_after(
+            mark,
+            call("deregister", "gpu"),
+            "the first instance's deregistration",
+        )
+        .await;
+    assert_eq!(
+        gone.field("endpoint"),
+        Some(first_socket.clone()),
+        "{test}: {gone}"
+    );
+    assert_eq!(
+        gone.field("removed").as_deref(),
+        Some("true"),
+        "{test}: {gone}"
+    );
+    assert_eq!(
+        gone.field("last").as_deref(),
+        Some("false"),
+        "{test}: {gone}"
+    );
+    let listed = plugin_agent_tests::admin::list(&s.admin);
+    assert_eq!(
+        listed.get(second.socket()).map(|e| e.state.as_str()),
+        Some("registered"),
+        "{test}: the other instance stays registered: {listed:?}"
     );
 
-    let old_socket = old.socket().to_path_buf();
-    old.stop().await;
-    let superseded = |l: &Line| {
-        l.message().contains("re-registered from a newer socket") && logs::mentions(&old_socket)(l)
-    };
-    s.agent
-        .wait_for_log(
-            "the old socket's removal, superseded",
-            EVENT_TIMEOUT,
-            superseded,
-        )
-        .await;
-    let new_socket = new.socket().to_path_buf();
-    new.stop().await;
-    let removed = handler
-        .wait(
+    let mark = handler.events.mark();
+    second.stop().await;
+    let gone = handler
+        .wait_after(
+            mark,
             call("deregister", "gpu"),
-            "the newest socket's deregistration",
+            "the second instance's deregistration",
         )
         .await;
     assert_eq!(
-        removed.field("endpoint"),
-        Some(new_socket.display().to_string())
+        gone.field("endpoint"),
+        Some(second_socket.clone()),
+        "{test}: {gone}"
     );
-    let deregisters = handler
-        .calls()
-        .iter()
-        .filter(|(c, _)| c == "deregister")
-        .count();
     assert_eq!(
-        deregisters,
-        1,
-        "only the newest socket's removal reaches the handler: {:?}",
-        handler.calls()
+        gone.field("last").as_deref(),
+        Some("true"),
+        "{test}: {gone}"
     );
+    let deregistered: Vec<String> = handler
+        .events
+        .matching_since(Mark(0), call("deregister", "gpu"))
+        .iter()
+        .filter_map(|l| l.field("endpoint"))
+        .collect();
+    assert_eq!(
+        deregistered,
+        [first_socket, second_socket],
+        "{test}: one DeRegister per socket, each with its own endpoint, in the order they went"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_update_deregisters_the_old_instance_by_its_endpoint_when_it_exits_first_kubernetes_pr_129832()
+ {
+    rolling_update_deregisters_each_instance_by_its_endpoint(&test_name(), true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_update_deregisters_the_new_instance_by_its_endpoint_when_it_exits_first_kubernetes_pr_129832()
+ {
+    rolling_update_deregisters_each_instance_by_its_endpoint(&test_name(), false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

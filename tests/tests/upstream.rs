@@ -2,7 +2,7 @@
 //! e2e suite), run end to end against the real agent, once per event source.
 
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
+    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
     per_source, plugin, test_name,
 };
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ per_source!(
     registers_plugins_at_depth_0_1_and_2,
     registers_and_deregisters_a_plugin_over_10_serve_stop_rounds,
     tracks_10_plugins_with_the_same_name_on_different_sockets,
-    deregisters_a_re_registered_name_only_when_its_newest_socket_goes,
+    deregisters_each_socket_of_a_re_registered_name_when_it_goes,
     re_registers_one_socket_path_10_times_with_a_new_name_each_time,
     registers_10_sockets_that_exist_before_the_agent_starts,
     registers_again_after_the_agent_restarts,
@@ -146,29 +146,23 @@ async fn tracks_10_plugins_with_the_same_name_on_different_sockets(source: Sourc
         assert_registered_once(&agent, Mark(0), socket);
     }
 
-    // Handler contract on re-registration under one name: only the deletion of the socket
-    // registered last deregisters the name; the older sockets' deletions leave it registered.
+    // Handler contract since kubelet 1.33 (kubernetes PR 129832): every registered socket's
+    // deletion deregisters it, with its own endpoint, also when others carry the same name.
     let mark = agent.mark();
     for plugin in plugins {
         plugin.stop().await;
     }
-    let superseded = |l: &Line| l.message().contains("re-registered from a newer socket");
     let gone = agent
-        .wait_for_logs(
-            mark,
-            10,
-            "10 sockets removed (deregistered or superseded)",
-            EVENT_TIMEOUT,
-            |l| l.message() == "plugin deregistered" || superseded(l),
-        )
+        .wait_for_logs(mark, 10, "10 sockets deregistered", EVENT_TIMEOUT, |l| {
+            l.message() == "plugin deregistered"
+        })
         .await;
-    let deregistered = gone
-        .iter()
-        .filter(|l| l.message() == "plugin deregistered")
-        .count();
-    if deregistered != 1 {
+    let sockets: std::collections::BTreeSet<String> =
+        gone.iter().filter_map(|l| l.field("socket_path")).collect();
+    if sockets.len() != 10 {
         agent.fail(&format!(
-            "{deregistered} deregistrations of one plugin name from 10 sockets, want 1"
+            "10 sockets of one plugin name deregistered {} distinct sockets, want 10: {gone:?}",
+            sockets.len()
         ));
     }
 }
@@ -388,7 +382,7 @@ async fn recovers_after_get_info_errors_are_cleared(source: Source) {
     );
 }
 
-async fn deregisters_a_re_registered_name_only_when_its_newest_socket_goes(source: Source) {
+async fn deregisters_each_socket_of_a_re_registered_name_when_it_goes(source: Source) {
     let Some(Scenario { dir, agent, .. }) = Scenario::start(source).await else {
         return;
     };
@@ -412,29 +406,18 @@ async fn deregisters_a_re_registered_name_only_when_its_newest_socket_goes(sourc
         )
         .await;
 
-    // Deleting the old socket leaves the name registered (handler contract)...
+    // Deleting the old socket deregisters that socket only (kubelet 1.33+)...
     let mark = agent.mark();
     old.stop().await;
     agent
         .wait_for_log_after(
             mark,
-            "the old socket's removal handled",
+            "the old socket's removal deregistered",
             EVENT_TIMEOUT,
-            |l| {
-                logs::mentions(&old_socket)(l)
-                    && l.message().contains("re-registered from a newer socket")
-            },
+            logs::deregistered(&old_socket),
         )
         .await;
-    if let Some(line) = agent
-        .logs_since(mark, |l| l.message().starts_with("plugin deregistered"))
-        .first()
-    {
-        agent.fail(&format!(
-            "deleting the superseded socket deregistered the plugin: {line}"
-        ));
-    }
-    // ...and deleting the new one deregisters it.
+    // ...and deleting the new one deregisters it too.
     new.stop().await;
     agent
         .wait_for_log_after(

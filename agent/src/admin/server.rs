@@ -121,11 +121,10 @@ impl AdminService {
     }
 }
 
-/// The wire form of a socket's status. The wire has no superseded state: a superseded plugin is
-/// still registered from its socket, and says so.
+/// The wire form of a socket's status.
 fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
     let state = match status.state {
-        PluginState::Registered | PluginState::Superseded => api::PluginState::Registered,
+        PluginState::Registered => api::PluginState::Registered,
         PluginState::Deregistering => api::PluginState::Deregistering,
         PluginState::BackingOff => api::PluginState::BackingOff,
         PluginState::Pending => api::PluginState::Pending,

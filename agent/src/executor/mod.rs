@@ -3,7 +3,7 @@
 //! ```text
 //! register:   dial -> GetInfo -> handler by type -> validate -> actual state add -> register -> Notify(true)
 //!             any failure -> Notify(false, reason), roll back, back off (keyed by socket identity)
-//! deregister: actual state remove -> handler deregister (unless a newer socket superseded it)
+//! deregister: actual state remove -> handler deregister (name, this socket's endpoint)
 //! ```
 //!
 //! Guarantees: never two operations for one socket path at once (the second is refused with

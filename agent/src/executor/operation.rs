@@ -169,10 +169,6 @@ impl OperationExecutor {
             Box::pin(self.roll_back(path, &entry)).await;
             return Err(error);
         }
-        // The handler's Register replaced the plugin's other sockets in its view, so they are
-        // superseded from here on; marked before the plugin is told, so a plugin that stops its
-        // old instance on hearing Notify(true) never races this.
-        self.actual.supersede_others(path);
         if let Err(e) = Box::pin(
             connection
                 .notify(true, "")
@@ -205,22 +201,15 @@ impl OperationExecutor {
     }
 
     pub(super) async fn run_deregister(&self, path: &Path, registered: RegisteredPlugin) {
-        // Take the current entry: it may have been marked superseded since the reconciler looked.
+        // Every registered socket is deregistered with its own endpoint, also when another
+        // socket of the same name registered since (a DRA driver's rolling update, kubelet
+        // 1.33+): the handler tells its instances apart by endpoint.
         let Some(entry) = self.actual.remove(path, registered.generation) else {
             self.observe_deregister("not_registered", None);
             return;
         };
         let mut event = AgentEvent::new(EventKind::Deregistered, path);
         event.plugin = Some(entry.plugin.clone());
-        if entry.superseded {
-            info!(
-                "socket removed; plugin was re-registered from a newer socket, so it stays registered"
-            );
-            event.detail = Some("superseded by a newer socket: handler not called".into());
-            self.notifications.publish(event);
-            self.observe_deregister("superseded", None);
-            return;
-        }
         let _name = self
             .name_locks
             .lock(&entry.plugin.plugin_type, &entry.plugin.name)

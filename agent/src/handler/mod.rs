@@ -11,9 +11,12 @@
 //! ```
 //!
 //! - Calls for one plugin name (and type) are strictly sequential: never two at once.
-//! - Re-registration: a new socket announcing a name that is already registered goes through
-//!   validate -> register again. Only the deletion of the *newest* socket triggers deregister; the
-//!   older socket's deletion is not reported (its registration was superseded).
+//! - Several sockets may announce one name at once (a DRA driver's rolling update starts the new
+//!   pod, with its own registration socket, before the old one exits; kubelet 1.33+, kubernetes
+//!   PR 129832). Each goes through validate -> register with its own endpoint, and **every**
+//!   registered socket's deletion is reported: `deregister` carries that socket's endpoint, so a
+//!   handler that tracks instances drops exactly the one that went, and one that tracks a single
+//!   endpoint per name ignores a deregistration whose endpoint is not the one it uses.
 //! - A handler's errors reach the plugin verbatim in `NotifyRegistrationStatus(false, error)`.
 //! - Every call has a deadline set by the executor; a handler that hangs costs only its own
 //!   plugins.

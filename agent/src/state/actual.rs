@@ -6,7 +6,7 @@
 
 use super::SocketId;
 use crate::handler::{Plugin, PluginHandler};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -26,9 +26,6 @@ pub struct RegisteredPlugin {
     pub handler: Arc<dyn PluginHandler>,
     /// When the entry was added.
     pub registered_at: SystemTime,
-    /// A newer socket registered the same plugin (type and name) since: removing this socket must
-    /// not deregister the plugin (the handler contract's re-registration rule).
-    pub superseded: bool,
 }
 
 impl std::fmt::Debug for RegisteredPlugin {
@@ -37,7 +34,6 @@ impl std::fmt::Debug for RegisteredPlugin {
             .field("generation", &self.generation)
             .field("socket", &self.socket)
             .field("plugin", &self.plugin)
-            .field("superseded", &self.superseded)
             .finish_non_exhaustive()
     }
 }
@@ -48,64 +44,32 @@ pub struct ActualState {
     plugins: Mutex<Plugins>,
 }
 
-/// Entries by path, and the paths of each plugin (type, name): completing a registration marks
-/// the plugin's other sockets superseded by looking at just those, not at every entry (a burst of
-/// 10,000 registrations would otherwise compare 50 million entries).
+/// Entries by path. Several sockets may carry one plugin name at once (a DRA driver's rolling
+/// update, kubelet 1.33+): each is its own entry, registered and deregistered with its own
+/// endpoint, so nothing here relates entries by name.
 ///
-/// Memory per registered plugin is what the entry holds plus a table slot and an index element:
-/// entries are boxed (a table grows to a power of two, so inline ~300-byte entries cost up to
-/// twice that each); the path is one allocation shared by the key, the index and the desired
-/// state's entry; the name index is an ordered set of (hash of (type, name), path), its candidates
-/// checked on use, so it holds no allocation per plugin besides its B-tree nodes.
+/// Memory per registered plugin is what the entry holds plus a table slot: entries are boxed (a
+/// table grows to a power of two, so inline ~300-byte entries cost up to twice that each); the
+/// path is one allocation shared by the key and the desired state's entry.
 #[derive(Debug, Default)]
 struct Plugins {
     by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>>,
-    by_name: BTreeSet<(u64, Arc<Path>)>,
 }
-
-/// Hash of (plugin type, plugin name): the name index's key.
-fn key_of(plugin: &Plugin) -> u64 {
-    use std::hash::{BuildHasher as _, Hash as _, Hasher as _};
-    let mut hasher = NAME_HASH.build_hasher();
-    plugin.plugin_type.hash(&mut hasher);
-    plugin.name.hash(&mut hasher);
-    hasher.finish()
-}
-
-/// Fixed keys: the index lives in one process and a collision only adds a candidate to check.
-const NAME_HASH: std::hash::BuildHasherDefault<std::collections::hash_map::DefaultHasher> =
-    std::hash::BuildHasherDefault::new();
 
 impl Plugins {
     fn insert(&mut self, path: Arc<Path>, entry: RegisteredPlugin) {
-        let key = key_of(&entry.plugin);
-        // An entry already there keeps its key: take the same allocation for the index.
+        // An entry already there keeps its key (and its allocation).
         let path = match self.by_path.remove_entry(&*path) {
-            Some((old_path, old)) => {
-                self.by_name
-                    .remove(&(key_of(&old.plugin), old_path.clone()));
-                old_path
-            }
+            Some((old_path, _)) => old_path,
             None => path,
         };
-        self.by_name.insert((key, path.clone()));
         self.by_path.insert(path, Box::new(entry));
     }
 
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
-        let (path, entry) = self.by_path.remove_entry(path)?;
-        self.by_name.remove(&(key_of(&entry.plugin), path));
+        let entry = self.by_path.remove(path)?;
         crate::memory::shrink_if_sparse(&mut self.by_path);
         Some(*entry)
-    }
-
-    /// Paths indexed under `key` (a hash: check the candidates).
-    fn candidates(&self, key: u64) -> impl Iterator<Item = &Arc<Path>> {
-        let from: Arc<Path> = Arc::from(Path::new(""));
-        self.by_name
-            .range((key, from)..)
-            .take_while(move |(k, _)| *k == key)
-            .map(|(_, p)| p)
     }
 }
 
@@ -126,7 +90,6 @@ impl ActualState {
             plugin,
             handler,
             registered_at: SystemTime::now(),
-            superseded: false,
         };
         self.lock().insert(path.into(), entry.clone());
         entry
@@ -152,33 +115,6 @@ impl ActualState {
             .by_path
             .get(path)
             .is_some_and(|entry| entry.generation == generation)
-    }
-
-    /// The registration at `path` completed: every *other* socket's registration of the same
-    /// plugin type and name is now superseded by it.
-    pub fn supersede_others(&self, path: &Path) {
-        let plugins = &mut *self.lock();
-        let Some(newest) = plugins.by_path.get(path) else {
-            return;
-        };
-        let (key, plugin_type, name) = (
-            key_of(&newest.plugin),
-            newest.plugin.plugin_type.clone(),
-            newest.plugin.name.clone(),
-        );
-        let others: Vec<Arc<Path>> = plugins
-            .candidates(key)
-            .filter(|other| other.as_os_str() != path.as_os_str())
-            .cloned()
-            .collect();
-        for other_path in others {
-            if let Some(other) = plugins.by_path.get_mut(&other_path)
-                && other.plugin.plugin_type == plugin_type
-                && other.plugin.name == name
-            {
-                other.superseded = true;
-            }
-        }
     }
 
     /// Every registered path and its entry, in no particular order.
@@ -281,78 +217,32 @@ mod tests {
     }
 
     #[test]
-    fn newer_socket_with_same_name_supersedes_older() {
+    fn sockets_of_one_name_are_separate_registrations_with_their_own_endpoints() {
         let state = ActualState::default();
         let (v1, v2) = (Path::new("/r/v1.sock"), Path::new("/r/v2.sock"));
-        state.add(
+        let first = state.add(
             v1,
             Uuid::new_v4(),
             id(1),
             plugin("foo", "/r/v1.sock"),
             Arc::new(AcceptAll),
         );
-        state.supersede_others(v1);
-        state.add(
+        let second = state.add(
             v2,
             Uuid::new_v4(),
             id(2),
             plugin("foo", "/r/v2.sock"),
             Arc::new(AcceptAll),
         );
-        state.add(
-            Path::new("/r/bar.sock"),
-            Uuid::new_v4(),
-            id(3),
-            plugin("bar", "/r/bar.sock"),
-            Arc::new(AcceptAll),
-        );
-        state.supersede_others(v2);
-        assert!(state.get(v1).expect("v1").superseded);
-        assert!(!state.get(v2).expect("v2").superseded);
-        assert!(!state.get(Path::new("/r/bar.sock")).expect("bar").superseded);
+        // Removing the older one gives back its own endpoint and leaves the newer one registered.
+        let removed = state.remove(v1, first.generation).expect("v1");
+        assert_eq!(removed.plugin.endpoint, "/r/v1.sock");
+        assert!(state.is_registered(v2, second.generation));
+        assert_eq!(state.len(), 1);
     }
 
     #[test]
-    fn removed_and_replaced_entries_leave_the_name_index() {
-        let state = ActualState::default();
-        let (a, b) = (Path::new("/r/a.sock"), Path::new("/r/b.sock"));
-        let first = state.add(
-            a,
-            Uuid::new_v4(),
-            id(1),
-            plugin("foo", "/r/a.sock"),
-            Arc::new(AcceptAll),
-        );
-        // Re-registration at the same path under another name: the old name no longer points here.
-        state.add(
-            a,
-            Uuid::new_v4(),
-            id(2),
-            plugin("bar", "/r/a.sock"),
-            Arc::new(AcceptAll),
-        );
-        assert!(state.remove(a, first.generation).is_none());
-        let second = state.add(
-            b,
-            Uuid::new_v4(),
-            id(3),
-            plugin("foo", "/r/b.sock"),
-            Arc::new(AcceptAll),
-        );
-        state.supersede_others(b);
-        assert!(
-            !state.get(a).expect("a").superseded,
-            "a is bar now, not foo"
-        );
-        state.remove(b, second.generation);
-        let current = state.get(a).expect("a").generation;
-        state.remove(a, current);
-        assert!(state.is_empty());
-        assert!(state.lock().by_name.is_empty());
-    }
-
-    #[test]
-    fn one_path_allocation_serves_key_index_and_caller() {
+    fn one_path_allocation_serves_key_and_caller() {
         let state = ActualState::default();
         let path: Arc<Path> = Arc::from(Path::new("/r/a.sock"));
         state.add(
@@ -373,29 +263,7 @@ mod tests {
         let plugins = state.lock();
         let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");
         assert!(Arc::ptr_eq(key, &path));
-        assert_eq!(plugins.by_name.len(), 1);
-        assert!(plugins.by_name.iter().all(|(_, p)| Arc::ptr_eq(p, &path)));
-        // The caller's handle, the key and the index element: nothing else holds the path.
-        assert_eq!(Arc::strong_count(&path), 3);
-    }
-
-    #[test]
-    fn same_name_on_many_paths_are_all_candidates() {
-        let state = ActualState::default();
-        let paths: Vec<String> = (0..5).map(|i| format!("/r/{i}.sock")).collect();
-        for (i, p) in paths.iter().enumerate() {
-            state.add(
-                Path::new(p),
-                Uuid::new_v4(),
-                id(i as u64),
-                plugin("foo", p),
-                Arc::new(AcceptAll),
-            );
-        }
-        state.supersede_others(Path::new("/r/4.sock"));
-        for p in &paths[..4] {
-            assert!(state.get(Path::new(p)).expect("entry").superseded);
-        }
-        assert!(!state.get(Path::new("/r/4.sock")).expect("4").superseded);
+        // The caller's handle and the key: nothing else holds the path.
+        assert_eq!(Arc::strong_count(&path), 2);
     }
 }

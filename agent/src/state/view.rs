@@ -9,8 +9,7 @@
 //!
 //! ```text
 //! desired  registered (same generation)  backoff (retry_at > now)  ->  state
-//!   yes      yes, not superseded                 -                   Registered
-//!   yes      yes, superseded                     -                   Superseded
+//!   yes      yes                                 -                   Registered
 //!   any      yes, other generation / none        -                   Deregistering
 //!   yes      no                                  yes                 BackingOff
 //!   yes      no                                  no (none, or due)   Pending
@@ -34,9 +33,6 @@ pub enum PluginState {
     BackingOff,
     /// Registered with its handler from the socket that is desired now.
     Registered,
-    /// Registered, but a newer socket of the same plugin registered since: its removal will not
-    /// call the handler.
-    Superseded,
     /// Registered from a socket that is no longer desired (gone or re-created): the
     /// deregistration runs or is about to.
     Deregistering,
@@ -49,7 +45,6 @@ impl PluginState {
             PluginState::Pending => "pending",
             PluginState::BackingOff => "backing_off",
             PluginState::Registered => "registered",
-            PluginState::Superseded => "superseded",
             PluginState::Deregistering => "deregistering",
         }
     }
@@ -78,9 +73,6 @@ pub fn derive(
     now: Instant,
 ) -> PluginState {
     match (desired, registered) {
-        (Some(d), Some(r)) if d.generation == r.generation && r.superseded => {
-            PluginState::Superseded
-        }
         (Some(d), Some(r)) if d.generation == r.generation => PluginState::Registered,
         (_, Some(_)) => PluginState::Deregistering,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
@@ -174,7 +166,7 @@ mod tests {
     }
 
     #[test]
-    fn registered_superseded_and_deregistering_follow_the_generations() {
+    fn registered_and_deregistering_follow_the_generations() {
         let view = view();
         let path = Path::new("/r/a.sock");
         view.desired

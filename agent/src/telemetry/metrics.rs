@@ -326,7 +326,7 @@ impl StateCollector {
         family(
             encoder,
             "plugin_agent_plugins",
-            "Plugin sockets by plugin type and state (registered, superseded, deregistering, pending, backing_off).",
+            "Plugin sockets by plugin type and state (registered, deregistering, pending, backing_off).",
             MetricType::Gauge,
             self.plugins_by_state(plugins)
                 .into_iter()

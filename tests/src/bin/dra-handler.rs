@@ -3,9 +3,11 @@
 //!
 //! - validate: the plugin must offer a DRA gRPC service this handler speaks; the highest one is
 //!   picked (`v1.DRAPlugin` over `v1beta1.DRAPlugin`);
-//! - register: keeps name -> endpoint; a newer instance with the same name replaces the older;
-//! - deregister: forgets the name only if the endpoint is the one currently registered (an older
-//!   instance going away does not remove the newer one).
+//! - register: keeps the instances of each driver name by endpoint (kubelet 1.33+: a rolling
+//!   update runs the new instance, with its own socket and endpoint, beside the old one); the
+//!   newest is the one in use. Registering an endpoint it already holds refreshes it (`replaced`);
+//! - deregister: drops the instance with that endpoint; the driver is gone with its last instance
+//!   (`last`).
 //!
 //! It prints one JSON line per call on stdout, for end-to-end tests. `--reject-validate`,
 //! `--reject-register` and `--delay` make it misbehave on purpose.
@@ -38,15 +40,10 @@ struct Args {
     delay: Option<Duration>,
 }
 
-/// A registered DRA driver.
-#[derive(Debug, Clone)]
-struct Driver {
-    endpoint: String,
-}
-
 #[derive(Clone)]
 struct DraHandler {
-    drivers: Arc<Mutex<HashMap<String, Driver>>>,
+    /// Driver name -> the endpoints of its instances, newest last.
+    drivers: Arc<Mutex<HashMap<String, Vec<String>>>>,
     reject_validate: Option<String>,
     reject_register: Option<String>,
     delay: Option<Duration>,
@@ -76,7 +73,7 @@ impl DraHandler {
         }
     }
 
-    fn drivers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Driver>> {
+    fn drivers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<String>>> {
         self.drivers.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -118,15 +115,20 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
             );
             return Err(Status::internal(reason.clone()));
         }
-        let replaced = self.drivers().insert(
-            plugin.name.clone(),
-            Driver {
-                endpoint: plugin.endpoint.clone(),
-            },
-        );
+        let (replaced, instances) = {
+            let mut drivers = self.drivers();
+            let instances = drivers.entry(plugin.name.clone()).or_default();
+            let replaced = instances
+                .iter()
+                .position(|e| *e == plugin.endpoint)
+                .map(|i| instances.remove(i));
+            instances.push(plugin.endpoint.clone());
+            (replaced, instances.len())
+        };
         emit(serde_json::json!({
             "call": "register", "name": plugin.name, "endpoint": plugin.endpoint,
-            "service": pick_service(&plugin.supported_versions), "replaced": replaced.map(|d| d.endpoint),
+            "service": pick_service(&plugin.supported_versions), "replaced": replaced,
+            "instances": instances,
         }));
         Ok(Response::new(api::RegisterPluginResponse {}))
     }
@@ -137,17 +139,24 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
     ) -> Result<Response<api::DeRegisterPluginResponse>, Status> {
         self.pause().await;
         let plugin = plugin_of(request.into_inner().plugin)?;
-        let mut drivers = self.drivers();
-        let current = drivers
-            .get(&plugin.name)
-            .is_some_and(|d| d.endpoint == plugin.endpoint);
-        if current {
-            drivers.remove(&plugin.name);
-        }
-        drop(drivers);
-        emit(
-            serde_json::json!({"call": "deregister", "name": plugin.name, "endpoint": plugin.endpoint, "removed": current}),
-        );
+        let (removed, instances) = {
+            let mut drivers = self.drivers();
+            let instances = drivers.entry(plugin.name.clone()).or_default();
+            let removed = instances
+                .iter()
+                .position(|e| *e == plugin.endpoint)
+                .map(|i| instances.remove(i))
+                .is_some();
+            let left = instances.len();
+            if left == 0 {
+                drivers.remove(&plugin.name);
+            }
+            (removed, left)
+        };
+        emit(serde_json::json!({
+            "call": "deregister", "name": plugin.name, "endpoint": plugin.endpoint,
+            "removed": removed, "instances": instances, "last": removed && instances == 0,
+        }));
         Ok(Response::new(api::DeRegisterPluginResponse {}))
     }
 }
