@@ -227,6 +227,63 @@ impl PluginConnection {
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
     pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), PluginCallError> {
+        self.call_notify(registered, error)
+            .await
+            .map_err(NotifyFailure::into_error)
+    }
+
+    /// [`Self::notify`], and once more on a fresh connection to `socket` if this one broke.
+    ///
+    /// A handler's Register may take up to its 45 s deadline (a CSI driver's can take a minute);
+    /// meanwhile nothing is sent on the plugin's connection, and a plugin server with an idle
+    /// limit (gRPC's `MaxConnectionIdle`, a proxy in between) closes it. Kubelet then loses the
+    /// Notify, and node-driver-registrar v2.9+ exits when it never hears back (kubernetes PR
+    /// 138170). A transport failure here re-dials (same socket instance, within the dial budget)
+    /// and asks again; a plugin's own error answer or a deadline is final.
+    pub async fn notify_redialing(
+        &mut self,
+        socket: &Path,
+        expected: SocketId,
+        registered: bool,
+        error: &str,
+        waiting: &mut dyn Pause,
+    ) -> Result<(), PluginCallError> {
+        let broken = match self.call_notify(registered, error).await {
+            Err(NotifyFailure::Transport(broken)) => broken,
+            other => return other.map_err(NotifyFailure::into_error),
+        };
+        tracing::info!(error = %broken, "the registration connection broke before Notify; notifying on a new one");
+        let started = Instant::now();
+        let budget_end = started + self.timeouts.dial;
+        let (stream, _) = connect_when_listening(socket, expected, budget_end, started, waiting)
+            .instrument(info_span!("dial"))
+            .await
+            .map_err(|e| PluginCallError::Notify(format!("{broken}; re-dial: {e}")))?;
+        let remaining = budget_end.saturating_duration_since(Instant::now());
+        self.client = match Box::pin(tokio::time::timeout(
+            remaining,
+            UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
+        ))
+        .await
+        {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                return Err(PluginCallError::Notify(format!(
+                    "{broken}; re-dial: HTTP/2 connection: {e}"
+                )));
+            }
+            Err(_) => {
+                return Err(PluginCallError::Notify(format!(
+                    "{broken}; re-dial: HTTP/2 connection timed out"
+                )));
+            }
+        };
+        self.call_notify(registered, error)
+            .await
+            .map_err(NotifyFailure::into_error)
+    }
+
+    async fn call_notify(&mut self, registered: bool, error: &str) -> Result<(), NotifyFailure> {
         let request = RegistrationStatus {
             plugin_registered: registered,
             error: error.to_string(),
@@ -240,10 +297,27 @@ impl PluginConnection {
         .await
         {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(PluginCallError::Notify(e.to_string())),
-            Err(_) => Err(PluginCallError::Notify(format!(
+            Ok(Err(e @ unary::CallError::Transport(_))) => {
+                Err(NotifyFailure::Transport(e.to_string()))
+            }
+            Ok(Err(e)) => Err(NotifyFailure::Final(e.to_string())),
+            Err(_) => Err(NotifyFailure::Final(format!(
                 "no answer within {timeout:?}"
             ))),
+        }
+    }
+}
+
+/// How a Notify failed: the connection (worth a new one), or the plugin (final).
+enum NotifyFailure {
+    Transport(String),
+    Final(String),
+}
+
+impl NotifyFailure {
+    fn into_error(self) -> PluginCallError {
+        match self {
+            NotifyFailure::Transport(e) | NotifyFailure::Final(e) => PluginCallError::Notify(e),
         }
     }
 }

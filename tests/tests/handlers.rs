@@ -625,3 +625,47 @@ async fn an_open_watch_stream_does_not_hold_up_sigterm() {
         "the watch command ends cleanly when the agent stops"
     );
 }
+
+/// kubernetes PR 138170: a handler's Register can take up to its deadline; meanwhile nothing is
+/// sent on the plugin's registration connection, and a plugin whose server closes idle connections
+/// closes it. Kubelet's Notify then fails, and node-driver-registrar v2.9+ exits when it never
+/// hears back. The agent re-dials the same socket and notifies on the new connection. Before, the
+/// failed Notify rolled the registration back and every retry met the same slow handler, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifies_on_a_new_connection_when_the_plugin_closed_its_idle_one_during_a_slow_handler_kubernetes_pr_138170()
+ {
+    let test = &test_name();
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &["--delay", "1500ms"]).await;
+    let s = start_agent(test, &[format!("DRAPlugin={}", handler.target)], &[]).await;
+    let plugin = plugin!(s.dir.path("slow.sock"))
+        .plugin_type("DRAPlugin")
+        .name("slow")
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
+        .arg("--max-connection-idle")
+        .arg("300ms")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    assert!(
+        !plugin.events_since(Mark(0), "idle_close").is_empty(),
+        "{test}: the plugin closed the idle registration connection"
+    );
+    s.agent
+        .wait_for_log("the re-dial for Notify", EVENT_TIMEOUT, |l| {
+            l.message()
+                .starts_with("the registration connection broke before Notify")
+        })
+        .await;
+    let registers = handler
+        .events
+        .matching_since(Mark(0), call("register", "slow"));
+    assert_eq!(registers.len(), 1, "{test}: registered once: {registers:?}");
+    assert!(
+        handler
+            .events
+            .matching_since(Mark(0), call("deregister", "slow"))
+            .is_empty(),
+        "{test}: no rollback"
+    );
+}

@@ -171,7 +171,7 @@ impl OperationExecutor {
         }
         if let Err(e) = Box::pin(
             connection
-                .notify(true, "")
+                .notify_redialing(path, desired.socket, true, "", slot)
                 .instrument(info_span!("NotifyRegistrationStatus", registered = true)),
         )
         .await

@@ -8,7 +8,8 @@
 //! It prints one JSON object per event on stdout (flushed at once), which the test harness reads:
 //! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
 //! `{"event":"get_info"}`, `{"event":"notify","registered":..,"error":..,"refused":..}`,
-//! `{"event":"accepted"}` (raw modes), `{"event":"stopped"}`.
+//! `{"event":"accepted"}` (raw modes), `{"event":"idle_close"}` (`--max-connection-idle`),
+//! `{"event":"stopped"}`.
 //!
 //! On SIGTERM or SIGINT it removes its socket (only if the path still holds the socket it bound, so
 //! a plugin that replaced it keeps its own) and exits 0, as real plugins do.
@@ -101,6 +102,10 @@ struct Args {
     /// What to do with connections.
     #[arg(long, value_enum, default_value_t = Mode::Grpc)]
     mode: Mode,
+    /// Close a connection after this long without a byte from the client, as gRPC-Go servers
+    /// with `MaxConnectionIdle` (or a proxy's idle timeout) do.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    max_connection_idle: Option<Duration>,
 }
 
 /// Prints one event line and flushes it, so the harness sees it at once. A closed stdout is not
@@ -257,10 +262,14 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
     emit(json!({"event": "serving", "mode": format!("{:?}", args.mode)}));
     match args.mode {
         Mode::Grpc => {
+            use tokio_stream::StreamExt as _;
             let service = RegistrationServer::new(ExamplePlugin::from_args(&args));
+            let idle = args.max_connection_idle;
+            let incoming = UnixListenerStream::new(listener)
+                .map(move |stream| stream.map(|stream| IdleLimited::new(stream, idle)));
             tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming(UnixListenerStream::new(listener))
+                .serve_with_incoming(incoming)
                 .await
                 .context("gRPC server")?;
         }
@@ -282,6 +291,83 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
         }
     }
     Ok(())
+}
+
+/// A served connection that ends (reads end-of-file, so the server closes it) after its limit
+/// without a byte from the client; no limit: the plain stream.
+struct IdleLimited {
+    inner: tokio::net::UnixStream,
+    limit: Option<(Duration, std::pin::Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl IdleLimited {
+    fn new(inner: tokio::net::UnixStream, limit: Option<Duration>) -> IdleLimited {
+        let limit = limit.map(|d| (d, Box::pin(tokio::time::sleep(d))));
+        IdleLimited { inner, limit }
+    }
+}
+
+impl tokio::io::AsyncRead for IdleLimited {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::future::Future as _;
+        let this = &mut *self;
+        if let Some((_, deadline)) = this.limit.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            emit(json!({"event": "idle_close"}));
+            this.limit = None;
+            let _ = nix::sys::socket::shutdown(
+                this.inner.as_raw_fd(),
+                nix::sys::socket::Shutdown::Both,
+            );
+            return std::task::Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let (std::task::Poll::Ready(Ok(())), Some((limit, deadline))) =
+            (&read, this.limit.as_mut())
+            && buf.filled().len() > before
+        {
+            deadline
+                .as_mut()
+                .reset(tokio::time::Instant::now() + *limit);
+        }
+        read
+    }
+}
+
+impl tokio::io::AsyncWrite for IdleLimited {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for IdleLimited {
+    type ConnectInfo = ();
+
+    fn connect_info(&self) -> Self::ConnectInfo {}
 }
 
 /// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
