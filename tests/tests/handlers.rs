@@ -669,3 +669,51 @@ async fn notifies_on_a_new_connection_when_the_plugin_closed_its_idle_one_during
         "{test}: no rollback"
     );
 }
+
+/// kubernetes issue 133725 (fixed upstream by PR 133335): a registration the handler refused at
+/// Register was never retried. Here it is rolled back, the plugin told why, and retried after its
+/// backoff until the handler accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_a_registration_the_handler_refused_at_register_kubernetes_issue_133725() {
+    let test = &test_name();
+    let base = PluginDir::new();
+    let handler = Handler::start(
+        &base.outside("h.sock"),
+        &[
+            "--reject-register",
+            "not yet",
+            "--reject-register-times",
+            "2",
+        ],
+    )
+    .await;
+    let s = start_agent(test, &[format!("DRAPlugin={}", handler.target)], &[]).await;
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let refused = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    assert!(
+        refused
+            .field("error")
+            .unwrap_or_default()
+            .contains("not yet"),
+        "{test}: {refused}"
+    );
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let registers = handler
+        .events
+        .matching_since(Mark(0), call("register", "gpu"));
+    let refusals = registers
+        .iter()
+        .filter(|l| l.field("rejected").is_some())
+        .count();
+    assert_eq!(
+        (registers.len(), refusals),
+        (3, 2),
+        "{test}: two refusals, then the retry that registers: {registers:?}"
+    );
+    let listed = plugin_agent_tests::admin::list(&s.admin);
+    assert_eq!(
+        listed.get(plugin.socket()).map(|e| e.state.as_str()),
+        Some("registered"),
+        "{test}: {listed:?}"
+    );
+}

@@ -35,6 +35,9 @@ struct Args {
     /// Refuse every plugin at registration with this message.
     #[arg(long)]
     reject_register: Option<String>,
+    /// Refuse only the first N registrations (with `--reject-register`), then accept.
+    #[arg(long)]
+    reject_register_times: Option<u32>,
     /// Wait this long in every call (a slow handler).
     #[arg(long, value_parser = humantime::parse_duration)]
     delay: Option<Duration>,
@@ -46,6 +49,8 @@ struct DraHandler {
     drivers: Arc<Mutex<HashMap<String, Vec<String>>>>,
     reject_validate: Option<String>,
     reject_register: Option<String>,
+    /// Registrations still to refuse; `None`: all of them.
+    rejections_left: Arc<Mutex<Option<u32>>>,
     delay: Option<Duration>,
 }
 
@@ -70,6 +75,22 @@ impl DraHandler {
     async fn pause(&self) {
         if let Some(delay) = self.delay {
             tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Whether this registration is one to refuse (`--reject-register-times` counts down).
+    fn take_rejection(&self) -> bool {
+        let mut left = self
+            .rejections_left
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match left.as_mut() {
+            None => true,
+            Some(0) => false,
+            Some(n) => {
+                *n -= 1;
+                true
+            }
         }
     }
 
@@ -109,7 +130,11 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
     ) -> Result<Response<api::RegisterPluginResponse>, Status> {
         self.pause().await;
         let plugin = plugin_of(request.into_inner().plugin)?;
-        if let Some(reason) = &self.reject_register {
+        if let Some(reason) = self
+            .reject_register
+            .as_ref()
+            .filter(|_| self.take_rejection())
+        {
             emit(
                 serde_json::json!({"call": "register", "name": plugin.name, "endpoint": plugin.endpoint, "rejected": reason}),
             );
@@ -168,6 +193,7 @@ async fn main() -> anyhow::Result<()> {
         drivers: Arc::default(),
         reject_validate: args.reject_validate,
         reject_register: args.reject_register,
+        rejections_left: Arc::new(Mutex::new(args.reject_register_times)),
         delay: args.delay,
     };
     let service = api::plugin_handler_server::PluginHandlerServer::new(handler);
