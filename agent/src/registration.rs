@@ -122,6 +122,10 @@ pub enum PluginCallError {
     /// GetInfo failed.
     #[error("GetInfo: {0}")]
     GetInfo(String),
+    /// GetInfo's deadline passed, on a connection where the plugin had spoken (so it serves, but
+    /// is hung, or slow: busy starting up, say).
+    #[error("GetInfo: no answer within {0:?}")]
+    GetInfoTimeout(Duration),
     /// GetInfo answered something no handler should see.
     #[error("invalid PluginInfo: {0}")]
     InvalidInfo(String),
@@ -207,8 +211,8 @@ impl PluginConnection {
                     }
                     return Ok((connection, info));
                 }
-                Ok(Err(e)) => e.to_string(),
-                Err(_elapsed) => format!("no answer within {:?}", timeouts.get_info),
+                Ok(Err(e)) => PluginCallError::GetInfo(e.to_string()),
+                Err(_elapsed) => PluginCallError::GetInfoTimeout(timeouts.get_info),
             };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
             // ask again on a fresh connection, within the dial budget.
@@ -220,7 +224,7 @@ impl PluginConnection {
             if let Some(not_http2) = peer.not_http2() {
                 return Err(PluginCallError::GetInfo(not_http2));
             }
-            return Err(PluginCallError::GetInfo(answer));
+            return Err(answer);
         }
     }
 

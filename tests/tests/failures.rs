@@ -21,6 +21,46 @@ per_source!(
     stops_on_sigterm_while_a_plugin_hangs,
 );
 
+/// kubernetes issue 127457: a plugin that has just started serving and is slow to answer its first
+/// GetInfo (busy starting up: 1.5 s here) misses kubelet's 1 s deadline and then waits out the
+/// backoff chain meant for broken plugins. The agent keeps the 1 s deadline per attempt but asks
+/// such a plugin again after 100 ms (at most 3 times, the reason in `list`), then backs off as
+/// kubelet does. The executor's policy, the same on every source: run on inotify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_a_new_plugin_slow_to_answer_its_first_get_info_quickly_kubernetes_issue_127457() {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(Source::Inotify).await else {
+        return;
+    };
+    let socket = dir.path("slow-start.sock");
+    let plugin = plugin!(&socket)
+        .arg("--get-info-delay")
+        .arg("1500ms")
+        .arg("--get-info-delay-times")
+        .arg("1")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let failures = agent.logs_since(Mark(0), logs::registration_failed(&socket));
+    assert_eq!(
+        failures.len(),
+        1,
+        "{test}: one missed deadline: {failures:?}"
+    );
+    assert_eq!(
+        failures[0].field("retry_in").as_deref(),
+        Some("100ms"),
+        "{test}: retried quickly, not after the 500 ms backoff: {}",
+        failures[0]
+    );
+    assert!(
+        failures[0]
+            .field("error")
+            .unwrap_or_default()
+            .contains("no answer within 1s"),
+        "{test}: {}",
+        failures[0]
+    );
+}
+
 /// Starts `bad` and three good plugins, waits for the good ones to register and for the agent to
 /// report `bad` failed with an error containing one of `expect`, and returns that log line with
 /// the time from the bad plugin serving to the report.

@@ -38,7 +38,7 @@ use crate::handler::HandlerRegistry;
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::registration::{PluginCallError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
-use crate::state::backoff::{BackoffTable, FailureKind};
+use crate::state::backoff::{BackoffTable, FailureKind, QUICK_RETRIES};
 use crate::state::desired::DesiredPlugin;
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
@@ -56,6 +56,10 @@ use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
 use tracing::{Instrument, debug, info, info_span, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+/// How long after its socket was discovered a plugin that misses GetInfo's deadline counts as
+/// just started (busy starting up) rather than hung: it gets quick retries (see `state::backoff`).
+const QUICK_RETRY_WINDOW: Duration = Duration::from_secs(30);
 
 /// Deadlines for handler calls.
 #[derive(Debug, Clone, Copy)]
@@ -345,6 +349,14 @@ impl OperationExecutor {
             } => FailureKind::WaitingForHandler {
                 plugin_type: plugin_type.clone(),
             },
+            RegisterFailure::Plugin(PluginCallError::GetInfoTimeout(_))
+                if desired
+                    .seen_at
+                    .elapsed()
+                    .is_ok_and(|age| age < QUICK_RETRY_WINDOW) =>
+            {
+                FailureKind::SlowNewPlugin
+            }
             _ => FailureKind::Other,
         };
         // A socket that vanished (or was replaced) is not a failed registration: no event, no
@@ -361,13 +373,26 @@ impl OperationExecutor {
             event.error = Some(error.to_string());
             self.notifications.publish(event);
         }
-        let backoff = self.backoff.fail(
-            path,
-            desired.socket,
-            error.to_string(),
-            kind,
-            Instant::now(),
-        );
+        // A slow new plugin's quick retries say so where operators look (`list`'s last error).
+        let reason = if kind == FailureKind::SlowNewPlugin {
+            let failed_before = self
+                .backoff
+                .get(path, desired.socket)
+                .map_or(0, |b| b.failures);
+            if failed_before < QUICK_RETRIES {
+                format!(
+                    "{error} (a plugin that just started serving: quick retry {} of {QUICK_RETRIES})",
+                    failed_before + 1
+                )
+            } else {
+                error.to_string()
+            }
+        } else {
+            error.to_string()
+        };
+        let backoff = self
+            .backoff
+            .fail(path, desired.socket, reason, kind, Instant::now());
         self.telemetry.metrics.backoff(backoff.delay);
         if vanished {
             debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");

@@ -42,7 +42,9 @@ impl RegisterFailure {
         match self {
             RegisterFailure::Plugin(PluginCallError::SocketGone(_)) => "socket_gone",
             RegisterFailure::Plugin(PluginCallError::Dial { .. }) => "dial_error",
-            RegisterFailure::Plugin(PluginCallError::GetInfo(_)) => "get_info_error",
+            RegisterFailure::Plugin(
+                PluginCallError::GetInfo(_) | PluginCallError::GetInfoTimeout(_),
+            ) => "get_info_error",
             RegisterFailure::Plugin(PluginCallError::InvalidInfo(_)) => "invalid_info",
             RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
             RegisterFailure::NoHandler { .. } => "no_handler",

@@ -3,6 +3,10 @@
 //! Kubelet keys its backoff by socket path, so a plugin that re-creates its socket after a failure
 //! can wait minutes (node-driver-registrar issue 206). Here the key is the path plus the socket
 //! instance: a new socket starts fresh, a broken one backs off 500 ms, 1 s, 2 s ... up to 2 m 2 s.
+//!
+//! One exception, before the chain: a plugin that has just started serving and misses GetInfo's
+//! 1 s deadline (busy starting up: kubernetes issue 127457) is asked again after
+//! [`QUICK_RETRY_DELAY`], at most [`QUICK_RETRIES`] times, before it is treated as broken.
 
 use super::SocketId;
 use std::collections::HashMap;
@@ -15,6 +19,10 @@ use tokio::time::Instant;
 pub const INITIAL_DELAY: Duration = Duration::from_millis(500);
 /// Kubelet's `maxDurationBeforeRetry` (2 m 2 s).
 pub const MAX_DELAY: Duration = Duration::from_secs(122);
+/// The pause before asking a slow new plugin again.
+pub const QUICK_RETRY_DELAY: Duration = Duration::from_millis(100);
+/// Quick retries of a slow new plugin before the backoff chain starts.
+pub const QUICK_RETRIES: u32 = 3;
 
 /// Why the last attempt failed, as far as retry policy cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +30,9 @@ pub enum FailureKind {
     /// No handler for this plugin type, or its handler is unreachable: the plugin is not at
     /// fault, and is retried as soon as a handler is added or comes back, not only on backoff.
     WaitingForHandler { plugin_type: String },
+    /// GetInfo's deadline passed on a plugin that has just started serving: retried quickly
+    /// ([`QUICK_RETRY_DELAY`]) for its first [`QUICK_RETRIES`] failures, then as any failure.
+    SlowNewPlugin,
     /// Anything else.
     Other,
 }
@@ -71,22 +82,36 @@ impl BackoffTable {
         match entry {
             std::collections::hash_map::Entry::Occupied(mut occupied) => {
                 let b = occupied.get_mut();
+                b.delay = if kind == FailureKind::SlowNewPlugin && b.failures < QUICK_RETRIES {
+                    QUICK_RETRY_DELAY
+                } else if b.delay < INITIAL_DELAY {
+                    // The chain starts where kubelet's does, after the quick retries.
+                    INITIAL_DELAY
+                } else {
+                    (b.delay * 2).min(MAX_DELAY)
+                };
                 b.failures += 1;
-                b.delay = (b.delay * 2).min(MAX_DELAY);
                 b.retry_at = now + b.delay;
                 b.last_error = error;
                 b.kind = kind;
                 b.clone()
             }
-            std::collections::hash_map::Entry::Vacant(vacant) => vacant
-                .insert(Backoff {
-                    failures: 1,
-                    delay: INITIAL_DELAY,
-                    retry_at: now + INITIAL_DELAY,
-                    last_error: error,
-                    kind,
-                })
-                .clone(),
+            std::collections::hash_map::Entry::Vacant(vacant) => {
+                let delay = if kind == FailureKind::SlowNewPlugin {
+                    QUICK_RETRY_DELAY
+                } else {
+                    INITIAL_DELAY
+                };
+                vacant
+                    .insert(Backoff {
+                        failures: 1,
+                        delay,
+                        retry_at: now + delay,
+                        last_error: error,
+                        kind,
+                    })
+                    .clone()
+            }
         }
     }
 
@@ -139,6 +164,37 @@ mod tests {
             birth_ns: None,
             handle: None,
         }
+    }
+
+    #[test]
+    fn a_slow_new_plugin_is_retried_quickly_three_times_then_enters_the_chain() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let path = Path::new("/r/a.sock");
+        let delays: Vec<Duration> = (0..6)
+            .map(|_| {
+                table
+                    .fail(path, id(1), "x".into(), FailureKind::SlowNewPlugin, now)
+                    .delay
+            })
+            .collect();
+        let quick = QUICK_RETRY_DELAY;
+        assert_eq!(
+            delays,
+            [
+                quick,
+                quick,
+                quick,
+                INITIAL_DELAY,
+                INITIAL_DELAY * 2,
+                INITIAL_DELAY * 4
+            ]
+        );
+        // Any other failure after a quick retry starts the chain.
+        let other = Path::new("/r/b.sock");
+        table.fail(other, id(2), "x".into(), FailureKind::SlowNewPlugin, now);
+        let next = table.fail(other, id(2), "x".into(), FailureKind::Other, now);
+        assert_eq!(next.delay, INITIAL_DELAY);
     }
 
     #[test]

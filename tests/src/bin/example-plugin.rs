@@ -81,6 +81,9 @@ struct Args {
     /// Wait this long before answering GetInfo.
     #[arg(long, value_parser = humantime::parse_duration)]
     get_info_delay: Option<Duration>,
+    /// Delay only the first N GetInfo answers (with `--get-info-delay`), then answer at once.
+    #[arg(long)]
+    get_info_delay_times: Option<u32>,
     /// Answer NotifyRegistrationStatus with this error (status UNKNOWN).
     #[arg(long)]
     notify_error: Option<String>,
@@ -140,7 +143,7 @@ struct ExamplePlugin {
     info: PluginInfo,
     get_info_error: Option<(String, FailBudget)>,
     get_info_hang: bool,
-    get_info_delay: Option<Duration>,
+    get_info_delay: Option<(Duration, FailBudget)>,
     notify_error: Option<(String, FailBudget)>,
 }
 
@@ -154,8 +157,10 @@ impl Registration for ExamplePlugin {
         if self.get_info_hang {
             std::future::pending::<()>().await;
         }
-        if let Some(delay) = self.get_info_delay {
-            tokio::time::sleep(delay).await;
+        if let Some((delay, budget)) = &self.get_info_delay
+            && budget.take()
+        {
+            tokio::time::sleep(*delay).await;
         }
         if let Some((message, budget)) = &self.get_info_error
             && budget.take()
@@ -211,7 +216,9 @@ impl ExamplePlugin {
                 .clone()
                 .map(|m| (m, budget(args.get_info_error_times))),
             get_info_hang: args.get_info_hang,
-            get_info_delay: args.get_info_delay,
+            get_info_delay: args
+                .get_info_delay
+                .map(|d| (d, budget(args.get_info_delay_times))),
             notify_error: args
                 .notify_error
                 .clone()
