@@ -6,6 +6,8 @@
 //! plugin_dir = "/var/lib/kubelet/plugins_registry"
 //! source = "auto"                 # auto | ebpf | fanotify | inotify
 //! admin_socket = "/run/plugin-agent/agent.sock"
+//! mode = "register"               # register | observe (no handler configured: observe)
+//! observe_contact = "get-info"    # observe mode: get-info | never
 //!
 //! [handlers]                      # plugin type = accept-all | unix:///path.sock | http://host:port
 //! CSIPlugin = "unix:///run/csi-handler.sock"
@@ -42,6 +44,10 @@ pub struct ConfigFile {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// OTLP/gRPC trace collector, e.g. `"http://127.0.0.1:4317"`.
     pub otlp_endpoint: Option<String>,
+    /// `register` or `observe` (default: `register` with a handler configured, else `observe`).
+    pub mode: Option<String>,
+    /// In observe mode: `get-info` (default) or `never`.
+    pub observe_contact: Option<crate::mode::Contact>,
     /// Handlers by plugin type.
     #[serde(default)]
     pub handlers: BTreeMap<String, String>,

@@ -23,6 +23,9 @@ pub enum EventKind {
     SocketRemoved,
     /// Registration completed: the plugin got Notify(true).
     Registered,
+    /// Observe mode: the plugin was described (GetInfo, unless contact is off); nothing was
+    /// told to it or to any handler.
+    Observed,
     /// A registration attempt failed; `error` says why.
     RegistrationFailed,
     /// The plugin was deregistered from its handler.

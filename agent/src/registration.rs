@@ -134,6 +134,15 @@ pub enum PluginCallError {
     Notify(String),
 }
 
+/// What `get_info` does with a PluginInfo no handler should see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnInvalid {
+    /// Tell the plugin why (`NotifyRegistrationStatus(false, reason)`), as kubelet does.
+    Notify,
+    /// Say nothing to the plugin (observe mode: the agent never notifies).
+    Silent,
+}
+
 /// A connection to one plugin's registration socket, for one registration attempt. Closed when
 /// dropped.
 pub struct PluginConnection {
@@ -152,6 +161,7 @@ impl PluginConnection {
         expected: SocketId,
         timeouts: Timeouts,
         waiting: &mut dyn Pause,
+        on_invalid: OnInvalid,
     ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
@@ -198,6 +208,9 @@ impl PluginConnection {
                 Ok(Ok(info)) => {
                     let mut connection = PluginConnection { client, timeouts };
                     if let Err(invalid) = validate_info(&info) {
+                        if on_invalid == OnInvalid::Silent {
+                            return Err(invalid);
+                        }
                         // As kubelet does for a plugin it refuses: say why, then back off.
                         let told =
                             Box::pin(connection.notify(false, &invalid.to_string()).instrument(

@@ -330,8 +330,10 @@ async fn plugin_without_handler_is_told_and_registers_when_handler_is_added() {
     );
 }
 
+/// kubelet 1.33 (kubernetes PR 129832): two sockets of one plugin name are two registrations;
+/// each socket's removal deregisters that one, with its own endpoint.
 #[tokio::test]
-async fn re_registration_from_new_socket_survives_deletion_of_old_socket() {
+async fn each_socket_of_one_plugin_name_is_deregistered_when_it_goes() {
     let h = start_agent(&["DRAPlugin"]).await;
     let mut old = TestPlugin::serve(&h.dir.path().join("v1.sock"), "DRAPlugin", "gpu");
     assert!(old.next_notification().await.plugin_registered);
@@ -339,13 +341,13 @@ async fn re_registration_from_new_socket_survives_deletion_of_old_socket() {
     assert!(new.next_notification().await.plugin_registered);
 
     old.remove();
-    // The new socket's removal is the one that deregisters; the old one's is silent.
-    new.remove();
     h.handler
-        .wait_for("one deregister", |c| {
+        .wait_for("the old socket's deregister", |c| {
             c.iter().any(|c| matches!(c, Call::Deregister(_)))
         })
         .await;
+    assert_eq!(h.agent.actual.len(), 1, "the new socket stays registered");
+    new.remove();
     h.handler
         .wait_for("registry empty", |_| h.agent.actual.is_empty())
         .await;
@@ -355,7 +357,7 @@ async fn re_registration_from_new_socket_survives_deletion_of_old_socket() {
         .iter()
         .filter(|c| matches!(c, Call::Deregister(_)))
         .count();
-    assert_eq!(deregisters, 1, "calls: {:?}", h.handler.calls());
+    assert_eq!(deregisters, 2, "calls: {:?}", h.handler.calls());
 }
 
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! The plugin client against real tonic servers on real Unix sockets: kubelet's Notify semantics,
 //! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
 
-use plugin_agent::registration::{PluginCallError, PluginConnection, Sleep, Timeouts};
+use plugin_agent::registration::{OnInvalid, PluginCallError, PluginConnection, Sleep, Timeouts};
 use plugin_agent::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
@@ -91,9 +91,10 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
             ..Plugin::default()
         },
     );
-    let (mut connection, info) = PluginConnection::get_info(&ok, identity(&ok), fast(), &mut Sleep)
-        .await
-        .expect("GetInfo");
+    let (mut connection, info) =
+        PluginConnection::get_info(&ok, identity(&ok), fast(), &mut Sleep, OnInvalid::Notify)
+            .await
+            .expect("GetInfo");
     assert_eq!(info.name, "ok");
     connection.notify(true, "").await.expect("notify true");
 
@@ -107,10 +108,15 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
         tokio::net::UnixListener::bind(&failing).expect("bind"),
         plugin,
     );
-    let (mut connection, _) =
-        PluginConnection::get_info(&failing, identity(&failing), fast(), &mut Sleep)
-            .await
-            .expect("GetInfo");
+    let (mut connection, _) = PluginConnection::get_info(
+        &failing,
+        identity(&failing),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await
+    .expect("GetInfo");
     match connection.notify(false, "rejected").await {
         Err(PluginCallError::Notify(message)) => {
             assert!(message.contains("disk full"), "{message}")
@@ -130,10 +136,15 @@ async fn notify_transport_error_is_wrapped() {
             ..Plugin::default()
         },
     );
-    let (mut connection, _) =
-        PluginConnection::get_info(&path, identity(&path), fast(), &mut Sleep)
-            .await
-            .expect("GetInfo");
+    let (mut connection, _) = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await
+    .expect("GetInfo");
     stop.cancel();
     // Wait for the server to close the connection; then Notify has no transport.
     let mut result = connection.notify(true, "").await;
@@ -172,7 +183,7 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep).await }
+        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep, OnInvalid::Notify).await }
     });
     // The client is now getting ECONNREFUSED; start listening and serving.
     tokio::task::yield_now().await;
@@ -198,7 +209,7 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep).await }
+        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep, OnInvalid::Notify).await }
     });
     // Serve only after more than one GetInfo deadline (300 ms) has passed.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -224,9 +235,16 @@ async fn hung_get_info_fails_after_its_deadline() {
     };
     let _stop = serve(tokio::net::UnixListener::bind(&path).expect("bind"), plugin);
     let started = tokio::time::Instant::now();
-    let result = PluginConnection::get_info(&path, identity(&path), fast(), &mut Sleep).await;
+    let result = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await;
     assert!(
-        matches!(result, Err(PluginCallError::GetInfo(_))),
+        matches!(result, Err(PluginCallError::GetInfoTimeout(_))),
         "got {:?}",
         result.err()
     );
@@ -245,7 +263,14 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         ..Plugin::default()
     };
     let _stop = serve(tokio::net::UnixListener::bind(&huge).expect("bind"), plugin);
-    let result = PluginConnection::get_info(&huge, identity(&huge), fast(), &mut Sleep).await;
+    let result = PluginConnection::get_info(
+        &huge,
+        identity(&huge),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await;
     assert!(
         matches!(result, Err(PluginCallError::GetInfo(_))),
         "got {:?}",
@@ -259,7 +284,14 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         ..Plugin::default()
     };
     let _stop2 = serve(tokio::net::UnixListener::bind(&many).expect("bind"), plugin);
-    let result = PluginConnection::get_info(&many, identity(&many), fast(), &mut Sleep).await;
+    let result = PluginConnection::get_info(
+        &many,
+        identity(&many),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await;
     assert!(
         matches!(result, Err(PluginCallError::InvalidInfo(_))),
         "got {:?}",
@@ -275,7 +307,9 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
     let stale = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, stale, fast(), &mut Sleep).await }
+        async move {
+            PluginConnection::get_info(&path, stale, fast(), &mut Sleep, OnInvalid::Notify).await
+        }
     });
     std::fs::remove_file(&path).expect("unlink stale");
     let _stop = serve(

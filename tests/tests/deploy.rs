@@ -176,6 +176,16 @@ fn daemonset_args_parse_with_the_agents_own_command_line() {
     let settings = run
         .resolve(file, None)
         .expect("the ConfigMap's settings resolve");
+    assert!(
+        settings.agent.executor.mode.observes(),
+        "beside kubelet the DaemonSet observes: {}",
+        settings.agent.executor.mode
+    );
+    assert_eq!(
+        settings.agent.plugin_dir,
+        PathBuf::from("/var/lib/kubelet/plugins_registry"),
+        "it observes kubelet's directory"
+    );
     let admin = settings.admin_socket.expect("the admin API is served");
     let admin_dir = admin.parent().expect("admin socket directory");
     assert!(
@@ -493,4 +503,51 @@ fn daemonset_serves_metrics_on_the_node_loopback_only_and_probes_reach_them_ther
             && e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"),
         "HOST_IP is offered for --metrics-addr=$(HOST_IP):9464"
     );
+}
+
+/// The register-mode overlay (`kubectl apply -k deploy/register`): its configuration registers
+/// with a handler on a directory that is not kubelet's, and its JSON patches point at the base
+/// DaemonSet's registration volume and mount, so the host directory is where the agent watches.
+#[test]
+fn register_overlay_registers_on_a_directory_the_agent_owns_and_patches_the_right_volume() {
+    let overlay = read("register/configmap.yaml");
+    let configmap: Value = serde_norway::from_str(&overlay).expect("register/configmap.yaml");
+    let toml = configmap["data"]["plugin-agent.toml"]
+        .as_str()
+        .expect("the overlay's plugin-agent.toml");
+    let settings = RunArgs::default()
+        .resolve(ConfigFile::parse(toml).expect("parses"), None)
+        .expect("resolves");
+    assert_eq!(
+        settings.agent.executor.mode,
+        plugin_agent::mode::Mode::Register
+    );
+    assert!(!settings.handlers.is_empty(), "register mode has a handler");
+    let owned = settings.agent.plugin_dir.clone();
+    assert!(
+        !owned.starts_with("/var/lib/kubelet"),
+        "{} is not kubelet's",
+        owned.display()
+    );
+    let kustomization: Value =
+        serde_norway::from_str(&read("register/kustomization.yaml")).expect("kustomization");
+    let patch_text = kustomization["patches"]
+        .as_array()
+        .expect("patches")
+        .iter()
+        .find_map(|p| p["patch"].as_str())
+        .expect("the DaemonSet patch");
+    let patch: Value = serde_norway::from_str(patch_text).expect("the JSON patch");
+    let daemonset = document("DaemonSet");
+    for op in patch.as_array().expect("ops") {
+        let path = op["path"].as_str().expect("path");
+        let target = daemonset
+            .pointer(path)
+            .unwrap_or_else(|| panic!("{path} is not in the base DaemonSet"));
+        assert!(
+            target == "/var/lib/kubelet/plugins_registry",
+            "{path} is the registration directory's: {target}"
+        );
+        assert_eq!(op["value"].as_str(), Some(owned.to_str().expect("utf-8")));
+    }
 }

@@ -30,6 +30,8 @@ pub struct AdminService {
     stats: Arc<WatcherStats>,
     status: StaticStatus,
     allowed_uid: u32,
+    /// Observe mode uses no handler: adding one is refused rather than silently ignored.
+    observes: bool,
     /// Ends the event streams when the server stops: a graceful shutdown waits for every open
     /// response, and a `watch` stream would otherwise never end.
     shutdown: CancellationToken,
@@ -41,6 +43,7 @@ struct StaticStatus {
     source_description: String,
     plugin_dir: String,
     reconcile_mode: String,
+    mode: String,
     started_at: SystemTime,
 }
 
@@ -57,9 +60,11 @@ impl AdminService {
                 source_description: agent.source_description.clone(),
                 plugin_dir: agent.config.plugin_dir.display().to_string(),
                 reconcile_mode: format!("{:?}", agent.config.reconcile_mode).to_lowercase(),
+                mode: agent.config.executor.mode.to_string(),
                 started_at: agent.started_at,
             },
             allowed_uid: nix::unistd::geteuid().as_raw(),
+            observes: agent.config.executor.mode.observes(),
             shutdown: CancellationToken::new(),
         }
     }
@@ -112,6 +117,7 @@ impl AdminService {
             started_unix_ms: unix_ms(self.status.started_at),
             plugin_dir: self.status.plugin_dir.clone(),
             reconcile_mode: self.status.reconcile_mode.clone(),
+            mode: self.status.mode.clone(),
             watched_directories: self.stats.watched_dirs.load(Relaxed),
             problems: {
                 let problems = self.stats.health.get();
@@ -125,6 +131,7 @@ impl AdminService {
 fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
     let state = match status.state {
         PluginState::Registered => api::PluginState::Registered,
+        PluginState::Observed => api::PluginState::Observed,
         PluginState::Deregistering => api::PluginState::Deregistering,
         PluginState::BackingOff => api::PluginState::BackingOff,
         PluginState::Pending => api::PluginState::Pending,
@@ -201,6 +208,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::SocketDiscovered => api::EventKind::SocketDiscovered,
         EventKind::SocketRemoved => api::EventKind::SocketRemoved,
         EventKind::Registered => api::EventKind::Registered,
+        EventKind::Observed => api::EventKind::Observed,
         EventKind::RegistrationFailed => api::EventKind::RegistrationFailed,
         EventKind::Deregistered => api::EventKind::Deregistered,
         EventKind::Rescan => api::EventKind::Rescan,
@@ -272,6 +280,11 @@ impl api::agent_server::Agent for AdminService {
         self.authorize(&request)?;
         let request = request.into_inner();
         validate_type(&request.plugin_type)?;
+        if self.observes {
+            return Err(Status::failed_precondition(
+                "the agent observes (--mode observe): it never calls handlers; run it with --mode register on a directory it owns",
+            ));
+        }
         let handler = handler::from_target(&request.target).map_err(Status::invalid_argument)?;
         tracing::info!(plugin_type = %request.plugin_type, handler = %request.target, "handler added through the admin API");
         self.handlers.insert(&request.plugin_type, handler);

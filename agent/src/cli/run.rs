@@ -8,6 +8,7 @@ use crate::config::ConfigFile;
 use crate::event_source::{SourceChoice, SourceOptions};
 use crate::executor::{ExecutorConfig, HandlerTimeouts};
 use crate::handler::{self, HandlerRegistry};
+use crate::mode::{Contact, Mode};
 use crate::reconciler::ReconcileMode;
 use crate::registration::Timeouts;
 use crate::telemetry;
@@ -34,6 +35,16 @@ pub struct RunArgs {
     /// Repeat for several types.
     #[arg(long = "handler", value_name = "TYPE=TARGET", value_parser = parse_handler)]
     pub handlers: Vec<(String, String)>,
+
+    /// register: GetInfo, handlers, Notify (kubelet's job, on a directory the agent owns);
+    /// observe: discover and describe, never Notify, never a handler (beside kubelet)
+    /// [default: register when a handler is configured, else observe].
+    #[arg(long, value_enum)]
+    pub mode: Option<ModeChoice>,
+
+    /// In observe mode, whether plugins are asked GetInfo [default: get-info].
+    #[arg(long, value_enum)]
+    pub observe_contact: Option<Contact>,
 
     /// Event source: auto picks eBPF, else fanotify, else inotify, and logs why [default: auto].
     #[arg(long, value_parser = parse_source)]
@@ -85,6 +96,15 @@ pub struct RunArgs {
     /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
     #[arg(long)]
     pub keep_capabilities: bool,
+}
+
+/// `--mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeChoice {
+    /// GetInfo, handlers, Notify.
+    Register,
+    /// Never Notify, never a handler.
+    Observe,
 }
 
 pub(super) fn parse_handler(value: &str) -> Result<(String, String), String> {
@@ -168,6 +188,19 @@ impl RunArgs {
         let metrics_addr = self.metrics_addr.or(file.metrics_addr);
         agent.metrics_addr =
             (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
+        let mode_choice = match (self.mode, file.mode.as_deref()) {
+            (Some(mode), _) => Some(mode),
+            (None, Some(text)) => Some(
+                ModeChoice::from_str(text, true)
+                    .map_err(anyhow::Error::msg)
+                    .context("config: mode")?,
+            ),
+            (None, None) => None,
+        };
+        let contact = self
+            .observe_contact
+            .or(file.observe_contact)
+            .unwrap_or_default();
         let mut handlers = file.handlers;
         for (plugin_type, target) in &handlers {
             parse_handler(&format!("{plugin_type}={target}"))
@@ -175,6 +208,14 @@ impl RunArgs {
                 .context("config: handlers")?;
         }
         handlers.extend(self.handlers);
+        agent.executor.mode = match mode_choice {
+            Some(ModeChoice::Register) => Mode::Register,
+            Some(ModeChoice::Observe) => Mode::Observe { contact },
+            // Nothing to register plugins with: telling every plugin "no handler" would fail
+            // them on a node where kubelet registers them.
+            None if handlers.is_empty() => Mode::Observe { contact },
+            None => Mode::Register,
+        };
         let admin_socket = (!self.no_admin).then(|| {
             admin_socket
                 .or(file.admin_socket)
@@ -217,6 +258,37 @@ impl RunArgs {
                 .max_concurrent
                 .or(file.max_concurrent)
                 .unwrap_or(ExecutorConfig::default().max_concurrent),
+            mode: Mode::Register,
+        }
+    }
+}
+
+/// Logs the mode, why, and what conflicts with it: observe mode with handlers configured (they
+/// are not used), and register mode on a directory a running kubelet also watches (both would
+/// call the plugins, and a plugin hears two answers).
+fn say_mode(settings: &RunSettings) {
+    let mode = settings.agent.executor.mode;
+    let plugin_dir = &settings.agent.plugin_dir;
+    match mode {
+        Mode::Observe { .. } if settings.handlers.is_empty() => tracing::info!(
+            %mode, plugin_dir = %plugin_dir.display(),
+            "no handler configured: observing (never Notify, never a handler); configure a handler and --mode register on a directory the agent owns to register plugins"
+        ),
+        Mode::Observe { .. } => tracing::warn!(
+            %mode, handlers = settings.handlers.len(),
+            "observe mode: the configured handlers are not used"
+        ),
+        Mode::Register => {
+            tracing::info!(%mode, plugin_dir = %plugin_dir.display(), "registering plugins");
+            let kubelets = crate::kubelet::running(std::path::Path::new("/proc"));
+            if let Some(kubelet) = crate::kubelet::watching(&kubelets, plugin_dir) {
+                tracing::warn!(
+                    kubelet_pid = kubelet.pid,
+                    kubelet_plugins_registry = %kubelet.plugins_registry.display(),
+                    plugin_dir = %plugin_dir.display(),
+                    "register mode on a directory a running kubelet also watches: both will call each plugin's NotifyRegistrationStatus and plugins will hear two answers (node-driver-registrar exits on a Notify(false)); use --mode observe beside kubelet"
+                );
+            }
         }
     }
 }
@@ -229,6 +301,7 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
         .as_deref()
         .map(crate::runtime_dir::lock)
         .transpose()?;
+    say_mode(&settings);
     let handlers = Arc::new(HandlerRegistry::default());
     for (plugin_type, target) in &settings.handlers {
         let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;

@@ -13,6 +13,7 @@ struct StatusView {
     source: String,
     source_description: String,
     reconcile_mode: String,
+    mode: String,
     started_at: String,
     plugins_desired: u64,
     plugins_registered: u64,
@@ -44,6 +45,7 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         source: s.source,
         source_description: s.source_description,
         reconcile_mode: s.reconcile_mode,
+        mode: s.mode,
         started_at: timestamp(s.started_unix_ms),
         plugins_desired: s.plugins_desired,
         plugins_registered: s.plugins_registered,
@@ -79,6 +81,7 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         view.source, view.source_description
     );
     println!("reconciler:    {}", view.reconcile_mode);
+    println!("mode:          {}", view.mode);
     println!(
         "plugins:       {} found, {} registered",
         view.plugins_desired, view.plugins_registered

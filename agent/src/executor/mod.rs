@@ -30,11 +30,13 @@
 
 mod claims;
 mod observe;
+mod observe_mode;
 mod operation;
 mod slots;
 
 use crate::event_source::monotonic_now_ns;
 use crate::handler::HandlerRegistry;
+use crate::mode::Mode;
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::registration::{PluginCallError, Timeouts};
 use crate::state::actual::{ActualState, RegisteredPlugin};
@@ -91,6 +93,8 @@ pub struct ExecutorConfig {
     pub handler_timeouts: HandlerTimeouts,
     /// Operations running at once, all sockets together.
     pub max_concurrent: usize,
+    /// Register (kubelet's job) or only observe (see [`crate::mode`]).
+    pub mode: Mode,
 }
 
 impl Default for ExecutorConfig {
@@ -99,6 +103,7 @@ impl Default for ExecutorConfig {
             plugin_timeouts: Timeouts::default(),
             handler_timeouts: HandlerTimeouts::default(),
             max_concurrent: 256,
+            mode: Mode::Register,
         }
     }
 }
@@ -258,7 +263,12 @@ impl OperationExecutor {
         let this = self;
         async move {
             let started = Instant::now();
-            let result = this.run_register(&path, &desired, &mut slot).await;
+            let result = match this.config.mode {
+                Mode::Register => this.run_register(&path, &desired, &mut slot).await,
+                Mode::Observe { contact } => {
+                    this.run_observe(&path, &desired, &mut slot, contact).await
+                }
+            };
             if matches!(result, Err(RegisterFailure::ShuttingDown)) {
                 debug!("registration abandoned before the plugin answered: shutting down");
                 return;
@@ -270,11 +280,16 @@ impl OperationExecutor {
                     let since_event = desired
                         .kernel_ns
                         .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
+                    let (kind, said) = if this.config.mode.observes() {
+                        (EventKind::Observed, "plugin observed")
+                    } else {
+                        (EventKind::Registered, "plugin registered")
+                    };
                     info!(
                         plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
-                        took = ?started.elapsed(), since_kernel_event = ?since_event, "plugin registered"
+                        took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
                     );
-                    let mut event = AgentEvent::new(EventKind::Registered, &path);
+                    let mut event = AgentEvent::new(kind, &path);
                     event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
                     event.plugin = Some(plugin);
                     this.notifications.publish(event);

@@ -6,7 +6,7 @@ use super::OperationExecutor;
 use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
 use crate::notifications::{AgentEvent, EventKind};
-use crate::registration::{PluginCallError, PluginConnection};
+use crate::registration::{OnInvalid, PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
 use crate::state::desired::DesiredPlugin;
 use plugin_agent_proto::pluginregistration::PluginInfo;
@@ -109,8 +109,13 @@ impl OperationExecutor {
         slot: &mut Slot,
     ) -> Result<Plugin, RegisterFailure> {
         // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
-        let answer =
-            PluginConnection::get_info(path, desired.socket, self.config.plugin_timeouts, slot);
+        let answer = PluginConnection::get_info(
+            path,
+            desired.socket,
+            self.config.plugin_timeouts,
+            slot,
+            OnInvalid::Notify,
+        );
         // Every step below is boxed where it is awaited: a future is as large as its largest
         // step, and an operation that waits (for a slot, or in a dial's pauses) should cost
         // that wait's few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
@@ -189,11 +194,14 @@ impl OperationExecutor {
         if self.actual.remove(path, entry.generation).is_none() {
             return;
         }
+        let Some(handler) = &entry.handler else {
+            return;
+        };
         if let Err(e) = self
             .call_handler(
                 HandlerCall::Deregister,
                 &entry.plugin.plugin_type,
-                entry.handler.deregister(&entry.plugin),
+                handler.deregister(&entry.plugin),
                 self.config.handler_timeouts.deregister,
             )
             .await
@@ -212,6 +220,14 @@ impl OperationExecutor {
         };
         let mut event = AgentEvent::new(EventKind::Deregistered, path);
         event.plugin = Some(entry.plugin.clone());
+        let Some(handler) = entry.handler.clone() else {
+            // Observed only: no handler knows it.
+            info!("observed plugin's socket removed");
+            event.detail = Some("observed: no handler to tell".into());
+            self.notifications.publish(event);
+            self.observe_deregister("observed", None);
+            return;
+        };
         let _name = self
             .name_locks
             .lock(&entry.plugin.plugin_type, &entry.plugin.name)
@@ -220,7 +236,7 @@ impl OperationExecutor {
             .call_handler(
                 HandlerCall::Deregister,
                 &entry.plugin.plugin_type,
-                entry.handler.deregister(&entry.plugin),
+                handler.deregister(&entry.plugin),
                 self.config.handler_timeouts.deregister,
             )
             .await
@@ -293,7 +309,7 @@ fn handler_error(call: HandlerCall, error: HandlerError, plugin: &Plugin) -> Reg
 
 /// The plugin as handlers see it, from its GetInfo answer: an empty endpoint means the
 /// registration socket itself, as in kubelet.
-fn plugin_of(path: &Path, info: PluginInfo) -> Plugin {
+pub(super) fn plugin_of(path: &Path, info: PluginInfo) -> Plugin {
     let socket_path = path.to_string_lossy().into_owned();
     Plugin {
         endpoint: if info.endpoint.is_empty() {

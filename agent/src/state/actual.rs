@@ -22,8 +22,9 @@ pub struct RegisteredPlugin {
     /// What GetInfo said, with the endpoint defaulted and the socket path added.
     pub plugin: Plugin,
     /// The handler it was registered with; deregistration goes to the same one even if the
-    /// handler for its type changed since.
-    pub handler: Arc<dyn PluginHandler>,
+    /// handler for its type changed since. `None`: observed only (observe mode), no handler knows
+    /// it and none is told when it goes.
+    pub handler: Option<Arc<dyn PluginHandler>>,
     /// When the entry was added.
     pub registered_at: SystemTime,
 }
@@ -84,6 +85,29 @@ impl ActualState {
         plugin: Plugin,
         handler: Arc<dyn PluginHandler>,
     ) -> RegisteredPlugin {
+        self.insert(path.into(), generation, socket, plugin, Some(handler))
+    }
+
+    /// Records a plugin the agent observes (observe mode: no handler, no Notify), replacing any
+    /// entry at `path`, and returns it.
+    pub fn add_observed(
+        &self,
+        path: impl Into<Arc<Path>>,
+        generation: Uuid,
+        socket: SocketId,
+        plugin: Plugin,
+    ) -> RegisteredPlugin {
+        self.insert(path.into(), generation, socket, plugin, None)
+    }
+
+    fn insert(
+        &self,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        plugin: Plugin,
+        handler: Option<Arc<dyn PluginHandler>>,
+    ) -> RegisteredPlugin {
         let entry = RegisteredPlugin {
             generation,
             socket,
@@ -91,7 +115,7 @@ impl ActualState {
             handler,
             registered_at: SystemTime::now(),
         };
-        self.lock().insert(path.into(), entry.clone());
+        self.lock().insert(path, entry.clone());
         entry
     }
 

@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! desired  registered (same generation)  backoff (retry_at > now)  ->  state
-//!   yes      yes                                 -                   Registered
+//!   yes      yes, with a handler                 -                   Registered
+//!   yes      yes, observed (no handler)          -                   Observed
 //!   any      yes, other generation / none        -                   Deregistering
 //!   yes      no                                  yes                 BackingOff
 //!   yes      no                                  no (none, or due)   Pending
@@ -33,6 +34,9 @@ pub enum PluginState {
     BackingOff,
     /// Registered with its handler from the socket that is desired now.
     Registered,
+    /// Observe mode: described (GetInfo, unless contact is off) from the socket that is desired
+    /// now; no handler and no Notify.
+    Observed,
     /// Registered from a socket that is no longer desired (gone or re-created): the
     /// deregistration runs or is about to.
     Deregistering,
@@ -45,6 +49,7 @@ impl PluginState {
             PluginState::Pending => "pending",
             PluginState::BackingOff => "backing_off",
             PluginState::Registered => "registered",
+            PluginState::Observed => "observed",
             PluginState::Deregistering => "deregistering",
         }
     }
@@ -73,6 +78,9 @@ pub fn derive(
     now: Instant,
 ) -> PluginState {
     match (desired, registered) {
+        (Some(d), Some(r)) if d.generation == r.generation && r.handler.is_none() => {
+            PluginState::Observed
+        }
         (Some(d), Some(r)) if d.generation == r.generation => PluginState::Registered,
         (_, Some(_)) => PluginState::Deregistering,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,

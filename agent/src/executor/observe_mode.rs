@@ -1,0 +1,59 @@
+//! An operation in observe mode (see [`crate::mode`]): describe the plugin, record it, tell no
+//! one. Scheduling, claims, backoff of a failed GetInfo and telemetry are the register path's.
+
+use super::OperationExecutor;
+use super::operation::{RegisterFailure, plugin_of};
+use super::slots::Slot;
+use crate::handler::Plugin;
+use crate::mode::Contact;
+use crate::registration::{OnInvalid, PluginConnection};
+use crate::state::desired::DesiredPlugin;
+use std::path::Path;
+
+impl OperationExecutor {
+    /// GetInfo (unless `contact` is off) and an actual-state entry without a handler. The
+    /// connection is dropped unanswered: kubelet, which owns the directory, notifies the plugin.
+    pub(super) async fn run_observe(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+        slot: &mut Slot,
+        contact: Contact,
+    ) -> Result<Plugin, RegisterFailure> {
+        let plugin = match contact {
+            Contact::Never => Plugin {
+                plugin_type: String::new(),
+                name: String::new(),
+                endpoint: path.display().to_string(),
+                supported_versions: Vec::new(),
+                socket_path: path.display().to_string(),
+            },
+            Contact::GetInfo => {
+                let answer = PluginConnection::get_info(
+                    path,
+                    desired.socket,
+                    self.config.plugin_timeouts,
+                    slot,
+                    OnInvalid::Silent,
+                );
+                let Some(answer) =
+                    Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await
+                else {
+                    return Err(RegisterFailure::ShuttingDown);
+                };
+                let (_unanswered, info) = answer?;
+                plugin_of(path, info)
+            }
+        };
+        let span = tracing::Span::current();
+        span.record("plugin_name", plugin.name.as_str());
+        span.record("plugin_type", plugin.plugin_type.as_str());
+        self.actual.add_observed(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin.clone(),
+        );
+        Ok(plugin)
+    }
+}
