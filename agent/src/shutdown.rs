@@ -4,7 +4,8 @@
 //! SIGTERM ──> discovery and reconciliation stop (no new operation is started from here on)
 //!         ──> operations waiting for a slot, and dials not yet answered, end at once
 //!         ──> operations already talking to a handler get until OPERATIONS_GRACE
-//!         ──> every open metrics and admin connection is ended (`serving`), the process exits
+//!         ──> every open metrics and admin connection is ended (`serving`)
+//!         ──> the last spans are flushed in what is left of DEADLINE, the process exits
 //! ```
 //!
 //! Why a deadline and not "wait for everything": a connection or a plugin that never finishes
@@ -23,6 +24,21 @@ pub const DEADLINE: Duration = Duration::from_secs(5);
 /// How long running operations may take to finish after SIGTERM; the rest of [`DEADLINE`] is for
 /// closing connections and the runtime.
 pub const OPERATIONS_GRACE: Duration = Duration::from_secs(4);
+
+/// When the stop signal arrived (set once, by `run`).
+static BEGAN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+/// The stop signal arrived: from now on [`remaining`] counts down.
+pub fn begin() {
+    let _ = BEGAN.set(Instant::now());
+}
+
+/// What is left of [`DEADLINE`] since [`begin`] (all of it before, for an exit without a signal).
+pub fn remaining() -> Duration {
+    BEGAN
+        .get()
+        .map_or(DEADLINE, |began| DEADLINE.saturating_sub(began.elapsed()))
+}
 
 /// Runs `work` unless `stop` fires first (then `None`: the work is dropped where it waits).
 pub async fn unless_stopping<F: Future>(stop: &CancellationToken, work: F) -> Option<F::Output> {

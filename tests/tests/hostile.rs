@@ -1243,3 +1243,45 @@ async fn safety_passes_over_a_tree_1900_directories_deep_keep_memory_bounded() {
     }
     memory_stayed_bounded(test, &agent);
 }
+
+/// Issue 22, item 5, with traces on: the last spans were flushed for up to 3 s *after* the 5 s
+/// budget (a hung handler held the operations' 4 s, so SIGTERM took ~8 s). The flush now gets
+/// what is left of the deadline. A collector that accepts connections and never answers, and a
+/// handler that takes a minute per call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_within_5_s_with_a_hung_handler_and_a_trace_collector_that_never_answers() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let collector = std::net::TcpListener::bind("127.0.0.1:0").expect("collector port");
+    let endpoint = format!("http://{}", collector.local_addr().expect("addr"));
+    let handler = plugin_agent_tests::handler::HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("dra-handler.sock"),
+        &["--delay", "60s"],
+    )
+    .await;
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root())
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
+    options.extra = vec!["--otlp-endpoint".into(), endpoint];
+    let agent = AgentProcess::start(test, options).await.expect("inotify");
+    let _plugin = plugin!(dir.path("slow.sock"))
+        .plugin_type("DRAPlugin")
+        .name("slow.example.com")
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
+        .spawn();
+    agent
+        .wait_for_log("GetInfo answered", EVENT_TIMEOUT, |l| {
+            l.message() == "GetInfo answered"
+        })
+        .await;
+    let stopping = Instant::now();
+    let status = agent.stop().await;
+    let took = stopping.elapsed();
+    eprintln!("{test}: exited {status:?} {took:?} after SIGTERM");
+    assert!(
+        took < Duration::from_secs(5),
+        "{test}: SIGTERM took {took:?}"
+    );
+    drop(collector);
+}

@@ -354,4 +354,5 @@ async fn shutdown_signal() {
         _ = term.recv() => tracing::info!("SIGTERM: finishing running operations"),
         _ = int.recv() => tracing::info!("SIGINT: finishing running operations"),
     }
+    crate::shutdown::begin();
 }

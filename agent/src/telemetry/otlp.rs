@@ -65,10 +65,29 @@ pub struct Traces {
 }
 
 impl Traces {
-    /// Flushes queued spans (for at most a few seconds) and stops the exporter.
+    /// Flushes queued spans (for at most a few seconds, and never past the SIGTERM deadline) and
+    /// stops the exporter.
     pub fn shutdown(self) {
-        if let Err(e) = self.provider.shutdown_with_timeout(SHUTDOWN_FLUSH) {
-            tracing::debug!(error = %e, "trace exporter shutdown");
+        // Within the SIGTERM deadline: what is left of it, less room for the runtime and the exit.
+        // On its own thread: an exporter stuck in an export (a collector that accepts and never
+        // answers) does not honour the timeout (it waited out its 10 s export deadline), so the
+        // agent stops waiting at the budget and exits; the thread ends with the process.
+        let budget = SHUTDOWN_FLUSH
+            .min(crate::shutdown::remaining().saturating_sub(Duration::from_millis(750)));
+        let provider = self.provider;
+        let (done, flushed) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("otlp-flush".into())
+            .spawn(move || {
+                let _ = done.send(provider.shutdown_with_timeout(budget));
+            });
+        if spawned.is_err() {
+            return;
+        }
+        match flushed.recv_timeout(budget + Duration::from_millis(20)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "trace exporter shutdown"),
+            Err(_) => tracing::debug!(?budget, "trace flush cut at the shutdown deadline"),
         }
     }
 }
