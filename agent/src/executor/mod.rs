@@ -217,8 +217,10 @@ impl OperationExecutor {
         let span = info_span!(
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
-            outcome = Empty, error = Empty, otel.status_code = Empty
+            outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty
         );
+        // The operation's time counts from here: waiting for a slot is part of what is slow.
+        let created = Instant::now();
         if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
             let _ = span.set_parent(parent);
         }
@@ -233,7 +235,7 @@ impl OperationExecutor {
                     debug!("registration abandoned before the plugin answered: shutting down");
                     return;
                 }
-                this.observe_register(source, &desired, &result);
+                this.observe_register(source, &desired, &result, created.elapsed());
                 match result {
                     Ok(plugin) => {
                         this.backoff.reset(&path, desired.socket);
@@ -269,8 +271,9 @@ impl OperationExecutor {
         let span = info_span!(
             "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
             plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
-            otel.status_code = Empty
+            otel.status_code = Empty, tail_kept = Empty
         );
+        let created = Instant::now();
         if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
             let _ = span.set_parent(parent);
         }
@@ -280,7 +283,7 @@ impl OperationExecutor {
                 let Some(_slot) = this.slots.acquire().await else {
                     return;
                 };
-                this.run_deregister(&path, registered).await;
+                this.run_deregister(&path, registered, created).await;
             }
             .instrument(span),
         );

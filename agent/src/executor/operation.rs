@@ -200,10 +200,15 @@ impl OperationExecutor {
         }
     }
 
-    pub(super) async fn run_deregister(&self, path: &Path, registered: RegisteredPlugin) {
+    pub(super) async fn run_deregister(
+        &self,
+        path: &Path,
+        registered: RegisteredPlugin,
+        started: Instant,
+    ) {
         // Take the current entry: it may have been marked superseded since the reconciler looked.
         let Some(entry) = self.actual.remove(path, registered.generation) else {
-            self.observe_deregister("not_registered", None);
+            self.observe_deregister("not_registered", None, started);
             return;
         };
         let mut event = AgentEvent::new(EventKind::Deregistered, path);
@@ -214,7 +219,7 @@ impl OperationExecutor {
             );
             event.detail = Some("superseded by a newer socket: handler not called".into());
             self.notifications.publish(event);
-            self.observe_deregister("superseded", None);
+            self.observe_deregister("superseded", None, started);
             return;
         }
         let _name = self
@@ -232,11 +237,11 @@ impl OperationExecutor {
         {
             Ok(()) => {
                 info!("plugin deregistered");
-                self.observe_deregister("success", None);
+                self.observe_deregister("success", None, started);
             }
             Err(e) => {
                 warn!(error = %e, "handler failed to deregister plugin");
-                self.observe_deregister("handler_error", Some(&e.message));
+                self.observe_deregister("handler_error", Some(&e.message), started);
                 event.error = Some(e.message);
             }
         }
@@ -268,9 +273,13 @@ impl OperationExecutor {
                 ))),
             ),
         };
+        // A failed or slow call makes its operation failed or slow: its trace is exported.
+        let took = started.elapsed();
+        let kept = crate::telemetry::sampling::tail_reason(result.is_err(), took).is_some();
+        let exemplar = super::observe::exemplar(&span, kept);
         self.telemetry
             .metrics
-            .handler_call(plugin_type, call.label(), outcome, started.elapsed());
+            .handler_call(plugin_type, call.label(), outcome, took, exemplar);
         if let Err(e) = &result {
             span.record("error", e.message.as_str());
             span.record("otel.status_code", "error");
