@@ -27,6 +27,12 @@ fn main() -> std::process::ExitCode {
             Command::Run(args) => args.otlp_endpoint_or_configured(),
             _ => None,
         };
+        if let Command::Run(args) = &cli.command {
+            plugin_agent::telemetry::sampling::set_keep_slower_than(
+                args.trace_keep_slower_than
+                    .unwrap_or(plugin_agent::telemetry::sampling::DEFAULT_KEEP_SLOWER_THAN),
+            );
+        }
         // Only `run` exports traces; the operator commands just log.
         let traces_wanted = matches!(cli.command, Command::Run(_));
         logging::init(

@@ -92,6 +92,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 
+    /// Export the trace of every operation slower than this (and of every failed one) even when
+    /// `OTEL_TRACES_SAMPLER` did not sample it [default: 500ms].
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub trace_keep_slower_than: Option<Duration>,
+
     /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
     /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
     #[arg(long)]

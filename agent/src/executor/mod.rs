@@ -255,7 +255,7 @@ impl OperationExecutor {
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
             slot_wait_ms = queued.elapsed().as_millis() as u64,
-            outcome = Empty, error = Empty, otel.status_code = Empty
+            outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty
         );
         if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
             let _ = span.set_parent(parent);
@@ -273,7 +273,9 @@ impl OperationExecutor {
                 debug!("registration abandoned before the plugin answered: shutting down");
                 return;
             }
-            this.observe_register(source, &desired, &result);
+            // The operation's time counts from its request: waiting for a slot is part of what
+            // is slow.
+            this.observe_register(source, &desired, &result, queued.elapsed());
             match result {
                 Ok(plugin) => {
                     this.backoff.reset(&path, desired.socket);
@@ -309,6 +311,7 @@ impl OperationExecutor {
         };
         let this = self.clone();
         let path = path.to_path_buf();
+        let created = Instant::now();
         self.tasks.spawn(async move {
             let _claim = claim;
             // As for a registration: waiting for a slot costs a small future.
@@ -318,12 +321,16 @@ impl OperationExecutor {
             let span = info_span!(
                 "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
                 plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
-                otel.status_code = Empty
+                otel.status_code = Empty, tail_kept = Empty
             );
             if let Some(parent) = this.telemetry.discovery.parent_of(&path) {
                 let _ = span.set_parent(parent);
             }
-            Box::pin(this.run_deregister(&path, registered).instrument(span)).await;
+            Box::pin(
+                this.run_deregister(&path, registered, created)
+                    .instrument(span),
+            )
+            .await;
         });
         Start::Started
     }

@@ -1,22 +1,50 @@
-//! What an operation reports when it ends: the outcome counter, the registration latency since
-//! discovery, and the outcome on the operation's span. Telemetry is a sink: nothing here decides
-//! anything.
+//! What an operation reports when it ends: the outcome counter, the latency (with the trace as
+//! an exemplar when that trace is exported), the outcome on the operation's span, and the tail
+//! rule's mark (failed or slow: export this trace even if the head sampler did not pick it).
+//! Telemetry is a sink: nothing here decides anything about the operation.
 
 use super::OperationExecutor;
 use super::operation::RegisterFailure;
 use crate::event_source::monotonic_now_ns;
 use crate::handler::Plugin;
 use crate::state::desired::DesiredPlugin;
+use crate::telemetry::metrics::TraceExemplar;
+use crate::telemetry::sampling;
 use std::time::Duration;
+use tokio::time::Instant;
+
+/// The exemplar for an observation made in `span`: its trace and span IDs when the trace is
+/// exported (sampled, or `kept` by the tail rule), so every exemplar leads to a trace.
+pub(super) fn exemplar(span: &tracing::Span, kept: bool) -> Option<TraceExemplar> {
+    if !crate::telemetry::otlp::enabled() {
+        return None;
+    }
+    let cx = sampling::span_context(span);
+    sampling::exported(&cx, kept)
+        .then(|| TraceExemplar::of(&cx))
+        .flatten()
+}
+
+/// Marks the current operation span for the tail rule when it keeps an operation that
+/// `failed` after `took`; says whether it did.
+fn mark_tail(span: &tracing::Span, failed: bool, took: Duration) -> bool {
+    let reason = sampling::tail_reason(failed, took);
+    if let Some(reason) = reason {
+        span.record(sampling::TAIL_FIELD, reason);
+    }
+    reason.is_some()
+}
 
 impl OperationExecutor {
     /// Records a finished registration attempt: operation outcome, latency since the socket's
-    /// discovery (its kernel event when timestamped), and the outcome on the `register` span.
+    /// discovery (its kernel event when timestamped), and the outcome on the `register` span;
+    /// `took` is the operation's own time, for the tail rule.
     pub(super) fn observe_register(
         &self,
         source: &'static str,
         desired: &DesiredPlugin,
         result: &Result<Plugin, RegisterFailure>,
+        took: Duration,
     ) {
         let outcome = result
             .as_ref()
@@ -29,6 +57,7 @@ impl OperationExecutor {
             span.record("error", error.to_string());
             span.record("otel.status_code", "error");
         }
+        let kept = mark_tail(&span, result.is_err(), took);
         // A socket that vanished mid-attempt is not a registration that failed: no latency.
         if outcome != "socket_gone" {
             let latency = desired
@@ -36,12 +65,19 @@ impl OperationExecutor {
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)))
                 .or_else(|| desired.seen_at.elapsed().ok())
                 .unwrap_or_default();
-            metrics.registration(source, result.is_ok(), latency);
+            metrics.registration(source, result.is_ok(), latency, exemplar(&span, kept));
         }
     }
 
-    /// Records a finished deregistration on the metrics and the `deregister` span.
-    pub(super) fn observe_deregister(&self, outcome: &'static str, error: Option<&str>) {
+    /// Records a finished deregistration (started at `started`) on the metrics and the
+    /// `deregister` span.
+    pub(super) fn observe_deregister(
+        &self,
+        outcome: &'static str,
+        error: Option<&str>,
+        started: Instant,
+    ) {
+        let took = started.elapsed();
         self.telemetry.metrics.operation("deregister", outcome);
         let span = tracing::Span::current();
         span.record("outcome", outcome);
@@ -49,5 +85,9 @@ impl OperationExecutor {
             span.record("error", error);
             span.record("otel.status_code", "error");
         }
+        let kept = mark_tail(&span, error.is_some(), took);
+        self.telemetry
+            .metrics
+            .deregistration(outcome, took, exemplar(&span, kept));
     }
 }

@@ -210,12 +210,17 @@ impl OperationExecutor {
         }
     }
 
-    pub(super) async fn run_deregister(&self, path: &Path, registered: RegisteredPlugin) {
+    pub(super) async fn run_deregister(
+        &self,
+        path: &Path,
+        registered: RegisteredPlugin,
+        started: Instant,
+    ) {
         // Every registered socket is deregistered with its own endpoint, also when another
         // socket of the same name registered since (a DRA driver's rolling update, kubelet
         // 1.33+): the handler tells its instances apart by endpoint.
         let Some(entry) = self.actual.remove(path, registered.generation) else {
-            self.observe_deregister("not_registered", None);
+            self.observe_deregister("not_registered", None, started);
             return;
         };
         let mut event = AgentEvent::new(EventKind::Deregistered, path);
@@ -225,7 +230,7 @@ impl OperationExecutor {
             info!("observed plugin's socket removed");
             event.detail = Some("observed: no handler to tell".into());
             self.notifications.publish(event);
-            self.observe_deregister("observed", None);
+            self.observe_deregister("observed", None, started);
             return;
         };
         let _name = self
@@ -243,11 +248,11 @@ impl OperationExecutor {
         {
             Ok(()) => {
                 info!("plugin deregistered");
-                self.observe_deregister("success", None);
+                self.observe_deregister("success", None, started);
             }
             Err(e) => {
                 warn!(error = %e, "handler failed to deregister plugin");
-                self.observe_deregister("handler_error", Some(&e.message));
+                self.observe_deregister("handler_error", Some(&e.message), started);
                 event.error = Some(e.message);
             }
         }
@@ -279,9 +284,13 @@ impl OperationExecutor {
                 ))),
             ),
         };
+        // A failed or slow call makes its operation failed or slow: its trace is exported.
+        let took = started.elapsed();
+        let kept = crate::telemetry::sampling::tail_reason(result.is_err(), took).is_some();
+        let exemplar = super::observe::exemplar(&span, kept);
         self.telemetry
             .metrics
-            .handler_call(plugin_type, call.label(), outcome, started.elapsed());
+            .handler_call(plugin_type, call.label(), outcome, took, exemplar);
         if let Err(e) = &result {
             span.record("error", e.message.as_str());
             span.record("otel.status_code", "error");

@@ -1,7 +1,8 @@
 //! The metrics and health server: the one TCP listener of the agent, on loopback by default.
 //!
 //! ```text
-//! Prometheus ──GET /metrics──> metrics::render(registry)   (recorded metrics + state read now)
+//! Prometheus ──GET /metrics──> metrics::render(registry)   (recorded metrics + state read now;
+//!                              OpenMetrics with exemplars if asked for, else Prometheus text)
 //! kubelet/systemd probes ──GET /healthz──> 200 while the process serves
 //!                        ──GET /readyz───> 200 once the event source is attached and the first
 //!                                          full scan is done, while a directory is watched;
@@ -97,13 +98,25 @@ pub async fn serve(
     Ok(())
 }
 
-async fn metrics_page(State(served): State<Arc<Served>>) -> impl IntoResponse {
-    match metrics::render(&served.registry) {
-        Ok(text) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-            text,
-        ),
+/// `/metrics`: OpenMetrics with exemplars when the scraper asks for it, else the Prometheus
+/// text format (see [`super::exposition`]).
+async fn metrics_page(
+    State(served): State<Arc<Served>>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|value| value.to_str().ok());
+    let (rendered, content_type) = if super::exposition::wants_openmetrics(accept) {
+        (metrics::render(&served.registry), metrics::CONTENT_TYPE)
+    } else {
+        (
+            metrics::render_prometheus(&served.registry),
+            metrics::PROMETHEUS_CONTENT_TYPE,
+        )
+    };
+    match rendered {
+        Ok(text) => (StatusCode::OK, [(header::CONTENT_TYPE, content_type)], text),
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],

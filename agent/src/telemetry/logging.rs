@@ -6,7 +6,8 @@
 //! ```
 //!
 //! The two layers filter separately, so `--log-level warn` quiets the log without emptying the
-//! traces. Log lines about a plugin carry `socket_path` (and `plugin_name`, `plugin_type` once the
+//! traces. While traces are on, every line logged inside a span carries that span's `trace_id`
+//! and `span_id` ([`WithTraceIds`]): the join from a trace (or a metric exemplar) to its lines. Log lines about a plugin carry `socket_path` (and `plugin_name`, `plugin_type` once the
 //! plugin has said who it is) from the executor's operation spans: JSON lines list them under
 //! `span` and `spans`, text lines in the span prefix.
 //!
@@ -57,13 +58,29 @@ pub fn init(
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(writer);
     let fmt = match format {
-        Format::Text => fmt.fmt_fields(text_fields()).with_filter(filter).boxed(),
-        Format::Json => fmt
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_filter(filter)
-            .boxed(),
+        Format::Text => {
+            let event_format = WithTraceIds {
+                inner: tracing_subscriber::fmt::format(),
+                json: false,
+            };
+            fmt.fmt_fields(text_fields())
+                .event_format(event_format)
+                .with_filter(filter)
+                .boxed()
+        }
+        Format::Json => {
+            let event_format = WithTraceIds {
+                inner: tracing_subscriber::fmt::format()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(true),
+                json: true,
+            };
+            fmt.json()
+                .event_format(event_format)
+                .with_filter(filter)
+                .boxed()
+        }
     };
     let (traces, failure) = if traces_allowed && otlp::wanted(otlp_endpoint) {
         match otlp::install(otlp_endpoint) {
@@ -108,6 +125,60 @@ pub fn text_fields()
         }
     })
     .delimited(" ")
+}
+
+/// An event format that adds the trace and span IDs of the OpenTelemetry span the line was
+/// logged in, so a trace ID from a dashboard exemplar finds the lines: JSON lines get
+/// `"trace_id"` and `"span_id"` fields, text lines end with ` trace_id=… span_id=…`. Lines
+/// outside a traced span (and every line while traces are off) are written as `inner` writes
+/// them.
+struct WithTraceIds<F> {
+    inner: F,
+    json: bool,
+}
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for WithTraceIds<F>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use opentelemetry::trace::TraceContextExt as _;
+        // The span the line is logged in: tracing-opentelemetry makes its context current on
+        // entry (a thread-local read, no lock).
+        let ids = opentelemetry::Context::map_current(|cx| {
+            let span = cx.span();
+            let sc = span.span_context();
+            sc.is_valid().then(|| (sc.trace_id(), sc.span_id()))
+        });
+        let Some((trace_id, span_id)) = ids else {
+            return self.inner.format_event(ctx, writer, event);
+        };
+        let mut line = String::new();
+        self.inner.format_event(
+            ctx,
+            tracing_subscriber::fmt::format::Writer::new(&mut line),
+            event,
+        )?;
+        let body = line.strip_suffix('\n').unwrap_or(&line);
+        if self.json {
+            match body.strip_prefix('{') {
+                Some(rest) if rest != "}" => writeln!(
+                    writer,
+                    "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\",{rest}"
+                ),
+                _ => writeln!(writer, "{body}"),
+            }
+        } else {
+            writeln!(writer, "{body} trace_id={trace_id} span_id={span_id}")
+        }
+    }
 }
 
 /// Log lines buffered for the writer thread before new ones are dropped. The buffer is allocated

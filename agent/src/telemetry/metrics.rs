@@ -24,6 +24,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -76,16 +77,52 @@ pub struct WalkErrorLabels {
     pub kind: &'static str,
 }
 
-type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
-
-fn latency_histogram() -> Histogram {
-    // 500 µs .. ~75 s: event-driven registrations take milliseconds, a retried one up to minutes.
-    Histogram::new(exponential_buckets(0.0005, 2.5, 14))
+/// The label set of deregistration latency.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeregistrationLabels {
+    /// `success`, `superseded`, `handler_error` or `not_registered`.
+    pub outcome: &'static str,
 }
 
-fn handler_histogram() -> Histogram {
+/// An OpenMetrics exemplar of a latency observation: the trace (and span) of the operation it
+/// measured, so a dashboard goes from a latency bucket to that trace. 63 characters of labels,
+/// within OpenMetrics' 128.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceExemplar {
+    /// 32 lowercase hex digits (W3C trace context).
+    pub trace_id: String,
+    /// 16 lowercase hex digits.
+    pub span_id: String,
+}
+
+impl TraceExemplar {
+    /// The exemplar of the span `cx`, if it is valid (traces on).
+    pub fn of(cx: &opentelemetry::trace::SpanContext) -> Option<TraceExemplar> {
+        cx.is_valid().then(|| TraceExemplar {
+            trace_id: cx.trace_id().to_string(),
+            span_id: cx.span_id().to_string(),
+        })
+    }
+}
+
+type ExemplarHistogram = HistogramWithExemplars<TraceExemplar>;
+type HistogramFamily<L> = Family<L, ExemplarHistogram, fn() -> ExemplarHistogram>;
+
+fn latency_histogram() -> ExemplarHistogram {
+    // 500 µs .. ~75 s: event-driven registrations take milliseconds, a retried one up to minutes.
+    HistogramWithExemplars::new(exponential_buckets(0.0005, 2.5, 14))
+}
+
+fn handler_histogram() -> ExemplarHistogram {
     // 100 µs .. ~26 s: in-process handlers answer in microseconds, remote ones in milliseconds.
-    Histogram::new(exponential_buckets(0.0001, 4.0, 10))
+    HistogramWithExemplars::new(exponential_buckets(0.0001, 4.0, 10))
+}
+
+/// Observes `value` into `histogram`, with `exemplar` (and the time, so the dashboard places it
+/// where it happened rather than at the scrape) when there is one.
+fn observe(histogram: &ExemplarHistogram, value: Duration, exemplar: Option<TraceExemplar>) {
+    let at = exemplar.as_ref().map(|_| std::time::SystemTime::now());
+    histogram.observe(value.as_secs_f64(), exemplar, at);
 }
 
 fn backoff_histogram() -> Histogram {
@@ -98,6 +135,7 @@ fn backoff_histogram() -> Histogram {
 pub struct Metrics {
     operations: Family<OperationLabels, Counter>,
     registration_duration: HistogramFamily<LatencyLabels>,
+    deregistration_duration: HistogramFamily<DeregistrationLabels>,
     retries: Counter,
     backoff_delay: Histogram,
     handler_calls: HistogramFamily<HandlerCallLabels>,
@@ -110,6 +148,7 @@ impl Default for Metrics {
         Metrics {
             operations: Family::default(),
             registration_duration: Family::new_with_constructor(latency_histogram),
+            deregistration_duration: Family::new_with_constructor(latency_histogram),
             retries: Counter::default(),
             backoff_delay: backoff_histogram(),
             handler_calls: Family::new_with_constructor(handler_histogram),
@@ -128,12 +167,39 @@ impl Metrics {
     }
 
     /// A registration attempt ended; `latency` runs from the socket's discovery (its kernel event
-    /// when timestamped) to the end of the attempt.
-    pub fn registration(&self, source: &'static str, success: bool, latency: Duration) {
+    /// when timestamped) to the end of the attempt. `exemplar`: the attempt's trace, when it is
+    /// exported.
+    pub fn registration(
+        &self,
+        source: &'static str,
+        success: bool,
+        latency: Duration,
+        exemplar: Option<TraceExemplar>,
+    ) {
         let outcome = if success { "success" } else { "failure" };
-        self.registration_duration
-            .get_or_create(&LatencyLabels { source, outcome })
-            .observe(latency.as_secs_f64());
+        observe(
+            &self
+                .registration_duration
+                .get_or_create(&LatencyLabels { source, outcome }),
+            latency,
+            exemplar,
+        );
+    }
+
+    /// A deregistration ended with `outcome` after `took`; `exemplar` as for registrations.
+    pub fn deregistration(
+        &self,
+        outcome: &'static str,
+        took: Duration,
+        exemplar: Option<TraceExemplar>,
+    ) {
+        observe(
+            &self
+                .deregistration_duration
+                .get_or_create(&DeregistrationLabels { outcome }),
+            took,
+            exemplar,
+        );
     }
 
     /// A registration attempt started for a socket that failed before.
@@ -146,21 +212,25 @@ impl Metrics {
         self.backoff_delay.observe(delay.as_secs_f64());
     }
 
-    /// A handler call for `plugin_type` took `took` and ended with `outcome`.
+    /// A handler call for `plugin_type` took `took` and ended with `outcome`; `exemplar`: the
+    /// call's span, when its trace is exported.
     pub fn handler_call(
         &self,
         plugin_type: &str,
         call: &'static str,
         outcome: &'static str,
         took: Duration,
+        exemplar: Option<TraceExemplar>,
     ) {
-        self.handler_calls
-            .get_or_create(&HandlerCallLabels {
+        observe(
+            &self.handler_calls.get_or_create(&HandlerCallLabels {
                 r#type: plugin_type.to_string(),
                 call,
                 outcome,
-            })
-            .observe(took.as_secs_f64());
+            }),
+            took,
+            exemplar,
+        );
     }
 
     /// The watcher walked the whole tree; counted by the reason's class (never its text).
@@ -202,6 +272,11 @@ impl Metrics {
             self.registration_duration.clone(),
         );
         agent.register(
+            "deregistration_duration_seconds",
+            "Time from the start of a deregistration (its socket's removal noticed) to its end, by outcome",
+            self.deregistration_duration.clone(),
+        );
+        agent.register(
             "registration_retries",
             "Registration attempts for sockets whose previous attempt failed",
             self.retries.clone(),
@@ -230,7 +305,7 @@ impl Metrics {
     }
 }
 
-/// Renders `registry` as Prometheus/OpenMetrics text.
+/// Renders `registry` as OpenMetrics text, exemplars included.
 pub fn render(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, registry)?;
@@ -239,6 +314,15 @@ pub fn render(registry: &Registry) -> Result<String, std::fmt::Error> {
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The content type of [`render_prometheus`]'s output.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Renders `registry` in the Prometheus text format (0.0.4), for scrapers that do not ask for
+/// OpenMetrics: no exemplars, no `# EOF`, and the metadata named as that format names it.
+pub fn render_prometheus(registry: &Registry) -> Result<String, std::fmt::Error> {
+    Ok(super::exposition::to_prometheus_text(&render(registry)?))
+}
 
 /// Metrics computed from the agent's state when scraped, so the data flow never pays for them.
 pub struct StateCollector {
@@ -460,6 +544,9 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_registration_duration_seconds_bucket",
     "plugin_agent_registration_duration_seconds_sum",
     "plugin_agent_registration_duration_seconds_count",
+    "plugin_agent_deregistration_duration_seconds_bucket",
+    "plugin_agent_deregistration_duration_seconds_sum",
+    "plugin_agent_deregistration_duration_seconds_count",
     "plugin_agent_registration_retries_total",
     "plugin_agent_backoff_delay_seconds_bucket",
     "plugin_agent_backoff_delay_seconds_sum",
@@ -538,10 +625,25 @@ mod tests {
             .expect("desired");
         let m = &telemetry.metrics;
         m.operation("register", "success");
-        m.registration("ebpf", true, Duration::from_millis(3));
+        m.registration(
+            "ebpf",
+            true,
+            Duration::from_millis(3),
+            Some(TraceExemplar {
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                span_id: "00f067aa0ba902b7".into(),
+            }),
+        );
+        m.deregistration("success", Duration::from_millis(2), None);
         m.retry();
         m.backoff(Duration::from_millis(500));
-        m.handler_call("CSIPlugin", "validate", "ok", Duration::from_micros(40));
+        m.handler_call(
+            "CSIPlugin",
+            "validate",
+            "ok",
+            Duration::from_micros(40),
+            None,
+        );
         m.rescan(&RescanReason::Start);
         m.walk_error("unreadable");
         let registry = m.registry(StateCollector {
@@ -577,6 +679,29 @@ mod tests {
         ));
         assert!(text.contains("plugin_agent_plugins{type=\"unknown\",state=\"pending\"} 1"));
         assert!(text.contains("plugin_agent_event_source_dropped_events_total{source=\"ebpf\"} 3"));
+    }
+
+    #[test]
+    fn latency_buckets_carry_the_trace_of_an_exported_operation_as_an_exemplar() {
+        let text = rendered();
+        let bucket = text
+            .lines()
+            .find(|l| {
+                l.starts_with("plugin_agent_registration_duration_seconds_bucket")
+                    && l.contains(" # {")
+            })
+            .unwrap_or_else(|| panic!("no exemplar in:\n{text}"));
+        assert!(
+            bucket.contains(
+                "# {trace_id=\"4bf92f3577b34da6a3ce929d0e0e4736\",span_id=\"00f067aa0ba902b7\"} 0.003"
+            ),
+            "{bucket}"
+        );
+        assert_eq!(
+            text.matches(" # {").count(),
+            1,
+            "only the observation with a trace has one"
+        );
     }
 
     #[test]

@@ -23,10 +23,12 @@
 //! the scraper's request, not by the data flow.
 
 pub mod discovery;
+pub mod exposition;
 pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;
+pub mod sampling;
 
 use crate::event_source::{RescanReason, SourceKind};
 use std::sync::Arc;

@@ -5,6 +5,8 @@
 //! tracing spans (register, get_info, validate, ...) ─> tracing-opentelemetry layer ─┐
 //! discovery spans (telemetry::discovery) ───────────────────────────────────────────┤
 //!                                                                                   v
+//!               head sampler + tail rule (telemetry::sampling): which traces go on
+//!                                                                                   v
 //!               bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
 //!                                                                                   v
 //!               batch task on the agent's tokio runtime ─> OTLP/gRPC ─> collector
@@ -14,7 +16,8 @@
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
 //! turn it off again. The other standard variables are honoured by the OpenTelemetry crates:
 //! `OTEL_EXPORTER_OTLP_{TRACES_,}{TIMEOUT,HEADERS,COMPRESSION}`, `OTEL_BSP_*`,
-//! `OTEL_TRACES_SAMPLER{,_ARG}`, `OTEL_SERVICE_NAME` (default `plugin-agent`) and
+//! `OTEL_TRACES_SAMPLER{,_ARG}` (the head sampler; failed and slow operations are exported
+//! whatever it says, see [`super::sampling`]), `OTEL_SERVICE_NAME` (default `plugin-agent`) and
 //! `OTEL_RESOURCE_ATTRIBUTES`.
 //!
 //! A collector that is down never slows registration: ending a span only puts it in the queue,
@@ -113,8 +116,10 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("plugin-agent");
     }
+    // Every span is recorded; the head sampler and the tail rule decide what is exported.
     let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
+        .with_sampler(super::sampling::RecordEverything::from_env())
+        .with_span_processor(super::sampling::TailProcessor::new(processor))
         .with_resource(resource.build())
         .build();
     let tracer = provider.tracer("plugin-agent");

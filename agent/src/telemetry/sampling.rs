@@ -1,0 +1,369 @@
+//! Which traces are exported: the operator's head sampler, and the agent's tail rule that keeps
+//! every failed or slow operation whatever the head sampler said.
+//!
+//! ```text
+//! span starts ─> RecordEverything(OTEL_TRACES_SAMPLER{,_ARG}) ─ sampled: exported as usual
+//!                                                             └ not sampled: still recorded
+//! span ends ──> TailProcessor ─ sampled ─────────────────────────────────> batch exporter
+//!                             └ not sampled: held per trace until its operation span
+//!                               (`register` / `deregister`) ends; then, if the executor marked it
+//!                               [`TAIL_FIELD`] (failed, or slower than --trace-keep-slower-than),
+//!                               the trace's held spans (its discovery root included) are
+//!                               exported, otherwise dropped
+//! ```
+//!
+//! Every span is recorded, so trace IDs in logs and in metric exemplars are real; an exemplar is
+//! only attached when the trace will be exported ([`exported`]), so a dashboard link never leads
+//! to a trace the backend never got. The executor decides the tail rule once, where the outcome
+//! and the duration are known, and writes it on the operation span: the exporter and the
+//! exemplars read the same decision.
+//!
+//! Held spans are bounded ([`MAX_HELD_TRACES`] traces of at most [`MAX_HELD_SPANS`] spans): past
+//! that, the oldest traces are dropped unexported, so a burst with sampling off costs a bounded
+//! amount of memory.
+
+use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt as _, TraceFlags, TraceId};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{
+    Sampler, SamplingDecision, SamplingResult, ShouldSample, Span, SpanData, SpanProcessor,
+};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The operation span field the executor records when the tail rule keeps an operation: its
+/// value says why (`failed`, `slow`).
+pub const TAIL_FIELD: &str = "tail_kept";
+
+/// The spans that end an operation: the tail decision is taken when one ends.
+pub const OPERATION_SPANS: [&str; 2] = ["register", "deregister"];
+
+/// Traces held (not sampled, operation still running) before the oldest is dropped.
+pub const MAX_HELD_TRACES: usize = 4096;
+
+/// Spans held per trace; more are dropped (an operation has about ten).
+pub const MAX_HELD_SPANS: usize = 64;
+
+/// The default of `--trace-keep-slower-than`.
+pub const DEFAULT_KEEP_SLOWER_THAN: Duration = Duration::from_millis(500);
+
+/// `--trace-keep-slower-than` in nanoseconds; process-wide, as the tracer provider is.
+static KEEP_SLOWER_THAN_NS: AtomicU64 = AtomicU64::new(500_000_000);
+
+/// Sets the tail rule's threshold (`--trace-keep-slower-than`).
+pub fn set_keep_slower_than(threshold: Duration) {
+    let ns = u64::try_from(threshold.as_nanos()).unwrap_or(u64::MAX);
+    KEEP_SLOWER_THAN_NS.store(ns, Ordering::Relaxed);
+}
+
+/// Why the tail rule keeps an operation that `failed` after `took`, if it does.
+pub fn tail_reason(failed: bool, took: Duration) -> Option<&'static str> {
+    let threshold = Duration::from_nanos(KEEP_SLOWER_THAN_NS.load(Ordering::Relaxed));
+    if failed {
+        Some("failed")
+    } else if took >= threshold {
+        Some("slow")
+    } else {
+        None
+    }
+}
+
+/// Whether the span `cx` belongs to a trace that is exported: sampled by the head sampler, or
+/// kept by the tail rule (`tail_kept`). Invalid contexts (traces off) are never exported.
+pub fn exported(cx: &SpanContext, tail_kept: bool) -> bool {
+    cx.is_valid() && (cx.is_sampled() || tail_kept)
+}
+
+/// The operator's sampler (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`, as the SDK reads
+/// them; default `parentbased_always_on`), made to record what it would drop instead of
+/// dropping it, so the tail rule can still keep it.
+#[derive(Debug, Clone)]
+pub struct RecordEverything {
+    inner: Box<dyn ShouldSample>,
+}
+
+impl RecordEverything {
+    /// The sampler the standard environment variables configure.
+    pub fn from_env() -> Self {
+        RecordEverything {
+            inner: opentelemetry_sdk::trace::Config::default().sampler,
+        }
+    }
+
+    /// Wraps `sampler` (for tests).
+    pub fn new(sampler: Sampler) -> Self {
+        RecordEverything {
+            inner: Box::new(sampler),
+        }
+    }
+}
+
+impl ShouldSample for RecordEverything {
+    fn should_sample(
+        &self,
+        parent_context: Option<&Context>,
+        trace_id: TraceId,
+        name: &str,
+        span_kind: &SpanKind,
+        attributes: &[KeyValue],
+        links: &[opentelemetry::trace::Link],
+    ) -> SamplingResult {
+        let mut result =
+            self.inner
+                .should_sample(parent_context, trace_id, name, span_kind, attributes, links);
+        if result.decision == SamplingDecision::Drop {
+            result.decision = SamplingDecision::RecordOnly;
+        }
+        result
+    }
+}
+
+/// The span processor in front of the batch exporter (see the module docs).
+#[derive(Debug)]
+pub struct TailProcessor<P> {
+    inner: P,
+    held: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    traces: HashMap<TraceId, Vec<SpanData>>,
+    /// Trace IDs in the order they were first held (some may be gone already).
+    order: VecDeque<TraceId>,
+}
+
+impl Held {
+    fn hold(&mut self, span: SpanData) {
+        let trace = span.span_context.trace_id();
+        let spans = self.traces.entry(trace).or_insert_with(|| {
+            self.order.push_back(trace);
+            Vec::new()
+        });
+        if spans.len() < MAX_HELD_SPANS {
+            spans.push(span);
+        }
+        while self.traces.len() > MAX_HELD_TRACES {
+            match self.order.pop_front() {
+                Some(oldest) => {
+                    self.traces.remove(&oldest);
+                }
+                None => break,
+            }
+        }
+        if self.order.len() > 2 * MAX_HELD_TRACES {
+            let traces = &self.traces;
+            self.order.retain(|t| traces.contains_key(t));
+        }
+    }
+}
+
+impl<P: SpanProcessor> TailProcessor<P> {
+    /// Puts the tail rule in front of `inner` (the batch processor).
+    pub fn new(inner: P) -> Self {
+        TailProcessor {
+            inner,
+            held: Mutex::new(Held::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        // Inserts and removes of whole entries: a poisoned map is still consistent.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Exports `span` as sampled: the backend sees one consistent trace.
+    fn export(&self, mut span: SpanData) {
+        let cx = &span.span_context;
+        span.span_context = SpanContext::new(
+            cx.trace_id(),
+            cx.span_id(),
+            cx.trace_flags() | TraceFlags::SAMPLED,
+            cx.is_remote(),
+            cx.trace_state().clone(),
+        );
+        self.inner.on_end(span);
+    }
+}
+
+fn is_operation(span: &SpanData) -> bool {
+    OPERATION_SPANS.contains(&span.name.as_ref())
+}
+
+fn tail_kept(span: &SpanData) -> bool {
+    span.attributes
+        .iter()
+        .any(|kv| kv.key.as_str() == TAIL_FIELD)
+}
+
+impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
+    fn on_start(&self, span: &mut Span, cx: &Context) {
+        self.inner.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        let sampled = span.span_context.is_sampled();
+        if !is_operation(&span) {
+            if sampled {
+                self.inner.on_end(span);
+            } else {
+                self.lock().hold(span);
+            }
+            return;
+        }
+        let held = self
+            .lock()
+            .traces
+            .remove(&span.span_context.trace_id())
+            .unwrap_or_default();
+        if sampled || tail_kept(&span) {
+            for held in held {
+                self.export(held);
+            }
+            self.export(span);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// The OpenTelemetry span context of a `tracing` span (invalid when traces are off).
+pub fn span_context(span: &tracing::Span) -> SpanContext {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    span.context().span().span_context().clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{Span as _, Tracer as _, TracerProvider as _};
+    use opentelemetry_sdk::trace::SdkTracerProvider;
+    use std::sync::Arc;
+
+    /// What reaches the exporter.
+    #[derive(Debug, Clone, Default)]
+    struct Exported(Arc<Mutex<Vec<SpanData>>>);
+
+    impl Exported {
+        fn get_finished_spans(&self) -> Result<Vec<SpanData>, ()> {
+            Ok(self.0.lock().expect("lock").clone())
+        }
+    }
+
+    impl SpanProcessor for Exported {
+        fn on_start(&self, _span: &mut Span, _cx: &Context) {}
+        fn on_end(&self, span: SpanData) {
+            self.0.lock().expect("lock").push(span);
+        }
+        fn force_flush(&self) -> OTelSdkResult {
+            Ok(())
+        }
+        fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+            Ok(())
+        }
+    }
+
+    fn provider(sampler: Sampler) -> (SdkTracerProvider, Exported) {
+        let exporter = Exported::default();
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(RecordEverything::new(sampler))
+            .with_span_processor(TailProcessor::new(exporter.clone()))
+            .build();
+        (provider, exporter)
+    }
+
+    /// One operation: a discovery root, then `name` under it with a step, marked or not.
+    fn operation(provider: &SdkTracerProvider, name: &'static str, mark: Option<&'static str>) {
+        let tracer = provider.tracer("test");
+        let mut discovery = tracer.start("discovery");
+        discovery.end();
+        let root = Context::new().with_remote_span_context(discovery.span_context().clone());
+        let op = tracer.start_with_context(name, &root);
+        let op_cx = root.with_span(op);
+        let mut step = tracer.start_with_context("GetInfo", &op_cx);
+        step.end();
+        if let Some(reason) = mark {
+            op_cx
+                .span()
+                .set_attribute(KeyValue::new(TAIL_FIELD, reason));
+        }
+        op_cx.span().end();
+    }
+
+    fn names(exporter: &Exported) -> Vec<String> {
+        let mut names: Vec<String> = exporter
+            .get_finished_spans()
+            .expect("spans")
+            .into_iter()
+            .map(|s| s.name.into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn unsampled_operations_are_exported_whole_only_when_the_tail_rule_kept_them() {
+        let (provider, exporter) = provider(Sampler::TraceIdRatioBased(0.0));
+        operation(&provider, "register", None);
+        assert!(names(&exporter).is_empty(), "fast success, not sampled");
+        operation(&provider, "register", Some("failed"));
+        assert_eq!(names(&exporter), ["GetInfo", "discovery", "register"]);
+        let spans = exporter.get_finished_spans().expect("spans");
+        assert!(spans.iter().all(|s| s.span_context.is_sampled()));
+        let trace = spans[0].span_context.trace_id();
+        assert!(spans.iter().all(|s| s.span_context.trace_id() == trace));
+    }
+
+    #[test]
+    fn sampled_operations_are_exported_without_a_mark() {
+        let (provider, exporter) = provider(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
+        operation(&provider, "deregister", None);
+        assert_eq!(names(&exporter), ["GetInfo", "deregister", "discovery"]);
+    }
+
+    #[test]
+    fn held_traces_are_bounded() {
+        let mut held = Held::default();
+        let (provider, exporter) = provider(Sampler::AlwaysOn);
+        let tracer = provider.tracer("test");
+        let mut span = tracer.start("discovery");
+        span.end();
+        let template = exporter.get_finished_spans().expect("spans").remove(0);
+        for i in 0..(MAX_HELD_TRACES as u128 + 10) {
+            let mut span = template.clone();
+            span.span_context = SpanContext::new(
+                TraceId::from(i + 1),
+                span.span_context.span_id(),
+                TraceFlags::default(),
+                false,
+                Default::default(),
+            );
+            held.hold(span);
+        }
+        assert_eq!(held.traces.len(), MAX_HELD_TRACES);
+        assert!(
+            !held.traces.contains_key(&TraceId::from(1u128)),
+            "oldest dropped"
+        );
+        assert!(held.order.len() <= 2 * MAX_HELD_TRACES);
+    }
+
+    #[test]
+    fn the_tail_rule_keeps_failures_and_slow_operations() {
+        set_keep_slower_than(Duration::from_millis(500));
+        assert_eq!(tail_reason(true, Duration::ZERO), Some("failed"));
+        assert_eq!(tail_reason(false, Duration::from_secs(1)), Some("slow"));
+        assert_eq!(tail_reason(false, Duration::from_millis(10)), None);
+    }
+}
