@@ -118,7 +118,10 @@ plugin_agent_build_info{version=\"0.1.0\"} 1
             "plugin_agent_registration_duration_seconds_bucket{source=\"ebpf\",le=\"0.005\"} 1\n"
         ));
         // A label value that looks like an exemplar is left alone.
-        assert!(text.contains("socket_path=\"/r/a # {b}\\\" # c.sock\""), "{text}");
+        assert!(
+            text.contains("socket_path=\"/r/a # {b}\\\" # c.sock\""),
+            "{text}"
+        );
     }
 
     #[test]

@@ -192,7 +192,9 @@ fn is_operation(span: &SpanData) -> bool {
 }
 
 fn tail_kept(span: &SpanData) -> bool {
-    span.attributes.iter().any(|kv| kv.key.as_str() == TAIL_FIELD)
+    span.attributes
+        .iter()
+        .any(|kv| kv.key.as_str() == TAIL_FIELD)
 }
 
 impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
@@ -292,7 +294,9 @@ mod tests {
         let mut step = tracer.start_with_context("GetInfo", &op_cx);
         step.end();
         if let Some(reason) = mark {
-            op_cx.span().set_attribute(KeyValue::new(TAIL_FIELD, reason));
+            op_cx
+                .span()
+                .set_attribute(KeyValue::new(TAIL_FIELD, reason));
         }
         op_cx.span().end();
     }
@@ -348,7 +352,10 @@ mod tests {
             held.hold(span);
         }
         assert_eq!(held.traces.len(), MAX_HELD_TRACES);
-        assert!(!held.traces.contains_key(&TraceId::from(1u128)), "oldest dropped");
+        assert!(
+            !held.traces.contains_key(&TraceId::from(1u128)),
+            "oldest dropped"
+        );
         assert!(held.order.len() <= 2 * MAX_HELD_TRACES);
     }
 
