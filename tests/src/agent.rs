@@ -39,6 +39,8 @@ pub struct AgentOptions {
     pub extra: Vec<String>,
     /// A command the agent is started under, e.g. `setpriv --reuid 65534 ...` (empty: none).
     pub wrapper: Vec<String>,
+    /// Environment variables for the agent (`OTEL_TRACES_SAMPLER`, say), on top of the test's.
+    pub env: Vec<(String, String)>,
 }
 
 impl AgentOptions {
@@ -51,6 +53,7 @@ impl AgentOptions {
             admin_socket: plugin_dir.with_file_name("admin.sock"),
             extra: Vec::new(),
             wrapper: Vec::new(),
+            env: Vec::new(),
         }
     }
 
@@ -101,6 +104,7 @@ impl AgentProcess {
         }
         command
             .env("PLUGIN_AGENT_ADMIN_SOCKET", &options.admin_socket)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .args(&options.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

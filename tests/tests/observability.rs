@@ -112,8 +112,9 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts it and waits until it is ready; `None` when the test must be skipped.
-    fn start(test: &str, target: SocketAddr) -> Option<Prometheus> {
+    /// Starts it (with `flags`, such as `--enable-feature=exemplar-storage`) and waits until it
+    /// is ready; `None` when the test must be skipped.
+    fn start(test: &str, target: SocketAddr, flags: &[&str]) -> Option<Prometheus> {
         let Some(binary) = find_binary("prometheus") else {
             skip(
                 test,
@@ -138,6 +139,7 @@ impl Prometheus {
                 dir.path().join("data").display()
             ))
             .arg(format!("--web.listen-address={addr}"))
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -204,6 +206,56 @@ impl Prometheus {
     }
 }
 
+impl Prometheus {
+    /// The exemplars stored for `promql` over the last hour: (trace_id, span_id) pairs.
+    fn exemplars(&self, promql: &str) -> Vec<(String, String)> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        let (status, body) = http_get(
+            self.addr,
+            &format!(
+                "/api/v1/query_exemplars?query={}&start={}&end={}",
+                percent_encode(promql),
+                now - 3600,
+                now + 60
+            ),
+        );
+        assert_eq!(status, 200, "exemplars {promql}: {body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        let mut found = Vec::new();
+        for series in answer["data"].as_array().into_iter().flatten() {
+            for exemplar in series["exemplars"].as_array().into_iter().flatten() {
+                let labels = &exemplar["labels"];
+                if let (Some(trace), Some(span)) =
+                    (labels["trace_id"].as_str(), labels["span_id"].as_str())
+                {
+                    found.push((trace.to_string(), span.to_string()));
+                }
+            }
+        }
+        found
+    }
+
+    /// Asks for exemplars of `promql` until there is one (every 200 ms, up to `limit`, as
+    /// [`Prometheus::wait_for_series`]).
+    fn wait_for_exemplars(&self, promql: &str, limit: Duration) -> Vec<(String, String)> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let found = self.exemplars(promql);
+            if !found.is_empty() {
+                return found;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{promql}: no exemplar after {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 impl Drop for Prometheus {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -231,7 +283,7 @@ async fn prometheus_scrapes_the_kubelet_gauge_and_registration_metrics_of_a_regi
 
     let socket_text = socket.to_string_lossy().into_owned();
     let query_task = tokio::task::spawn_blocking(move || {
-        let prometheus = Prometheus::start(test, addr)?;
+        let prometheus = Prometheus::start(test, addr, &[])?;
         let limit = Duration::from_secs(30);
         let kubelet = prometheus.wait_for_series(
             &format!("plugin_manager_total_plugins{{socket_path=\"{socket_text}\"}}"),
@@ -537,4 +589,183 @@ async fn log_lines_about_a_plugin_carry_its_socket_path_and_name() {
         );
     }
     assert!(lines.len() > answered + 1, "{lines:?}");
+}
+
+/// Every span the receiver got until now (the agent has stopped and flushed).
+fn drain(spans: &mut mpsc::UnboundedReceiver<Span>) -> Vec<Span> {
+    let mut all = Vec::new();
+    while let Ok(span) = spans.try_recv() {
+        all.push(span);
+    }
+    all
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_exemplar_in_prometheus_names_a_trace_the_collector_received_and_the_log_lines_of_it()
+ {
+    let test = "a_latency_exemplar_in_prometheus_names_a_trace_the_collector_received_and_the_log_lines_of_it";
+    if find_binary("prometheus").is_none() {
+        skip(test, "prometheus is not installed (cargo xtask deps)");
+        return;
+    }
+    let (endpoint, mut spans) = otlp_receiver().await;
+    let dir = PluginDir::new();
+    let agent = agent(
+        test,
+        &dir,
+        &[
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+    )
+    .await;
+    let addr = metrics_addr(&agent).await;
+    let socket = dir.path("exemplar.sock");
+    let plugin = plugin!(&socket).name("exemplar.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let registered = agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+
+    let exemplars = tokio::task::spawn_blocking(move || {
+        let prometheus = Prometheus::start(test, addr, &["--enable-feature=exemplar-storage"])?;
+        Some(prometheus.wait_for_exemplars(
+            "plugin_agent_registration_duration_seconds_bucket{outcome=\"success\"}",
+            Duration::from_secs(30),
+        ))
+    })
+    .await
+    .expect("queries");
+    let Some(exemplars) = exemplars else { return };
+    let (trace_id, span_id) = exemplars[0].clone();
+    assert_eq!(trace_id.len(), 32, "{exemplars:?}");
+
+    // The log line of the registration carries the same trace.
+    assert_eq!(
+        registered.field("trace_id").as_deref(),
+        Some(trace_id.as_str()),
+        "{registered}"
+    );
+    assert_eq!(
+        registered.field("span_id").as_deref(),
+        Some(span_id.as_str())
+    );
+
+    let status = agent.stop().await;
+    assert!(status.success(), "{status:?}");
+    let received = drain(&mut spans);
+    let register = received
+        .iter()
+        .find(|s| s.name == "register" && hex(&s.trace_id) == trace_id)
+        .unwrap_or_else(|| panic!("{test}: no register span of trace {trace_id} received"));
+    assert_eq!(hex(&register.span_id), span_id);
+    assert!(
+        received
+            .iter()
+            .any(|s| s.name == "discovery" && hex(&s.trace_id) == trace_id),
+        "the discovery root of the trace was exported too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exported_and_fast_ones_not()
+ {
+    let test = "with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exported_and_fast_ones_not";
+    let (endpoint, mut spans) = otlp_receiver().await;
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    options.extra = ["--no-metrics", "--otlp-endpoint", &endpoint]
+        .iter()
+        .map(|a| a.to_string())
+        .chain(["--trace-keep-slower-than".into(), "300ms".into()])
+        .collect();
+    options.env = vec![
+        (
+            "OTEL_TRACES_SAMPLER".into(),
+            "parentbased_traceidratio".into(),
+        ),
+        ("OTEL_TRACES_SAMPLER_ARG".into(), "0".into()),
+    ];
+    let agent = AgentProcess::start(test, options)
+        .await
+        .unwrap_or_else(|| panic!("{test}: the inotify source needs nothing special"));
+
+    let fast = dir.path("fast.sock");
+    let slow = dir.path("slow.sock");
+    let failed = dir.path("failed.sock");
+    let fast_plugin = plugin!(&fast).name("fast.example.com").spawn();
+    // Over twice the threshold (and within the agent's 1 s GetInfo deadline): slow by the
+    // agent's rule, whatever the machine's load.
+    let slow_plugin = plugin!(&slow)
+        .name("slow.example.com")
+        .arg("--get-info-delay")
+        .arg("700ms")
+        .spawn();
+    // No handler serves this type: the registration fails.
+    let failed_plugin = plugin!(&failed)
+        .name("failed.example.com")
+        .plugin_type("NoSuchType")
+        .spawn();
+    fast_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    slow_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    failed_plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("slow registered", EVENT_TIMEOUT, logs::registered(&slow))
+        .await;
+    agent
+        .wait_for_log("fast registered", EVENT_TIMEOUT, logs::registered(&fast))
+        .await;
+    let status = agent.stop().await;
+    assert!(status.success(), "{status:?}");
+
+    let received = drain(&mut spans);
+    let registers = |socket: &std::path::Path| -> Vec<&Span> {
+        let text = socket.to_string_lossy();
+        received
+            .iter()
+            .filter(|s| {
+                s.name == "register" && attribute(s, "socket_path").as_deref() == Some(&*text)
+            })
+            .collect()
+    };
+    let slow_spans = registers(&slow);
+    assert!(
+        !slow_spans.is_empty(),
+        "{test}: the slow registration was not exported"
+    );
+    assert_eq!(
+        attribute(slow_spans[0], "tail_kept").as_deref(),
+        Some("slow")
+    );
+    let failed_spans = registers(&failed);
+    assert!(
+        !failed_spans.is_empty(),
+        "{test}: the failed registration was not exported"
+    );
+    assert_eq!(
+        attribute(failed_spans[0], "tail_kept").as_deref(),
+        Some("failed")
+    );
+    // A kept trace is exported whole: its discovery root and its steps.
+    let trace = &failed_spans[0].trace_id;
+    assert!(
+        received
+            .iter()
+            .any(|s| s.name == "discovery" && &s.trace_id == trace)
+    );
+    assert!(
+        received
+            .iter()
+            .any(|s| s.name == "GetInfo" && &s.trace_id == trace)
+    );
+    assert!(
+        registers(&fast).is_empty(),
+        "{test}: a fast successful registration was exported though not sampled"
+    );
 }

@@ -103,14 +103,9 @@ impl Discoveries {
         };
         let source = self.label(via);
         let context = {
-            let started = kernel_ns
-                .map(|ns| {
-                    let ago = Duration::from_nanos(monotonic_now_ns().saturating_sub(ns));
-                    SystemTime::now()
-                        .checked_sub(ago)
-                        .unwrap_or_else(SystemTime::now)
-                })
-                .unwrap_or_else(SystemTime::now);
+            let started = kernel_ns.map_or_else(SystemTime::now, |ns| {
+                wall_time_of(ns, monotonic_now_ns(), SystemTime::now())
+            });
             let mut span = tracer
                 .span_builder("discovery")
                 .with_start_time(started)
@@ -161,9 +156,32 @@ impl Discoveries {
     }
 }
 
+/// The wall-clock time of a kernel timestamp `kernel_ns` (`bpf_ktime_get_ns`: `CLOCK_MONOTONIC`,
+/// which neither jumps with the wall clock nor counts suspend), given the two clocks read now
+/// (`monotonic_now_ns`, `wall_now`): now minus how long ago it happened. Read just after the
+/// event, the two clocks cannot drift apart by more than a clock adjustment in between. A
+/// timestamp from the future (never, but it is input) is taken as now.
+pub fn wall_time_of(kernel_ns: u64, monotonic_now_ns: u64, wall_now: SystemTime) -> SystemTime {
+    let ago = Duration::from_nanos(monotonic_now_ns.saturating_sub(kernel_ns));
+    wall_now.checked_sub(ago).unwrap_or(wall_now)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_timestamps_become_the_wall_time_they_happened_at() {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        // An event 1.5 ms before "now" on CLOCK_MONOTONIC (boot + 100 s).
+        let now_ns = 100_000_000_000;
+        let at = wall_time_of(now_ns - 1_500_000, now_ns, wall);
+        assert_eq!(
+            wall.duration_since(at).expect("before"),
+            Duration::from_micros(1500)
+        );
+        assert_eq!(wall_time_of(now_ns + 5, now_ns, wall), wall, "future: now");
+    }
 
     #[test]
     fn scans_and_events_are_labelled_apart() {
