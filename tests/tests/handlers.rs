@@ -145,6 +145,9 @@ async fn grpc_handler_accepts_plugin_with_highest_dra_service() {
     assert_eq!(notify.field("error").as_deref(), Some(""));
     let validate = handler.wait(call("validate", "gpu"), "validate").await;
     assert_eq!(validate.field("service").as_deref(), Some("v1.DRAPlugin"));
+    // The handler logs a call after answering it, so its register line can
+    // trail the plugin's Notify: await it, then check the order.
+    handler.wait(call("register", "gpu"), "register").await;
     assert_eq!(
         handler.calls(),
         vec![
