@@ -39,7 +39,8 @@ pub mod loss {
     pub const RING_FULL: u32 = 0;
     /// The per-thread table that carries a syscall's arguments from entry to exit was full.
     pub const PENDING_FULL: u32 = 1;
-    /// The table of names under the watched tree was full, so a later removal may go unmatched.
+    /// Not counted any more (the agent is the name table's one writer and handles a full table
+    /// itself); the index stays so the counter array keeps its layout.
     pub const NAMES_FULL: u32 = 2;
     /// Number of counters.
     pub const COUNT: u32 = 3;

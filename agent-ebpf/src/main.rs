@@ -3,7 +3,7 @@
 //! ```text
 //! sys_enter_bind  --AF_UNIX, path--> PENDING_BINDS[thread] = fd
 //! sys_exit_bind   --ret 0--> fd -> file -> socket -> unix_sock.path.dentry -> parent in WATCHED?
-//!                        --> EVENTS (exact: parent identity + name); NAMES += name
+//!                        --> EVENTS (exact: parent identity + name)
 //! sys_enter_{unlink,unlinkat,rmdir,mknod,mknodat,mkdir,mkdirat,rename,renameat,renameat2}
 //!   path_enter (first path; told apart by __syscall_nr), rename_target_enter (second path)
 //!                      --> path "name" relative to a WATCHED dir: exact; "a/b/name": name in NAMES?
@@ -100,7 +100,7 @@ mod programs {
         parent: NameKey,
         /// The NAMES value of `parent` when [`parent_known`] found it (0: none).
         parent_id: u64,
-        /// A reported entry's name on its way to NAMES (see [`report_dentry`]).
+        /// A reported entry's name on its way into its ring record (see [`report_dentry`]).
         name: NameKey,
         start: u64,
         len: u64,
@@ -111,11 +111,9 @@ mod programs {
     }
 
     const BPF_F_NO_PREALLOC: u32 = 1;
-    const BPF_NOEXIST: u64 = 1;
     const BPF_RB_NO_WAKEUP: u64 = 1;
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
     const BPF_RB_AVAIL_DATA: u64 = 0;
-    const EEXIST: i32 = 17;
     const AF_UNIX: u16 = 1;
     const AT_FDCWD: i64 = -100;
     /// Directories walked up from a bound socket looking for a watched one.
@@ -316,15 +314,7 @@ mod programs {
             return None;
         }
         let dentry = kptr(sk, offset!(unix_sock_dentry))?;
-        report_below_watched(dentry, kind::BIND, Names::Remember)
-    }
-
-    /// Whether an event's name goes into NAMES: the tracepoint programs need it to match later
-    /// calls by name; the fentry/fexit programs see every dentry and never look names up.
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    enum Names {
-        Remember,
-        Skip,
+        report_below_watched(dentry, kind::BIND)
     }
 
     /// Reports the entry at `dentry` (just created: a socket, a directory, a rename's target) if
@@ -332,7 +322,7 @@ mod programs {
     /// the sub-directory (created but not yet watched) on the way up that holds it, which the
     /// watcher then watches and walks. Walks up at most [`MAX_DEPTH`] directories.
     #[inline(always)]
-    fn report_below_watched(dentry: usize, what: u32, names: Names) -> Option<()> {
+    fn report_below_watched(dentry: usize, what: u32) -> Option<()> {
         let mut entry_dentry = dentry;
         let mut watched = None;
         for _ in 0..MAX_DEPTH {
@@ -354,12 +344,12 @@ mod programs {
         } else {
             kind::CREATE
         };
-        report_dentry(entry_dentry, parent, what, names)
+        report_dentry(entry_dentry, parent, what)
     }
 
     /// Submits an exact event for the entry at `dentry` in the watched directory `parent`.
     #[inline(always)]
-    fn report_dentry(dentry: usize, parent: DirKey, what: u32, names: Names) -> Option<()> {
+    fn report_dentry(dentry: usize, parent: DirKey, what: u32) -> Option<()> {
         let name = kptr(dentry, offset!(dentry_name))?;
         let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
         // The name is read into scratch memory, not into the ring record: older verifiers (6.1's)
@@ -371,9 +361,6 @@ mod programs {
         key.bytes = [0; NAME_LEN];
         // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
         let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut key.bytes) };
-        if what != kind::REMOVE && names == Names::Remember {
-            remember_name(key);
-        }
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
             count_loss(loss::RING_FULL);
             return None;
@@ -391,16 +378,6 @@ mod programs {
         }
         entry.submit(wake_flags());
         Some(())
-    }
-
-    /// Adds a name reported under the tree to NAMES, so its later removal by a multi-component path
-    /// is recognised.
-    fn remember_name(name: &NameKey) {
-        match NAMES.insert(name, 0, BPF_NOEXIST) {
-            Ok(()) => {}
-            Err(err) if err == -EEXIST => {}
-            Err(_) => count_loss(loss::NAMES_FULL),
-        }
     }
 
     // ---------------------------------------------------------------------------------------------
@@ -857,9 +834,6 @@ mod programs {
                         let event = entry.as_mut_ptr();
                         core::ptr::copy_nonoverlapping(pending, event, 1);
                         (*event).ktime_ns = now_ns();
-                        if (*event).kind == kind::CREATE && (*event).scope == scope::EXACT {
-                            remember_name(&(*pending).name);
-                        }
                     }
                     entry.submit(wake_flags());
                 }
@@ -924,7 +898,7 @@ mod programs {
             return None;
         }
         let dentry = func_arg(ctx.as_ptr(), vfs!(mknod_dentry))? as usize;
-        report_below_watched(dentry, kind::CREATE, Names::Skip)
+        report_below_watched(dentry, kind::CREATE)
     }
 
     /// A directory created: joins the watched set at once (`mkdir -p a/b/c` reports `a`).
@@ -951,7 +925,7 @@ mod programs {
         } else {
             return None;
         };
-        report_below_watched(dentry, kind::CREATE, Names::Skip)
+        report_below_watched(dentry, kind::CREATE)
     }
 
     /// An entry unlinked.
@@ -977,7 +951,7 @@ mod programs {
         let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
         // SAFETY: presence check only.
         unsafe { WATCHED.get(&parent) }?;
-        report_dentry(dentry, parent, kind::REMOVE, Names::Skip)
+        report_dentry(dentry, parent, kind::REMOVE)
     }
 
     /// Before a rename: the source's directory and name, which the move overwrites, parked for
@@ -1038,7 +1012,7 @@ mod programs {
     fn try_vfs_rename_target(ctx: &FExitContext) -> Option<()> {
         let rd = func_arg(ctx.as_ptr(), vfs!(rename_data))? as usize;
         let moved = kptr(rd, vfs!(renamedata_old_dentry) as usize)?;
-        report_below_watched(moved, kind::CREATE, Names::Skip)
+        report_below_watched(moved, kind::CREATE)
     }
 
     #[panic_handler]

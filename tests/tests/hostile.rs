@@ -1285,3 +1285,56 @@ async fn sigterm_ends_within_5_s_with_a_hung_handler_and_a_trace_collector_that_
     );
     drop(collector);
 }
+
+/// Issue 16 (the storm's tail): the kernel put the name of every socket bound under the tree in
+/// its name table, so a storm of short-lived sockets filled it every 16,384 names, and each time
+/// the agent cleared it and rescanned the whole tree while events waited. The table now holds the
+/// names of entries in the tree only: 20,000 distinct names bound and unlinked by absolute path
+/// cost no rescan, and a plugin removed by absolute path after them is still matched by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ebpf_20000_short_lived_socket_names_cause_no_rescan_and_removals_are_still_matched() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut options = AgentOptions::new(Source::Ebpf, &dir.root());
+    options.extra = vec!["--metrics-addr".into(), addr.to_string()];
+    let Some(agent) = AgentProcess::start(test, options).await else {
+        return;
+    };
+    std::fs::create_dir(dir.path("noise")).expect("mkdir");
+    let noise = dir.path("noise");
+    tokio::task::spawn_blocking(move || {
+        for n in 0..20_000 {
+            let path = noise.join(format!("n-{n}.sock"));
+            let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("bind");
+            std::fs::remove_file(&path).expect("unlink by absolute path");
+            drop(socket);
+        }
+    })
+    .await
+    .expect("noise");
+    let plugin = plugin!(dir.path("noise/last.sock")).name("last").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    std::fs::remove_file(plugin.socket()).expect("unlink by absolute path");
+    agent
+        .wait_for_log(
+            "the plugin removed by absolute path deregistered",
+            EVENT_TIMEOUT,
+            logs::deregistered(plugin.socket()),
+        )
+        .await;
+    let metrics = wait_for_http(addr, "/metrics", 200).await;
+    let rescans: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("plugin_agent_rescans_total{"))
+        .collect();
+    assert_eq!(
+        rescans,
+        vec!["plugin_agent_rescans_total{reason=\"start\"} 1"],
+        "{test}: rescans beyond the start's"
+    );
+}

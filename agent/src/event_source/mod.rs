@@ -194,8 +194,20 @@ pub trait EventSource: Send + Sync {
     fn unwatch(&self, dir: &WatchedDir);
 
     /// The watcher found an entry (socket or directory) called `name` inside `dir`. Sources that
-    /// filter removals by name in the kernel use this; others ignore it.
-    fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) {}
+    /// filter removals by name in the kernel use this; others ignore it. Calling it again for the
+    /// same entry changes nothing.
+    ///
+    /// Returns true when the source did not know the name before this call: a removal of the
+    /// entry by a multi-component path made before it was not reported, so the caller must look
+    /// at the entry again (announce, then check: the same order as watch, then walk).
+    fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) -> bool {
+        false
+    }
+
+    /// The entry called `name` inside `dir` is gone (removed, or its directory left the tree).
+    /// A source that keeps a name table drops the name once no entry carries it, so the table
+    /// holds what is in the tree and not every name that ever passed through it.
+    fn entry_absent(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) {}
 
     /// The source's own counters, read when metrics are scraped. Sources without a kernel-side
     /// buffer to report on keep the default (nothing dropped, no ring buffer).

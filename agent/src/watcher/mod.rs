@@ -221,10 +221,22 @@ impl Watcher {
     fn socket_present(
         &mut self,
         path: &Path,
-        socket: crate::state::SocketId,
+        mut socket: crate::state::SocketId,
         observed: Observed,
         via: Via,
     ) {
+        if self.announce(path) {
+            // The source did not know the name: a removal by a multi-component path before the
+            // announcement went unreported, so look again now that any later one will be.
+            match EntryKind::of(path) {
+                Ok(EntryKind::Socket(now)) => socket = now,
+                _ => {
+                    self.unannounce(path);
+                    self.check(path, observed);
+                    return;
+                }
+            }
+        }
         match self
             .desired
             .add_observed(path, socket, observed.kernel_ns, via == Via::Event)
@@ -246,7 +258,6 @@ impl Watcher {
                 debug!(socket_path = %path.display(), ?change, ?since_event, "socket discovered");
                 self.notifications
                     .publish(AgentEvent::new(EventKind::SocketDiscovered, path));
-                self.announce(path);
                 self.queue.mark(path.to_path_buf());
             }
             Err(e) => warn!(socket_path = %path.display(), error = %e, "cannot record socket"),
@@ -255,6 +266,7 @@ impl Watcher {
 
     fn forget_socket(&mut self, path: &Path, observed: Observed, via: Via) {
         if self.desired.remove(path) {
+            self.unannounce(path);
             self.telemetry
                 .discovery
                 .record(path, Found::Removed, via, observed.kernel_ns);
@@ -276,6 +288,19 @@ impl Watcher {
             .take_while(|path| path.starts_with(dir))
             .cloned()
             .collect();
+        // Sockets are only ever recorded from directories in `dirs` (a walk watches a directory
+        // before it reads it; events come from watched directories; a rescan prunes both
+        // together), so a path that was not a watched directory has no sockets below it. Every
+        // removed socket comes through here: without this, each removal would scan the whole
+        // desired state (deregistering 10,000 plugins: 50 million path comparisons).
+        if gone.is_empty() {
+            return;
+        }
+        // Names first, while every parent is still in `dirs` to say where they were.
+        let sockets = self.desired.remove_under(dir);
+        for path in gone.iter().chain(&sockets) {
+            self.unannounce(path);
+        }
         for path in &gone {
             if let Some(watched) = self.dirs.remove(path) {
                 self.source.unwatch(&watched);
@@ -285,15 +310,7 @@ impl Watcher {
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
-        // Sockets are only ever recorded from directories in `dirs` (a walk watches a directory
-        // before it reads it; events come from watched directories; a rescan prunes both
-        // together), so a path that was not a watched directory has no sockets below it. Every
-        // removed socket comes through here: without this, each removal would scan the whole
-        // desired state (deregistering 10,000 plugins: 50 million path comparisons).
-        if gone.is_empty() {
-            return;
-        }
-        for path in self.desired.remove_under(dir) {
+        for path in sockets {
             self.telemetry
                 .discovery
                 .record(&path, Found::Removed, Via::Event, None);
@@ -307,12 +324,25 @@ impl Watcher {
     /// Tells the source that an entry named like `path` exists in `path`'s (watched) directory.
     /// Sources that match removals by name in the kernel depend on it; a rescan re-announces
     /// everything, because a source whose name table overflowed asks for a rescan to refill it.
-    fn announce(&self, path: &Path) {
+    /// True when the name was new to the source: the caller looks at the entry again.
+    fn announce(&self, path: &Path) -> bool {
+        match (
+            path.parent().and_then(|p| self.dirs.get(p)),
+            path.file_name(),
+        ) {
+            (Some(dir), Some(name)) => self.source.entry_present(dir, name),
+            _ => false,
+        }
+    }
+
+    /// Tells the source that the entry at `path` is gone, so its name can leave the source's
+    /// table. Called while `path`'s directory is still in the watched set.
+    fn unannounce(&self, path: &Path) {
         if let (Some(dir), Some(name)) = (
             path.parent().and_then(|p| self.dirs.get(p)),
             path.file_name(),
         ) {
-            self.source.entry_present(dir, name);
+            self.source.entry_absent(dir, name);
         }
     }
 }

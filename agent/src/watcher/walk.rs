@@ -85,11 +85,16 @@ impl Watcher {
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
-        // Every walk re-announces the directory, like every rescan re-announces every socket.
+        // Every walk re-announces the directory, like every rescan re-announces every socket;
+        // announced before it is read, so a removal after the read is matched by name.
         self.announce(dir);
         let entries = match std::fs::read_dir(dir) {
             Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Gone between the stat and the read (perhaps before the announcement, unseen).
+                self.forget_dir(dir);
+                return false;
+            }
             Err(e) => {
                 self.unreadable(dir, &e, report);
                 return true;
@@ -181,6 +186,17 @@ impl Watcher {
             .filter(|d| !seen_dirs.contains(*d) && !report.keeps(d))
             .cloned()
             .collect();
+        let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
+        let mut removed = 0;
+        for (path, _) in self.desired.snapshot() {
+            if !present.contains(&path) && !report.keeps(&path) {
+                self.forget_socket(&path, Observed::default(), Via::Scan);
+                removed += 1;
+            }
+        }
+        for dir in &stale_dirs {
+            self.unannounce(dir);
+        }
         for dir in stale_dirs {
             if let Some(watched) = self.dirs.remove(&dir) {
                 self.source.unwatch(&watched);
@@ -190,18 +206,10 @@ impl Watcher {
                 .watched_dirs
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
-        let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
-        let mut removed = 0;
-        for (path, _) in self.desired.snapshot() {
-            if !present.contains(&path) && !report.keeps(&path) {
-                self.forget_socket(&path, Observed::default(), Via::Scan);
-                removed += 1;
-            }
-        }
         let before = self.desired.len();
         for (path, socket) in found {
-            // Unchanged sockets too: a source that lost its name table asks for this rescan.
-            self.announce(&path);
+            // Announces unchanged sockets too: a source that lost its name table asks for this
+            // rescan.
             self.socket_present(&path, socket, Observed::default(), Via::Scan);
         }
         let level_info =

@@ -30,12 +30,32 @@ use crate::event_source::WatchedDir;
 /// that component in the table (see `agent_ebpf::Event::parent`), so the watcher looks for the
 /// entry only in the watched directories so named instead of in every one. Ids start at 1 (0 is
 /// "none", which the kernel's own insertions carry until the watcher announces the name).
+///
+/// The table holds the names of the entries in the tree, no more: a name leaves it when the last
+/// entry carrying it does (`forget_name`). Names of sockets that came and went (a storm of
+/// short-lived sockets) never enter it, because the kernel does not add a bound socket's name:
+/// the watcher announces an entry it found, then looks at it again (see
+/// [`crate::event_source::EventSource::entry_present`]), so a removal made before the announcement
+/// is seen by that look, and every one after it is matched by name. Before this, every bound
+/// name went in and the table filled every 16,384 names, and each time the reader cleared it
+/// (16,384 map deletions while events waited) and asked for a full rescan: the storm's tail.
 struct Names {
     map: BpfHashMap<MapData, NameKey, u32>,
-    ids: HashMap<OsString, u32>,
+    by_name: HashMap<OsString, NameEntry>,
     by_id: HashMap<u32, OsString>,
     next_id: u32,
 }
+
+/// A name in the table: its id, and the watched directories holding an entry so named (almost
+/// always one; `csi.sock` in every driver's directory is the common exception).
+struct NameEntry {
+    id: u32,
+    dirs: Vec<DirKey>,
+}
+
+/// The name table is full: the reader clears it and asks for a rescan, which refills it.
+#[derive(Debug)]
+pub struct NamesFull;
 
 /// The watched-directory and name filters, shared by the source (writer) and its reader.
 pub struct Filters {
@@ -65,7 +85,7 @@ impl Filters {
             watched: Mutex::new(watched),
             names: Mutex::new(Names {
                 map: names,
-                ids: HashMap::new(),
+                by_name: HashMap::new(),
                 by_id: HashMap::new(),
                 next_id: 1,
             }),
@@ -110,28 +130,64 @@ impl Filters {
         lock(&self.paths).remove(&key);
     }
 
-    /// Lets the kernel match a later removal of `name` by a multi-component path.
+    /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path.
     ///
-    /// Returns false when the map is full; the reader is then told to clear it and ask for a rescan.
-    pub fn remember_name(&self, name: &OsStr) -> bool {
+    /// Returns whether the name is new to userspace's table (the caller then looks at the entry
+    /// again), or [`NamesFull`]; the reader is then told to clear the table and ask for a rescan.
+    pub fn remember_name(&self, dir: &WatchedDir, name: &OsStr) -> Result<bool, NamesFull> {
         let Some(key) = NameKey::new(name.as_bytes()) else {
-            return true;
+            return Ok(false);
         };
+        let dir = Self::key(dir);
         let mut names = lock(&self.names);
-        if names.ids.contains_key(name) {
-            return true;
+        if let Some(entry) = names.by_name.get_mut(name) {
+            if !entry.dirs.contains(&dir) {
+                entry.dirs.push(dir);
+            }
+            return Ok(false);
         }
         let id = names.next_id;
-        // Overwrites the kernel's own insertion of the name (id 0) with userspace's id.
+        // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
         if names.map.insert(key, id, 0).is_ok() {
             names.next_id = id.wrapping_add(1).max(1);
-            names.ids.insert(name.to_os_string(), id);
+            names.by_name.insert(
+                name.to_os_string(),
+                NameEntry {
+                    id,
+                    dirs: vec![dir],
+                },
+            );
             names.by_id.insert(id, name.to_os_string());
-            return true;
+            return Ok(true);
         }
         self.names_overflowed.store(true, Ordering::Release);
         self.overflow.notify_one();
-        false
+        Err(NamesFull)
+    }
+
+    /// The entry `name` in `dir` is gone: the name leaves the table once no watched directory
+    /// holds an entry so named. A name the kernel added that no entry announced (a directory made
+    /// and removed before the watcher looked) goes too; an entry not yet announced that carries
+    /// it is looked at again when it is (see [`Names`]).
+    pub fn forget_name(&self, dir: &WatchedDir, name: &OsStr) {
+        let Some(key) = NameKey::new(name.as_bytes()) else {
+            return;
+        };
+        let dir = Self::key(dir);
+        let mut names = lock(&self.names);
+        if let Some(entry) = names.by_name.get_mut(name) {
+            entry.dirs.retain(|d| *d != dir);
+            if !entry.dirs.is_empty() {
+                return;
+            }
+            let id = entry.id;
+            names.by_name.remove(name);
+            names.by_id.remove(&id);
+            crate::memory::shrink_if_sparse(&mut names.by_name);
+            crate::memory::shrink_if_sparse(&mut names.by_id);
+        }
+        // Absent keys are fine: the name may never have been in the table.
+        let _ = names.map.remove(&key);
     }
 
     /// The name the kernel's id `id` stands for (see [`Names`]).
@@ -157,7 +213,7 @@ impl Filters {
         for key in keys {
             let _ = names.map.remove(&key);
         }
-        names.ids.clear();
+        names.by_name.clear();
         names.by_id.clear();
     }
 

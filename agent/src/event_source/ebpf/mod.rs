@@ -259,12 +259,25 @@ impl EventSource for EbpfSource {
         self.stats.snapshot()
     }
 
-    fn entry_present(&self, _dir: &WatchedDir, name: &std::ffi::OsStr) {
-        if self.family == HookFamily::Tracepoints && !self.filters.remember_name(name) {
-            tracing::warn!(
-                name = %name.to_string_lossy(),
-                "eBPF name table is full: clearing it and rescanning"
-            );
+    fn entry_present(&self, dir: &WatchedDir, name: &std::ffi::OsStr) -> bool {
+        if self.family != HookFamily::Tracepoints {
+            return false;
+        }
+        match self.filters.remember_name(dir, name) {
+            Ok(new) => new,
+            Err(filters::NamesFull) => {
+                tracing::warn!(
+                    name = %name.to_string_lossy(),
+                    "eBPF name table is full: clearing it and rescanning"
+                );
+                false
+            }
+        }
+    }
+
+    fn entry_absent(&self, dir: &WatchedDir, name: &std::ffi::OsStr) {
+        if self.family == HookFamily::Tracepoints {
+            self.filters.forget_name(dir, name);
         }
     }
 }
