@@ -6,6 +6,14 @@ use plugin_agent::cli::{self, Cli, Command, LogFormat};
 use plugin_agent::telemetry::logging;
 
 fn main() -> std::process::ExitCode {
+    // The eBPF loader's short-lived child that reads the kernel's BTF (see its module docs).
+    if std::env::args_os().nth(1).as_deref()
+        == Some(std::ffi::OsStr::new(
+            plugin_agent::event_source::ebpf::KERNEL_LAYOUT_CHILD_ARG,
+        ))
+    {
+        return plugin_agent::event_source::ebpf::kernel_layout_child_main();
+    }
     let cli = Cli::parse();
     raise_nofile_limit();
     plugin_agent::memory::limit_arenas();

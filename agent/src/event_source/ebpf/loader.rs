@@ -1,7 +1,7 @@
 //! Loads the kernel programs with this kernel's offsets and attaches them to their hooks.
 //!
 //! ```text
-//! embedded object + btf::{resolve_offsets, resolve_vfs_args} + EbpfOptions
+//! embedded object + layout (kernel BTF, read in a child process) + EbpfOptions
 //!   --EbpfLoader (CONFIG, map sizes)--> Ebpf
 //!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename} (FEntry/FExit load+attach)
 //!                    else tracefs::ensure_mounted + TracePoint load/attach on syscalls/sys_{enter,exit}_*
@@ -17,8 +17,8 @@ use anyhow::{Context, bail};
 use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
-use super::btf::{KernelBtf, resolve_offsets, resolve_vfs_args};
 use super::hooks::{self, HookChoice, HookFamily, Selection};
+use super::layout::{self, KernelLayout};
 use super::tracefs;
 
 /// The kernel object, when this agent was built with it (`cargo xtask build`).
@@ -266,12 +266,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     let mut timings = LoadTimings::default();
     let started = Instant::now();
-    let btf = KernelBtf::running_kernel()?;
-    let offsets = resolve_offsets(&btf).context("the running kernel's layout is not supported")?;
-    // Only the fentry/fexit family needs these; a kernel where they cannot be found still gets
-    // the tracepoints.
-    let vfs = resolve_vfs_args(&btf).map_err(|err| format!("{err:#}"));
-    drop(btf);
+    let KernelLayout { offsets, vfs } = layout::resolve()?;
     timings.btf = started.elapsed();
     let started = Instant::now();
     let config = Config {
@@ -283,7 +278,11 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         vfs: vfs.clone().unwrap_or_default(),
         ..Config::UNSET
     };
+    // No kernel BTF for aya: the object has no CO-RE relocations (offsets come from the layout
+    // above, into CONFIG), and aya's default parses all of vmlinux's BTF again (+20 MiB peak, 70 ms)
+    // only to relocate nothing. The fentry/fexit loads parse their own when that family is tried.
     let mut ebpf = EbpfLoader::new()
+        .btf(None)
         .override_global(names::CONFIG, &config, true)
         .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
         .map_max_entries(names::WATCHED, params.watched_capacity)

@@ -2,7 +2,8 @@
 //! watched directories, feeding a ring buffer (see agent-ebpf for the kernel side).
 //!
 //! ```text
-//! open: btf (offsets, VFS signatures) -> loader (load, hooks::select, attach) -> filters + reader task
+//! open: layout (btf in a child process: offsets, VFS signatures) -> loader (load, hooks::select,
+//!       attach) -> filters + reader task
 //! kernel: bind, unlink, mkdir, rename... --WATCHED, NAMES--> EVENTS ring --reader--> FsEvent --> watcher
 //!                                                       LOSSES ---reader--> FsEvent::Rescan
 //! watcher --watch / unwatch / entry_present--> filters (BPF maps)
@@ -36,6 +37,7 @@
 mod btf;
 mod filters;
 mod hooks;
+mod layout;
 mod loader;
 mod reader;
 mod record;
@@ -54,6 +56,9 @@ use tokio_util::sync::CancellationToken;
 pub use self::btf::{KernelBtf, Member, resolve_offsets};
 use self::filters::Filters;
 pub use self::hooks::{HOOKS_ENV, HookChoice, HookFamily};
+pub use self::layout::{
+    CHILD_ARG as KERNEL_LAYOUT_CHILD_ARG, child_main as kernel_layout_child_main,
+};
 use self::loader::LoadParams;
 pub use self::loader::LoadTimings;
 use self::reader::Reader;

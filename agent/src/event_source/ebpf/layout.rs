@@ -1,0 +1,197 @@
+//! The kernel layout the programs are loaded with (struct member offsets, the VFS functions'
+//! argument positions), read from vmlinux's BTF in a short-lived child process.
+//!
+//! Why a child: parsing vmlinux's BTF takes about 30 MiB for a moment. In the agent, that moment
+//! was its peak resident set for the rest of its life (VmHWM 46 MiB against 20 to 29 MiB in use),
+//! and a DaemonSet's memory limit has to be sized for the peak. The child is this same executable
+//! (`/proc/self/exe`, which names the running binary even after an upgrade replaced the file), so
+//! the bytes it writes are the agent's own `#[repr(C)]` types; the parent checks their length and
+//! tag. If the child cannot run at all (no `/proc`, a seccomp profile without `execve`), the agent
+//! parses in its own process, as before.
+//!
+//! ```text
+//! agent --spawn /proc/self/exe __plugin-agent-kernel-layout--> child: parse BTF, resolve
+//!       <--stdout: "OK" offsets (vfs-tag vfs-args | vfs-tag error) | "ER" error----------
+//! ```
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use agent_ebpf::{KernelOffsets, VfsArgs};
+use anyhow::{Context, bail};
+
+use super::btf::{KernelBtf, resolve_offsets, resolve_vfs_args};
+
+/// The argument `main` recognises before anything else and hands to [`child_main`].
+pub const CHILD_ARG: &str = "__plugin-agent-kernel-layout";
+
+/// What the load needs from the kernel's BTF.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelLayout {
+    /// Struct member offsets for every program.
+    pub offsets: KernelOffsets,
+    /// Argument positions for the fentry/fexit family, or why they are not the ones the
+    /// programs know (the tracepoints are then used).
+    pub vfs: Result<VfsArgs, String>,
+}
+
+const OK: &[u8; 2] = b"OK";
+const ERROR: &[u8; 2] = b"ER";
+
+/// Resolves the layout of the running kernel, in a child process if one can run.
+pub fn resolve() -> anyhow::Result<KernelLayout> {
+    match in_child() {
+        Ok(Answer::Layout(layout)) => Ok(layout),
+        Ok(Answer::Error(message)) => bail!("{message}"),
+        Err(err) => {
+            tracing::debug!(error = %format!("{err:#}"), "kernel layout child failed; parsing BTF in the agent");
+            in_process()
+        }
+    }
+}
+
+/// Parses the running kernel's BTF in this process.
+pub fn in_process() -> anyhow::Result<KernelLayout> {
+    let btf = KernelBtf::running_kernel()?;
+    let offsets = resolve_offsets(&btf).context("the running kernel's layout is not supported")?;
+    // Only the fentry/fexit family needs these; a kernel where they cannot be found still gets
+    // the tracepoints.
+    let vfs = resolve_vfs_args(&btf).map_err(|err| format!("{err:#}"));
+    Ok(KernelLayout { offsets, vfs })
+}
+
+/// The child's whole life: resolve, write the answer to stdout, exit.
+pub fn child_main() -> std::process::ExitCode {
+    let bytes = encode(&in_process().map_err(|err| format!("{err:#}")));
+    match std::io::stdout().lock().write_all(&bytes) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(_) => std::process::ExitCode::FAILURE,
+    }
+}
+
+enum Answer {
+    Layout(KernelLayout),
+    /// The child ran and could not resolve: the same error the agent would get.
+    Error(String),
+}
+
+fn in_child() -> anyhow::Result<Answer> {
+    let output = Command::new("/proc/self/exe")
+        .arg(CHILD_ARG)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .context("cannot run the kernel layout child")?;
+    if !output.status.success() {
+        bail!("the kernel layout child exited with {}", output.status);
+    }
+    decode(&output.stdout)
+}
+
+fn encode(answer: &Result<KernelLayout, String>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    match answer {
+        Ok(layout) => {
+            bytes.extend_from_slice(OK);
+            bytes.extend_from_slice(pod_bytes(&layout.offsets));
+            match &layout.vfs {
+                Ok(vfs) => {
+                    bytes.push(1);
+                    bytes.extend_from_slice(pod_bytes(vfs));
+                }
+                Err(reason) => {
+                    bytes.push(0);
+                    bytes.extend_from_slice(reason.as_bytes());
+                }
+            }
+        }
+        Err(message) => {
+            bytes.extend_from_slice(ERROR);
+            bytes.extend_from_slice(message.as_bytes());
+        }
+    }
+    bytes
+}
+
+fn decode(bytes: &[u8]) -> anyhow::Result<Answer> {
+    let (tag, rest) = bytes.split_at_checked(2).context("empty answer")?;
+    if tag == ERROR {
+        return Ok(Answer::Error(String::from_utf8_lossy(rest).into_owned()));
+    }
+    if tag != OK {
+        bail!("unknown answer");
+    }
+    let (offsets, rest) = rest
+        .split_at_checked(size_of::<KernelOffsets>())
+        .context("short answer")?;
+    let offsets = read_pod::<KernelOffsets>(offsets);
+    let vfs = match rest.split_first() {
+        Some((1, vfs)) if vfs.len() == size_of::<VfsArgs>() => Ok(read_pod::<VfsArgs>(vfs)),
+        Some((0, reason)) => Err(String::from_utf8_lossy(reason).into_owned()),
+        _ => bail!("malformed answer"),
+    };
+    Ok(Answer::Layout(KernelLayout { offsets, vfs }))
+}
+
+/// The bytes of a `#[repr(C)]` struct of `u32`s only (no padding: every byte is initialised).
+fn pod_bytes<T: aya::Pod>(value: &T) -> &[u8] {
+    // SAFETY: `T` is plain old data made of u32 fields (KernelOffsets, VfsArgs), so all
+    // `size_of::<T>()` bytes behind the reference are initialised and readable as u8.
+    unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
+/// Reads a `T` from exactly `size_of::<T>()` bytes written by [`pod_bytes`].
+fn read_pod<T: aya::Pod>(bytes: &[u8]) -> T {
+    assert_eq!(bytes.len(), size_of::<T>(), "checked by the caller");
+    // SAFETY: the length is checked above, any bit pattern is a valid `T` (`aya::Pod`), and
+    // `read_unaligned` has no alignment requirement.
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(vfs: Result<VfsArgs, String>) -> KernelLayout {
+        let mut offsets = KernelOffsets::default();
+        offsets.task_fs = 1234;
+        offsets.dentry_name = 40;
+        KernelLayout { offsets, vfs }
+    }
+
+    #[test]
+    fn a_layout_survives_the_round_trip_with_and_without_vfs_arguments() {
+        let mut vfs = VfsArgs::default();
+        vfs.rename_data = 2;
+        for original in [layout(Ok(vfs)), layout(Err("no vfs_mkdir".into()))] {
+            match decode(&encode(&Ok(original.clone()))).expect("decodes") {
+                Answer::Layout(decoded) => assert_eq!(decoded, original),
+                Answer::Error(e) => panic!("decoded as an error: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_childs_error_comes_back_as_its_message() {
+        match decode(&encode(&Err("no BTF here".into()))).expect("decodes") {
+            Answer::Error(message) => assert_eq!(message, "no BTF here"),
+            Answer::Layout(_) => panic!("an error decoded as a layout"),
+        }
+    }
+
+    #[test]
+    fn truncated_or_foreign_answers_are_refused() {
+        let whole = encode(&Ok(layout(Ok(VfsArgs::default()))));
+        for cut in [0, 1, 2, 10, whole.len() - 1] {
+            assert!(decode(&whole[..cut]).is_err(), "accepted {cut} bytes");
+        }
+        assert!(decode(b"HELLO").is_err());
+    }
+
+    /// The child is this test binary here, which does not know the argument: the answer is
+    /// refused and [`resolve`] would parse in process instead.
+    #[test]
+    fn a_child_that_does_not_answer_is_an_error_not_a_layout() {
+        assert!(in_child().is_err());
+    }
+}
