@@ -44,17 +44,19 @@ pub enum Scenario {
     Churn,
     Storm,
     Restart,
+    RestartKill,
     SlowHandler,
     BindBeforeServe,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [
+    const ALL: [Scenario; 8] = [
         Scenario::Sequential,
         Scenario::Burst,
         Scenario::Churn,
         Scenario::Storm,
         Scenario::Restart,
+        Scenario::RestartKill,
         Scenario::SlowHandler,
         Scenario::BindBeforeServe,
     ];
@@ -67,6 +69,7 @@ impl Scenario {
             Scenario::Churn => "churn",
             Scenario::Storm => "storm",
             Scenario::Restart => "restart",
+            Scenario::RestartKill => "restart-kill",
             Scenario::SlowHandler => "slow-handler",
             Scenario::BindBeforeServe => "bind-before-serve",
         }
@@ -81,7 +84,9 @@ impl Scenario {
             Scenario::Churn if in_all => vec!["--rate", "1000", "--duration", "20s"],
             Scenario::Churn => vec!["--rate", "1000", "--duration", "60s"],
             Scenario::Storm => vec!["--count", "100", "--noise-pairs", "200000"],
-            Scenario::Restart => vec!["--rate", "500", "--duration", "20s"],
+            Scenario::Restart | Scenario::RestartKill => {
+                vec!["--rate", "500", "--duration", "20s"]
+            }
             Scenario::SlowHandler => vec!["--count", "200", "--handler-delay", "50ms"],
             Scenario::BindBeforeServe => vec!["--count", "200", "--serve-delay", "300ms"],
         }

@@ -99,14 +99,17 @@ impl AgentUnderTest {
 
     /// SIGTERM, then waits (kills it after [`STOP_TIMEOUT`]).
     pub async fn stop(&mut self) -> anyhow::Result<()> {
+        self.stop_with(nix::sys::signal::Signal::SIGTERM).await
+    }
+
+    /// Sends `signal` (SIGTERM: a clean stop; SIGKILL: a crash), then waits (kills it after
+    /// [`STOP_TIMEOUT`]).
+    pub async fn stop_with(&mut self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
         if let Some(pid) = child.id() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
         }
         if tokio::time::timeout(STOP_TIMEOUT, child.wait())
             .await

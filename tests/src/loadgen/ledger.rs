@@ -45,6 +45,19 @@ pub struct Ledger {
     pub registered: usize,
     /// Plugins stopped whose `deregistered` event has arrived.
     pub deregistered: usize,
+    /// The restart scenarios' agent restarts.
+    pub restarts: Vec<Restart>,
+}
+
+/// One agent restart, on the ledger's clock.
+#[derive(Debug, Clone, Copy)]
+pub struct Restart {
+    /// The signal was sent to the old agent.
+    pub signalled_ns: u64,
+    /// The old agent was gone; the new one was spawned.
+    pub spawned_ns: u64,
+    /// The new agent's admin API listened.
+    pub ready_ns: u64,
 }
 
 /// The ledger shared by the report and admin tasks and the scenario.

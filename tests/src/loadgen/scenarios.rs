@@ -3,11 +3,12 @@
 
 use crate::admin;
 use crate::agent::AgentUnderTest;
-use crate::ledger::SharedLedger;
+use crate::ledger::{Restart, SharedLedger};
 use crate::plugins::now_ns;
 use crate::progress::Progress;
 use crate::workers::WorkerPool;
 use anyhow::Context;
+use nix::sys::signal::Signal;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,6 +28,8 @@ pub enum Scenario {
     Storm,
     /// Churn, with the agent stopped (SIGTERM) and started again half-way.
     Restart,
+    /// Churn, with the agent killed (SIGKILL: a crash, an OOM kill) and started again half-way.
+    RestartKill,
     /// A burst against a handler that takes `handler-delay` per call (the example DRA handler).
     SlowHandler,
     /// A burst of plugins that bind, then serve only `serve-delay` later.
@@ -88,8 +91,9 @@ pub async fn run(scenario: Scenario, p: &Params, ctx: &mut Ctx<'_>) -> anyhow::R
         Scenario::Sequential => sequential(p, ctx).await,
         Scenario::Burst | Scenario::SlowHandler => burst(p, ctx, Duration::ZERO).await,
         Scenario::BindBeforeServe => burst(p, ctx, p.serve_delay).await,
-        Scenario::Churn => churn(p, ctx, false).await,
-        Scenario::Restart => churn(p, ctx, true).await,
+        Scenario::Churn => churn(p, ctx, None).await,
+        Scenario::Restart => churn(p, ctx, Some(Signal::SIGTERM)).await,
+        Scenario::RestartKill => churn(p, ctx, Some(Signal::SIGKILL)).await,
         Scenario::Storm => storm(p, ctx).await,
     }
 }
@@ -128,7 +132,8 @@ async fn burst(p: &Params, ctx: &mut Ctx<'_>, serve_delay: Duration) -> anyhow::
     ctx.pool.flush().await
 }
 
-async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: bool) -> anyhow::Result<()> {
+/// `restart`: the signal that stops the agent half-way (then started again), if any.
+async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: Option<Signal>) -> anyhow::Result<()> {
     let rate = p.rate.max(0.001);
     let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     // Keep the rate: ticks missed while the process was busy are caught up.
@@ -155,9 +160,16 @@ async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: bool) -> anyhow::Result<(
             break;
         }
         ctx.pool.flush().await?;
-        if restart && restarting.is_none() && now >= start + p.duration / 2 {
+        if let Some(signal) = restart
+            && restarting.is_none()
+            && now >= start + p.duration / 2
+        {
             let agent = ctx.agent.take().context("no agent to restart")?;
-            restarting = Some(tokio::spawn(restart_agent(agent, ctx.ledger.clone())));
+            restarting = Some(tokio::spawn(restart_agent(
+                agent,
+                ctx.ledger.clone(),
+                signal,
+            )));
         }
         if created % 100 == 0 {
             ctx.progress.set("churn", created.min(total), total);
@@ -169,21 +181,30 @@ async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: bool) -> anyhow::Result<(
     Ok(())
 }
 
-/// Stops the agent (SIGTERM) and starts it again, keeping the ledger's up intervals and the admin
-/// stream's lifetime current.
+/// Stops the agent with `signal` and starts it again, keeping the ledger's up intervals, its
+/// restart record and the admin stream's lifetime current.
 async fn restart_agent(
     mut agent: AgentUnderTest,
     ledger: SharedLedger,
+    signal: Signal,
 ) -> anyhow::Result<AgentUnderTest> {
-    {
-        let now = now_ns();
-        if let Some(last) = ledger.lock().agent_up.last_mut() {
-            last.1 = Some(now);
-        }
+    let signalled_ns = now_ns();
+    if let Some(last) = ledger.lock().agent_up.last_mut() {
+        last.1 = Some(signalled_ns);
     }
-    agent.stop().await?;
+    agent.stop_with(signal).await?;
+    let spawned_ns = now_ns();
     agent.start().await?;
-    ledger.lock().lifetime += 1;
+    let ready_ns = now_ns();
+    {
+        let mut ledger = ledger.lock();
+        ledger.lifetime += 1;
+        ledger.restarts.push(Restart {
+            signalled_ns,
+            spawned_ns,
+            ready_ns,
+        });
+    }
     admin::follow(&agent.admin_socket, ledger.clone()).await?;
     ledger.lock().agent_up.push((now_ns(), None));
     Ok(agent)

@@ -81,6 +81,57 @@ pub struct Totals {
     pub all_registered_ms: f64,
     pub registration: Latency,
     pub deregistration: Latency,
+    /// The restart scenarios' restart.
+    pub restart: Option<RestartTotals>,
+}
+
+/// What an agent restart cost, and whom it bothered.
+#[derive(Debug, Default, Serialize)]
+pub struct RestartTotals {
+    /// Signal sent -> the old agent gone, ms.
+    pub stop_ms: f64,
+    /// New agent spawned -> its admin API listening (discovery running), ms.
+    pub start_ms: f64,
+    /// Signal sent -> the new agent listening: the window no agent watched, ms.
+    pub gap_ms: f64,
+    /// Plugins registered before the signal and still serving when the new agent was up: nothing
+    /// about them changed, so neither they nor their handler should hear from the new agent.
+    pub survivors: usize,
+    /// `Notify(true)` calls survivors received after the signal (each one also cost a GetInfo).
+    pub survivor_plugin_calls: usize,
+    /// Admin `registered` events for survivors from a later agent lifetime: each one is a
+    /// handler `Register`.
+    pub survivor_handler_calls: usize,
+}
+
+fn restart_totals(ledger: &Ledger, ids: &[u64]) -> Option<RestartTotals> {
+    let restart = ledger.restarts.first()?;
+    let ms = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e6;
+    let mut totals = RestartTotals {
+        stop_ms: ms(restart.signalled_ns, restart.spawned_ns),
+        start_ms: ms(restart.spawned_ns, restart.ready_ns),
+        gap_ms: ms(restart.signalled_ns, restart.ready_ns),
+        ..RestartTotals::default()
+    };
+    for p in ids.iter().filter_map(|id| ledger.plugins.get(id)) {
+        let registered_before = p.notified.iter().any(|&at| at < restart.signalled_ns);
+        let served_after = p.stopped_ns.is_none_or(|at| at > restart.ready_ns);
+        if !(registered_before && served_after) {
+            continue;
+        }
+        totals.survivors += 1;
+        totals.survivor_plugin_calls += p
+            .notified
+            .iter()
+            .filter(|&&at| at >= restart.signalled_ns)
+            .count();
+        totals.survivor_handler_calls += p
+            .registered_events
+            .iter()
+            .filter(|(lifetime, _)| *lifetime > 0)
+            .count();
+    }
+    Some(totals)
 }
 
 /// Computes the totals over plugins `ids` (the measured ones), and writes one CSV row per plugin
@@ -132,7 +183,9 @@ pub fn summarize(
     let (mut first_serving, mut last_registered) = (u64::MAX, 0u64);
     let mut csv = per_plugin.map(per_plugin_csv).transpose()?;
     let empty = PluginRecord::default();
-    for id in ids {
+    let ids: Vec<u64> = ids.collect();
+    totals.restart = restart_totals(ledger, &ids);
+    for &id in &ids {
         let p = ledger.plugins.get(&id).unwrap_or(&empty);
         totals.plugins += 1;
         totals.rejections += u64::from(p.rejected);
@@ -211,6 +264,47 @@ mod tests {
         assert_eq!(percentile(&s, 50.0), 50);
         assert_eq!(percentile(&s, 99.0), 99);
         assert_eq!(percentile(&[], 99.0), 0);
+    }
+
+    #[test]
+    fn restart_calls_count_only_survivors_and_only_after_the_signal() {
+        use crate::ledger::Restart;
+        let mut ledger = Ledger {
+            restarts: vec![Restart {
+                signalled_ns: 100,
+                spawned_ns: 150,
+                ready_ns: 200,
+            }],
+            ..Ledger::default()
+        };
+        let plugin =
+            |notified: Vec<u64>, stopped: Option<u64>, events: Vec<(u32, u64)>| PluginRecord {
+                notified,
+                stopped_ns: stopped,
+                registered_events: events,
+                ..PluginRecord::default()
+            };
+        // A survivor told again by the new agent (plugin and handler).
+        ledger
+            .plugins
+            .insert(1, plugin(vec![10, 210], None, vec![(0, 10), (1, 210)]));
+        // A survivor left alone.
+        ledger
+            .plugins
+            .insert(2, plugin(vec![20], Some(300), vec![(0, 20)]));
+        // Gone during the restart: not a survivor.
+        ledger
+            .plugins
+            .insert(3, plugin(vec![30], Some(180), vec![(0, 30)]));
+        // Registered only by the new agent: not a survivor.
+        ledger
+            .plugins
+            .insert(4, plugin(vec![250], None, vec![(1, 250)]));
+        let totals = restart_totals(&ledger, &[1, 2, 3, 4]).expect("a restart");
+        assert_eq!(totals.survivors, 2);
+        assert_eq!(totals.survivor_plugin_calls, 1);
+        assert_eq!(totals.survivor_handler_calls, 1);
+        assert_eq!(totals.gap_ms, 100.0 / 1e6);
     }
 
     #[test]

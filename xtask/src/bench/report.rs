@@ -85,6 +85,7 @@ pub fn markdown(results: &[Value], command: &str) -> String {
             r["agent_idle"]["wakeups_per_s"].as_f64().unwrap_or(0.0),
         );
     }
+    restarts(results, &mut out);
     out.push_str(
         "\n### Targets (latency, loss, CPU, memory and wake-ups per mode)\n\n| target | mode | measured | met |\n|---|---|---|---|\n",
     );
@@ -99,6 +100,37 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         }
     }
     out
+}
+
+/// The restart scenarios' own table: how long no agent watched, and whom the new one bothered.
+fn restarts(results: &[Value], out: &mut String) {
+    let rows: Vec<&Value> = results
+        .iter()
+        .filter(|r| r["totals"]["restart"].is_object())
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    out.push_str(
+        "\n### Restarts (signal -> old agent gone -> new agent listening; survivors: registered before, serving after)\n\n\
+         | scenario | mode | stop ms | start ms | gap ms | survivors | plugin calls to survivors | handler calls for survivors |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let t = &r["totals"]["restart"];
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
+            r["scenario"].as_str().unwrap_or("?"),
+            r["mode"].as_str().unwrap_or("?"),
+            t["stop_ms"].as_f64().unwrap_or(0.0),
+            t["start_ms"].as_f64().unwrap_or(0.0),
+            t["gap_ms"].as_f64().unwrap_or(0.0),
+            t["survivors"],
+            t["survivor_plugin_calls"],
+            t["survivor_handler_calls"],
+        );
+    }
 }
 
 /// The targets a result speaks to: (target, what was measured, met).
@@ -154,6 +186,27 @@ fn targets(r: &Value) -> Vec<(&'static str, String, bool)> {
             ),
             t["registered"] == t["plugins"] && p99 <= 50_000,
         )),
+        "restart" | "restart-kill" => {
+            let restart = &t["restart"];
+            out.push((
+                "restart: every plugin registered, none lost",
+                format!("{}/{}, lost {}", t["registered"], t["plugins"], t["lost"]),
+                t["registered"] == t["plugins"] && n(&t["lost"]) == 0,
+            ));
+            let calls = n(&restart["survivor_plugin_calls"])
+                .saturating_add(n(&restart["survivor_handler_calls"]));
+            out.push((
+                "restart: zero plugin and handler calls for unchanged plugins",
+                format!("{calls} calls for {} survivors", restart["survivors"]),
+                calls == 0,
+            ));
+            let start = restart["start_ms"].as_f64().unwrap_or(f64::MAX);
+            out.push((
+                "restart: agent start to discovery running <= 50 ms",
+                format!("{start:.1} ms"),
+                start <= 50.0,
+            ));
+        }
         _ => {}
     }
     out
