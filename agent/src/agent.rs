@@ -46,6 +46,10 @@ pub struct AgentConfig {
     pub executor: ExecutorConfig,
     /// Where to serve `/metrics`, `/healthz` and `/readyz`; none: not served.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the actual state is kept across restarts (see `persist`); none: nothing is.
+    pub state_file: Option<PathBuf>,
+    /// Ignore the state file at start: register every plugin again, as kubelet does.
+    pub reregister_on_restart: bool,
 }
 
 impl AgentConfig {
@@ -59,6 +63,8 @@ impl AgentConfig {
             safety_period: Duration::from_secs(30),
             executor: ExecutorConfig::default(),
             metrics_addr: None,
+            state_file: None,
+            reregister_on_restart: false,
         }
     }
 }
@@ -92,6 +98,12 @@ pub struct RunningAgent {
     pub started_at: std::time::SystemTime,
     cancel: CancellationToken,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
+    /// The state file's writer, stopped last: after running operations ended, so the file says
+    /// what they did.
+    state_writer: Option<(
+        CancellationToken,
+        tokio::task::JoinHandle<anyhow::Result<()>>,
+    )>,
 }
 
 impl RunningAgent {
@@ -134,6 +146,10 @@ impl RunningAgent {
             }
             None => None,
         };
+        let state_writer = config
+            .state_file
+            .as_ref()
+            .map(|file| carry_on(&config, file, &stages, &handlers));
         let (reconciler, watcher) = (stages.reconciler, stages.watcher);
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
@@ -163,6 +179,7 @@ impl RunningAgent {
             started_at: std::time::SystemTime::now(),
             cancel,
             tasks,
+            state_writer,
         })
     }
 
@@ -202,7 +219,63 @@ impl RunningAgent {
         let tasks = async { while self.tasks.join_next().await.is_some() {} };
         crate::shutdown::until(deadline, "agent tasks", tasks).await;
         crate::shutdown::until(deadline, "running operations", self.executor.drain()).await;
+        if let Some((stop, writer)) = self.state_writer.take() {
+            stop.cancel();
+            // Within the SIGTERM deadline: what the operations' grace left, up to this much.
+            let grace =
+                STATE_FILE_GRACE.min(crate::shutdown::remaining().saturating_sub(STATE_FILE_GRACE));
+            let deadline = tokio::time::Instant::now() + grace;
+            let written = async {
+                let _ = writer.await;
+            };
+            crate::shutdown::until(deadline, "the state file", written).await;
+        }
     }
+}
+
+/// How long the last write of the state file may take at shutdown (a few MiB to a tmpfs).
+const STATE_FILE_GRACE: Duration = Duration::from_millis(500);
+
+/// Puts back what the previous agent registered (unless told not to), then keeps `file` current;
+/// returns the writer's stop token and task.
+fn carry_on(
+    config: &AgentConfig,
+    file: &std::path::Path,
+    stages: &Stages,
+    handlers: &HandlerRegistry,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let entries = if config.reregister_on_restart {
+        info!(state_file = %file.display(), "--reregister-on-restart: registering every plugin found again");
+        Vec::new()
+    } else {
+        crate::persist::load(file, &config.plugin_dir)
+    };
+    let report = crate::persist::Restore {
+        desired: &stages.desired,
+        actual: &stages.actual,
+        handlers,
+        observing: matches!(config.executor.mode, crate::mode::Mode::Observe { .. }),
+    }
+    .apply(entries);
+    if report != crate::persist::RestoreReport::default() {
+        info!(
+            state_file = %file.display(),
+            restored = report.restored,
+            handler_changed = report.handler_changed,
+            "carrying on from the previous agent's state: unchanged plugins are not called again"
+        );
+    }
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(crate::persist::run_writer(
+        file.to_path_buf(),
+        config.plugin_dir.clone(),
+        stages.actual.clone(),
+        stop.clone(),
+    ));
+    (stop, writer)
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` as one of the agent's `tasks`, and

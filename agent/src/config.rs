@@ -48,6 +48,9 @@ pub struct ConfigFile {
     pub mode: Option<String>,
     /// In observe mode: `get-info` (default) or `never`.
     pub observe_contact: Option<crate::mode::Contact>,
+    /// Register every plugin again after a restart, as kubelet does, instead of carrying on
+    /// from the state file (for handlers that keep no state of their own across restarts).
+    pub reregister_on_restart: Option<bool>,
     /// Handlers by plugin type.
     #[serde(default)]
     pub handlers: BTreeMap<String, String>,

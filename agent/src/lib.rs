@@ -23,6 +23,7 @@ pub mod kubelet;
 pub mod memory;
 pub mod mode;
 pub mod notifications;
+pub mod persist;
 pub mod privileges;
 pub mod reconciler;
 pub mod registration;

@@ -15,7 +15,7 @@ use crate::telemetry;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,6 +96,11 @@ pub struct RunArgs {
     /// `OTEL_TRACES_SAMPLER` did not sample it [default: 500ms].
     #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub trace_keep_slower_than: Option<Duration>,
+
+    /// After a restart, register every plugin again (kubelet's behaviour) instead of carrying
+    /// on from the previous agent's state file: for handlers that keep nothing across restarts.
+    #[arg(long)]
+    pub reregister_on_restart: bool,
 
     /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
     /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
@@ -226,6 +231,14 @@ impl RunArgs {
                 .or(file.admin_socket)
                 .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
         });
+        // The state file lives in the runtime directory, which the admin socket's lock makes
+        // this agent's own (see `runtime_dir`); without one, nothing is carried across restarts.
+        agent.state_file = admin_socket
+            .as_deref()
+            .and_then(Path::parent)
+            .map(|dir| dir.join(crate::persist::FILE_NAME));
+        agent.reregister_on_restart =
+            self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
         Ok(RunSettings {
             agent,
             handlers,

@@ -43,6 +43,8 @@ impl std::fmt::Debug for RegisteredPlugin {
 #[derive(Debug, Default)]
 pub struct ActualState {
     plugins: Mutex<Plugins>,
+    /// Woken (with a stored permit) by every add and remove: the state file's writer waits on it.
+    changed: tokio::sync::Notify,
 }
 
 /// Entries by path. Several sockets may carry one plugin name at once (a DRA driver's rolling
@@ -108,24 +110,48 @@ impl ActualState {
         plugin: Plugin,
         handler: Option<Arc<dyn PluginHandler>>,
     ) -> RegisteredPlugin {
+        self.restore(path, generation, socket, plugin, handler, SystemTime::now())
+    }
+
+    /// Records an entry as a previous agent left it (see `persist`): the same generation and
+    /// registration time, and the handler of today's registry that it was registered with.
+    pub fn restore(
+        &self,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        plugin: Plugin,
+        handler: Option<Arc<dyn PluginHandler>>,
+        registered_at: SystemTime,
+    ) -> RegisteredPlugin {
         let entry = RegisteredPlugin {
             generation,
             socket,
             plugin,
             handler,
-            registered_at: SystemTime::now(),
+            registered_at,
         };
         self.lock().insert(path, entry.clone());
+        self.changed.notify_one();
         entry
+    }
+
+    /// Resolves after the next add or remove (at once if one happened since the last call).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
     }
 
     /// Removes the entry for `path` if it is the registration of `generation`; returns it.
     pub fn remove(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
         let mut plugins = self.lock();
-        match plugins.by_path.get(path) {
+        let removed = match plugins.by_path.get(path) {
             Some(entry) if entry.generation == generation => plugins.remove(path),
             _ => None,
+        };
+        if removed.is_some() {
+            self.changed.notify_one();
         }
+        removed
     }
 
     /// The entry for `path`.

@@ -96,6 +96,22 @@ impl DesiredState {
         Ok(change)
     }
 
+    /// Records the socket a previous agent registered at `path`, with that agent's generation,
+    /// before this agent's first walk (see `persist`): the walk finding the same socket instance
+    /// then changes nothing, so the plugin is neither re-registered nor deregistered; a walk that
+    /// does not find it removes it, and one that finds another instance replaces it.
+    pub fn restore(&self, path: Arc<Path>, generation: Uuid, socket: SocketId) {
+        let plugin = DesiredPlugin {
+            path: path.clone(),
+            generation,
+            socket,
+            seen_at: SystemTime::now(),
+            kernel_ns: None,
+            by_event: false,
+        };
+        self.lock().insert(path, plugin);
+    }
+
     /// Forgets `path`; returns whether it was desired.
     pub fn remove(&self, path: &Path) -> bool {
         let mut plugins = self.lock();
