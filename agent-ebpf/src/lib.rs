@@ -31,7 +31,17 @@ pub mod names {
     pub const LOSSES: &str = "LOSSES";
     /// The [`crate::Config`] global.
     pub const CONFIG: &str = "CONFIG";
+    /// `Array<u32>`, one entry: the agent's tgid, whose own filesystem activity is not reported
+    /// back (0 reports everyone). Written by every agent that loads or adopts the programs.
+    pub const AGENT: &str = "AGENT";
+    /// `Array<[u8; META_BYTES]>`, one entry: what the loader computed (object hash, settings,
+    /// hooks), for the next agent deciding whether to adopt the pinned programs. Never read by
+    /// the programs.
+    pub const META: &str = "META";
 }
+
+/// Size of the `META` map's one value.
+pub const META_BYTES: usize = 4096;
 
 /// Indexes into the `LOSSES` per-CPU counter array: why an event could not be recorded.
 pub mod loss {
@@ -287,10 +297,9 @@ pub struct VfsArgs {
 pub struct Config {
     /// Where to find kernel struct members on the running kernel.
     pub offsets: KernelOffsets,
-    /// The agent's own tgid: its filesystem activity is not reported back (0 reports everyone).
-    pub agent_tgid: u32,
-    /// Padding, zero (keeps the layout explicit).
-    pub _pad: u32,
+    /// Padding, zero (keeps the layout explicit; the agent's tgid was here before it moved to
+    /// the `AGENT` map, which an agent adopting pinned programs can write).
+    pub _pad: [u32; 2],
     /// Wake the reader as soon as this many bytes are queued.
     pub wakeup_bytes: u64,
     /// Wake the reader for an event if it was last woken this many nanoseconds ago or earlier; events
@@ -307,8 +316,7 @@ impl Config {
     /// (`batch_ns` 0 wakes the reader for every event, which is the safe default).
     pub const UNSET: Config = Config {
         offsets: KernelOffsets::UNSET,
-        agent_tgid: 0,
-        _pad: 0,
+        _pad: [0; 2],
         wakeup_bytes: 0,
         batch_ns: 0,
         syscalls: SyscallNumbers::UNSET,

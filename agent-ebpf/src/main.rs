@@ -34,7 +34,9 @@ fn main() {
 mod programs {
     use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
-    use agent_ebpf::{Config, DirKey, Event, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope};
+    use agent_ebpf::{
+        Config, DirKey, Event, META_BYTES, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope,
+    };
     use aya_ebpf::EbpfContext;
     use aya_ebpf::helpers::generated::bpf_probe_read_kernel as raw_probe_read_kernel;
     use aya_ebpf::helpers::{
@@ -87,6 +89,14 @@ mod programs {
     /// When the reader was last woken (`bpf_ktime_get_ns`), shared by all CPUs.
     #[map]
     static LAST_WAKE: Array<u64> = Array::with_max_entries(1, 0);
+
+    /// The agent's tgid (see `names::AGENT`).
+    #[map]
+    static AGENT: Array<u32> = Array::with_max_entries(1, 0);
+
+    /// What the loader computed, for an agent that adopts these programs (see `names::META`).
+    #[map]
+    static META: Array<[u8; META_BYTES]> = Array::with_max_entries(1, 0);
 
     /// Per-CPU working memory too big for the 512-byte BPF stack.
     #[map]
@@ -181,10 +191,10 @@ mod programs {
         (bpf_get_current_pid_tgid() >> 32) as u32
     }
 
-    /// The agent's own filesystem activity is not reported back.
+    /// The agent's own filesystem activity is not reported back. The tgid is in a map, not in
+    /// CONFIG: an agent that adopts pinned programs writes its own.
     fn is_agent() -> bool {
-        // SAFETY: see `offset!`.
-        let agent = unsafe { read_volatile(addr_of!(CONFIG.agent_tgid)) };
+        let agent = AGENT.get(0).copied().unwrap_or(0);
         agent != 0 && current_tgid() == agent
     }
 

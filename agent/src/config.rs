@@ -38,6 +38,8 @@ pub struct ConfigFile {
     pub max_concurrent: Option<usize>,
     /// eBPF ring buffer size in bytes.
     pub ring_buffer_bytes: Option<usize>,
+    /// Pin the eBPF programs in bpffs so the next agent adopts them (default true).
+    pub ebpf_pins: Option<bool>,
     /// Admin API socket path.
     pub admin_socket: Option<PathBuf>,
     /// Prometheus metrics and health endpoints address, e.g. `"127.0.0.1:9464"`.

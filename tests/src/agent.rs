@@ -41,6 +41,8 @@ pub struct AgentOptions {
     pub wrapper: Vec<String>,
     /// Environment variables for the agent (`OTEL_TRACES_SAMPLER`, say), on top of the test's.
     pub env: Vec<(String, String)>,
+    /// Another `plugin-agent` binary (an upgrade, say); none: the one built with the tests.
+    pub binary: Option<PathBuf>,
 }
 
 impl AgentOptions {
@@ -54,6 +56,7 @@ impl AgentOptions {
             extra: Vec::new(),
             wrapper: Vec::new(),
             env: Vec::new(),
+            binary: None,
         }
     }
 
@@ -80,13 +83,14 @@ impl AgentProcess {
         if options.source.needs_root() && !privileged(test) {
             return None;
         }
+        let binary = options.binary.clone().unwrap_or_else(agent_bin);
         let mut command = match options.wrapper.split_first() {
             Some((program, args)) => {
                 let mut command = Command::new(program);
-                command.args(args).arg(agent_bin());
+                command.args(args).arg(binary);
                 command
             }
-            None => Command::new(agent_bin()),
+            None => Command::new(binary),
         };
         command
             .args([

@@ -129,3 +129,23 @@ impl Default for PluginDir {
         PluginDir::new()
     }
 }
+
+impl Drop for PluginDir {
+    /// An eBPF agent pins its programs for its tree, so they outlive it (see the agent's
+    /// `pins`); the tree goes with this value, and so do they: otherwise they would run on every
+    /// syscall until the next agent's start removed them as orphans.
+    fn drop(&mut self) {
+        let pinned = std::fs::read_dir("/sys/fs/bpf/plugin-agent")
+            .is_ok_and(|mut entries| entries.next().is_some());
+        if pinned {
+            let _ = std::process::Command::new(agent_bin())
+                .arg("--admin-socket")
+                .arg(self.base.path().join("no-admin.sock"))
+                .args(["cleanup", "--plugin-dir"])
+                .arg(self.root())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! e2e suite), run end to end against the real agent, once per event source.
 
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
+    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, admin, logs,
     per_source, plugin, test_name,
 };
 use std::path::{Path, PathBuf};
@@ -15,6 +15,7 @@ per_source!(
     re_registers_one_socket_path_10_times_with_a_new_name_each_time,
     registers_10_sockets_that_exist_before_the_agent_starts,
     registers_again_after_the_agent_restarts,
+    stays_registered_without_a_call_after_the_agent_restarts,
     registers_again_after_the_plugin_restarts,
     recovers_after_get_info_errors_are_cleared,
 );
@@ -252,7 +253,20 @@ async fn registers_10_sockets_that_exist_before_the_agent_starts(source: Source)
     }
 }
 
+/// Kubelet's scenario: the plugin is registered again after the agent restarts. That is
+/// kubelet's behaviour (its actual state is in memory only) and this agent's with
+/// `--reregister-on-restart`; by default it carries on from its state file instead (below).
 async fn registers_again_after_the_agent_restarts(source: Source) {
+    restart_with(source, true).await
+}
+
+/// This agent's default: the restarted agent carries on from the state file, so the plugin,
+/// whose socket did not change, is not called again and stays registered.
+async fn stays_registered_without_a_call_after_the_agent_restarts(source: Source) {
+    restart_with(source, false).await
+}
+
+async fn restart_with(source: Source, reregister: bool) {
     let test = test_name();
     let dir = PluginDir::new();
     let socket = dir.path("dra.sock");
@@ -262,7 +276,7 @@ async fn registers_again_after_the_agent_restarts(source: Source) {
         .arg("--versions")
         .arg("v1.DRAPlugin")
         .spawn();
-    let options = plugin_agent_tests::AgentOptions::new(source, &dir.root())
+    let mut options = plugin_agent_tests::AgentOptions::new(source, &dir.root())
         .handlers(&["DRAPlugin=accept-all"]);
     let Some(agent) = AgentProcess::start(&test, options.clone()).await else {
         return;
@@ -278,20 +292,49 @@ async fn registers_again_after_the_agent_restarts(source: Source) {
     );
 
     let mark = plugin.mark();
-    let Some(agent) = AgentProcess::start(&test, options).await else {
+    if reregister {
+        options.extra.push("--reregister-on-restart".into());
+    }
+    let Some(agent) = AgentProcess::start(&test, options.clone()).await else {
         return;
     };
-    plugin
-        .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
+    if reregister {
+        plugin
+            .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
+            .await;
+        agent
+            .wait_for_log(
+                "registered after restart",
+                EVENT_TIMEOUT,
+                logs::registered(&socket),
+            )
+            .await;
+        assert_registered_once(&agent, Mark(0), &socket);
+        return;
+    }
+    agent
+        .wait_for_log("the state file restored", EVENT_TIMEOUT, |l| {
+            l.message()
+                .starts_with("carrying on from the previous agent's state")
+                && l.field_is("restored", "1")
+        })
         .await;
     agent
-        .wait_for_log(
-            "registered after restart",
-            EVENT_TIMEOUT,
-            logs::registered(&socket),
-        )
+        .wait_for_log("the first walk", EVENT_TIMEOUT, |l| {
+            l.message() == "scanned plugin directory"
+        })
         .await;
-    assert_registered_once(&agent, Mark(0), &socket);
+    let listed = admin::list(&options.admin_socket);
+    assert_eq!(
+        listed.get(&socket).map(|p| p.state.as_str()),
+        Some("registered"),
+        "{test}: {listed:?}"
+    );
+    assert!(
+        plugin.events_since(mark, "get_info").is_empty()
+            && plugin.events_since(mark, "notify").is_empty(),
+        "{test}: the unchanged plugin was called again"
+    );
 }
 
 async fn registers_again_after_the_plugin_restarts(source: Source) {

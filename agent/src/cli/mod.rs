@@ -7,6 +7,7 @@
 //! [`list`], [`watch`], [`status`] and [`handler`] are admin API clients; [`render`] holds the
 //! output helpers they share (tables, JSON/YAML, timestamps).
 
+mod cleanup;
 mod handler;
 mod list;
 mod render;
@@ -107,6 +108,21 @@ pub enum Command {
     /// Add or remove a handler in the running agent.
     #[command(subcommand)]
     Handler(HandlerCommand),
+    /// Remove what the agent leaves behind on purpose so that a restart is invisible: the
+    /// pinned eBPF programs (which detaches them) and the state file. For uninstalling; a
+    /// restart or an upgrade needs neither removed.
+    #[command(after_help = "Examples:\n  \
+        plugin-agent cleanup                       # the default plugin directory's\n  \
+        plugin-agent cleanup --plugin-dir /var/lib/kubelet/plugins_registry\n  \
+        plugin-agent cleanup --all                 # every tree's pins")]
+    Cleanup {
+        /// The watched tree whose pins go [default: /var/lib/kubelet/plugins_registry].
+        #[arg(long, conflicts_with = "all")]
+        plugin_dir: Option<PathBuf>,
+        /// Every tree's pins (all of /sys/fs/bpf/plugin-agent).
+        #[arg(long)]
+        all: bool,
+    },
     /// Print shell completions.
     #[command(
         after_help = "Example:\n  plugin-agent completions bash > /etc/bash_completion.d/plugin-agent"
@@ -158,6 +174,7 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Watch { output } => watch::watch(&socket(), output).await,
         Command::Status { output } => status::status(&socket(), output).await,
         Command::Handler(command) => handler::execute(&socket(), command).await,
+        Command::Cleanup { plugin_dir, all } => cleanup::cleanup(plugin_dir, all, &socket()),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

@@ -97,6 +97,11 @@ pub struct RunArgs {
     #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub trace_keep_slower_than: Option<Duration>,
 
+    /// Do not pin the eBPF programs in bpffs: they detach when the agent exits, and the next
+    /// agent loads them again (and misses what happens in between).
+    #[arg(long)]
+    pub no_ebpf_pins: bool,
+
     /// After a restart, register every plugin again (kubelet's behaviour) instead of carrying
     /// on from the previous agent's state file: for handlers that keep nothing across restarts.
     #[arg(long)]
@@ -188,11 +193,15 @@ impl RunArgs {
             .safety_period
             .or(file.safety_period)
             .unwrap_or(agent.safety_period);
+        let pins = !self.no_ebpf_pins && file.ebpf_pins.unwrap_or(true);
         agent.source_options = SourceOptions {
             ring_buffer_bytes: self
                 .ring_buffer_bytes
                 .or(file.ring_buffer_bytes)
                 .unwrap_or(0),
+            ebpf_pin_for: pins
+                .then(|| std::path::absolute(&agent.plugin_dir).ok())
+                .flatten(),
         };
         agent.executor = executor;
         let metrics_addr = self.metrics_addr.or(file.metrics_addr);

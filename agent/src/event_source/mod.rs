@@ -262,6 +262,9 @@ impl std::str::FromStr for SourceChoice {
 pub struct SourceOptions {
     /// eBPF: ring buffer size in bytes (a power of two; 0 means the default).
     pub ring_buffer_bytes: usize,
+    /// eBPF: pin the programs and maps in bpffs for this tree, so the next agent adopts them
+    /// (see `ebpf::pins`); none: they go with the agent.
+    pub ebpf_pin_for: Option<std::path::PathBuf>,
 }
 
 /// Opens the chosen source. With [`SourceChoice::Auto`], each refusal is logged with its reason
@@ -314,6 +317,7 @@ fn open_kind(
                         )
                     })?;
             }
+            ebpf_options.pin_for = options.ebpf_pin_for.clone();
             std::sync::Arc::new(ebpf::open(sink, cancel, ebpf_options)?)
         }
         SourceKind::Fanotify => std::sync::Arc::new(fanotify::open(sink, cancel)?),

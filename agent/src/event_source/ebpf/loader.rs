@@ -14,6 +14,10 @@ use std::time::{Duration, Instant};
 
 use agent_ebpf::{Config, SyscallNumbers, VfsArgs, names};
 use anyhow::{Context, bail};
+use aya::programs::fentry::FEntryLinkId;
+use aya::programs::fexit::FExitLinkId;
+use aya::programs::links::FdLink;
+use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
@@ -197,8 +201,11 @@ pub struct LoadParams {
 
 /// The loaded object with its programs attached.
 pub struct Loaded {
-    /// Owns the programs and their links: dropping it detaches everything.
+    /// Owns the programs and their links: dropping it detaches everything (unless the links
+    /// were taken out with [`take_links`] and pinned).
     pub ebpf: Ebpf,
+    /// The links of the attached programs, for [`take_links`].
+    pub links: Vec<LinkId>,
     /// `category/name` of every attached tracepoint, for [`describe`](super::EbpfSource).
     pub attached: Vec<String>,
     /// Whether the loader had to mount tracefs.
@@ -221,6 +228,9 @@ pub struct LoadTimings {
     pub programs: Vec<(String, Duration, Option<u32>)>,
     /// Attaching to the hooks (including tracefs lookups).
     pub attach: Duration,
+    /// Set when a previous agent's pinned programs were adopted instead: the time to find and
+    /// open them (nothing else was spent).
+    pub adopted: Option<Duration>,
 }
 
 impl LoadTimings {
@@ -231,12 +241,18 @@ impl LoadTimings {
 
     /// Everything together.
     pub fn total(&self) -> Duration {
-        self.btf + self.object + self.verifier() + self.attach
+        self.btf + self.object + self.verifier() + self.attach + self.adopted.unwrap_or_default()
     }
 }
 
 impl std::fmt::Display for LoadTimings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(adopted) = self.adopted {
+            return write!(
+                f,
+                "adopted pinned programs in {adopted:?} (no BTF, no verifier)"
+            );
+        }
         write!(
             f,
             "total {:?}: BTF {:?}, object {:?}, verifier {:?}, attach {:?} (",
@@ -271,7 +287,6 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     let started = Instant::now();
     let config = Config {
         offsets,
-        agent_tgid: std::process::id(),
         wakeup_bytes: params.wakeup_bytes,
         batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
         syscalls: syscall_numbers(),
@@ -292,14 +307,15 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     timings.object = started.elapsed();
 
     let mut mounted_tracefs = false;
+    let mut links = Vec::new();
     let (selection, attached) = hooks::select(
         &mut ebpf,
         params.hooks,
         |ebpf, family| match family {
-            HookFamily::Fentry => attach_functions(ebpf, &vfs, &mut timings),
+            HookFamily::Fentry => attach_functions(ebpf, &vfs, &mut timings, &mut links),
             HookFamily::Tracepoints => {
                 mounted_tracefs = tracefs::ensure_mounted()?;
-                attach_tracepoints(ebpf, &mut timings)
+                attach_tracepoints(ebpf, &mut timings, &mut links)
             }
         },
         |ebpf, family| {
@@ -308,8 +324,11 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
             }
         },
     )?;
+    // Links of a family that was passed over are gone with its programs.
+    links.retain(|link| link.family() == selection.family);
     Ok(Loaded {
         ebpf,
+        links,
         attached,
         mounted_tracefs,
         timings,
@@ -322,6 +341,7 @@ fn attach_functions(
     ebpf: &mut Ebpf,
     vfs: &Result<VfsArgs, String>,
     timings: &mut LoadTimings,
+    links: &mut Vec<LinkId>,
 ) -> anyhow::Result<Vec<String>> {
     if let Err(reason) = vfs {
         bail!(
@@ -342,12 +362,13 @@ fn attach_functions(
                 .try_into()
                 .with_context(|| format!("eBPF program {} is not fexit", hook.program))?;
             program.load(hook.function, &btf).map_err(refused)?;
-            program.attach().map_err(|err| {
+            let link = program.attach().map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
                     &format!("cannot attach fexit {}", hook.function),
                 )
             })?;
+            links.push(LinkId::FExit(hook.program, link));
             program
                 .info()
                 .ok()
@@ -357,12 +378,13 @@ fn attach_functions(
                 .try_into()
                 .with_context(|| format!("eBPF program {} is not fentry", hook.program))?;
             program.load(hook.function, &btf).map_err(refused)?;
-            program.attach().map_err(|err| {
+            let link = program.attach().map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
                     &format!("cannot attach fentry {}", hook.function),
                 )
             })?;
+            links.push(LinkId::FEntry(hook.program, link));
             program
                 .info()
                 .ok()
@@ -395,7 +417,11 @@ fn detach_functions(ebpf: &mut Ebpf) {
 }
 
 /// Loads the tracepoint programs and attaches each to its syscall tracepoints.
-fn attach_tracepoints(ebpf: &mut Ebpf, timings: &mut LoadTimings) -> anyhow::Result<Vec<String>> {
+fn attach_tracepoints(
+    ebpf: &mut Ebpf,
+    timings: &mut LoadTimings,
+    links: &mut Vec<LinkId>,
+) -> anyhow::Result<Vec<String>> {
     let mut attached = Vec::new();
     for hook in TRACEPOINT_HOOKS {
         let program: &mut TracePoint = ebpf
@@ -420,12 +446,13 @@ fn attach_tracepoints(ebpf: &mut Ebpf, timings: &mut LoadTimings) -> anyhow::Res
             .iter()
             .filter(|tracepoint| arch_has_tracepoint(tracepoint))
         {
-            program.attach("syscalls", tracepoint).map_err(|err| {
+            let link = program.attach("syscalls", tracepoint).map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
                     &format!("cannot attach tracepoint syscalls/{tracepoint}"),
                 )
             })?;
+            links.push(LinkId::TracePoint(hook.program, link));
             let hook = format!("tracepoint syscalls/{tracepoint}");
             if !attached.contains(&hook) {
                 attached.push(hook);
@@ -434,6 +461,62 @@ fn attach_tracepoints(ebpf: &mut Ebpf, timings: &mut LoadTimings) -> anyhow::Res
         timings.attach += started.elapsed();
     }
     Ok(attached)
+}
+
+/// One attachment of a program, to take out of the object as a pinnable link.
+pub enum LinkId {
+    TracePoint(&'static str, TracePointLinkId),
+    FEntry(&'static str, FEntryLinkId),
+    FExit(&'static str, FExitLinkId),
+}
+
+impl LinkId {
+    fn family(&self) -> HookFamily {
+        match self {
+            LinkId::TracePoint(..) => HookFamily::Tracepoints,
+            LinkId::FEntry(..) | LinkId::FExit(..) => HookFamily::Fentry,
+        }
+    }
+}
+
+/// Takes the attached links out of their programs as file-descriptor links, named for their
+/// pins (`link-<program>-<n>`): held (or pinned) by the caller, they keep the programs attached
+/// after the object is dropped.
+pub fn take_links(ebpf: &mut Ebpf, links: Vec<LinkId>) -> anyhow::Result<Vec<(String, FdLink)>> {
+    links
+        .into_iter()
+        .enumerate()
+        .map(|(i, link)| {
+            let (program, fd_link) = match link {
+                LinkId::TracePoint(program, id) => {
+                    let p: &mut TracePoint = program_of(ebpf, program)?.try_into()?;
+                    (program, FdLink::try_from(p.take_link(id)?)?)
+                }
+                LinkId::FEntry(program, id) => {
+                    let p: &mut FEntry = program_of(ebpf, program)?.try_into()?;
+                    (program, FdLink::from(p.take_link(id)?))
+                }
+                LinkId::FExit(program, id) => {
+                    let p: &mut FExit = program_of(ebpf, program)?.try_into()?;
+                    (program, FdLink::from(p.take_link(id)?))
+                }
+            };
+            Ok((format!("link-{program}-{i}"), fd_link))
+        })
+        .collect()
+}
+
+fn program_of<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &str,
+) -> anyhow::Result<&'a mut aya::programs::Program> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("the eBPF object has no program {name}"))
+}
+
+/// The embedded kernel object (for its hash).
+pub fn object() -> Option<&'static [u8]> {
+    OBJECT
 }
 
 /// A program the verifier refused: keep the end of its log, where the reason is.

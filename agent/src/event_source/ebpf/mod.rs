@@ -39,11 +39,13 @@ mod filters;
 mod hooks;
 mod layout;
 mod loader;
+mod pins;
 mod reader;
 mod record;
 mod stats;
 mod tracefs;
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -84,6 +86,9 @@ pub struct EbpfOptions {
     /// Which kernel hooks may be used; `None` (the default) reads [`HOOKS_ENV`], which defaults to
     /// [`HookChoice::Auto`] (fentry where the kernel allows it, else syscall tracepoints).
     pub hooks: Option<HookChoice>,
+    /// The watched tree whose programs and maps are pinned in bpffs (see `pins`), so the next
+    /// agent adopts them instead of loading; `None`: nothing outlives the agent.
+    pub pin_for: Option<PathBuf>,
 }
 
 impl Default for EbpfOptions {
@@ -94,6 +99,7 @@ impl Default for EbpfOptions {
             watched_capacity: 16384,
             names_capacity: 16384,
             hooks: None,
+            pin_for: None,
         }
     }
 }
@@ -125,8 +131,9 @@ pub struct EbpfSource {
     stats: DeliveryStats,
     /// Where the load time went.
     timings: LoadTimings,
-    /// Owns the programs and their links; kept for its `Drop`.
-    _ebpf: Mutex<aya::Ebpf>,
+    /// Owns the programs and their links when they are not pinned; kept for its `Drop`. Pinned
+    /// (or adopted) programs need no object: their pinned links keep them attached.
+    _ebpf: Mutex<Option<aya::Ebpf>>,
     /// Stops the reader when the source is dropped before the agent's token fires.
     stop_reader: CancellationToken,
 }
@@ -156,27 +163,73 @@ pub fn open(
             None => HookChoice::from_env()?,
         },
     };
+    let hooks = params.hooks;
+    let identity = loader::object().map(|object| {
+        pins::Identity::new(
+            object,
+            format!(
+                "ring={} wakeup={} batch_ns={} watched={} names={} hooks={hooks:?}",
+                params.ring_buffer_bytes,
+                params.wakeup_bytes,
+                params.batch_delay.as_nanos(),
+                params.watched_capacity,
+                params.names_capacity,
+            ),
+        )
+    });
+    let pin_dir = options.pin_for.as_deref().map(pins::tree_dir);
+    if options.pin_for.is_some() {
+        let orphans = pins::remove_orphans();
+        if !orphans.is_empty() {
+            tracing::info!(removed = ?orphans, "removed the pinned eBPF programs of trees that are gone");
+        }
+    }
+    if let (Some(dir), Some(identity)) = (&pin_dir, &identity) {
+        match pins::adopt(dir, identity) {
+            Ok(Some(adopted)) => return start_adopted(adopted, sink, cancel, &options, &runtime),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(
+                pins = %dir.display(), error = format!("{e:#}"),
+                "cannot adopt the pinned eBPF programs: loading them anew"
+            ),
+        }
+    }
     let mut loaded = loader::load(&params)?;
-    // Parsing the kernel's BTF (for offsets and signatures, and again in aya for fentry/fexit
-    // targets) takes tens of MiB for a moment; glibc would keep them mapped for the agent's life.
+    // Parsing the kernel's BTF for fentry/fexit targets takes tens of MiB for a moment; glibc
+    // would keep them mapped for the agent's life.
     crate::memory::trim();
-    tracing::info!(timings = %loaded.timings, "eBPF programs loaded");
-    let ebpf = &mut loaded.ebpf;
-
-    let watched: BpfHashMap<MapData, DirKey, u8> = take_map(ebpf, names::WATCHED)?;
-    let name_map: BpfHashMap<MapData, NameKey, u32> = take_map(ebpf, names::NAMES)?;
-    let ring: RingBuf<MapData> = take_map(ebpf, names::EVENTS)?;
-    let losses: PerCpuArray<MapData, u64> = take_map(ebpf, names::LOSSES)?;
-    let losses = Arc::new(LossCounters::new(losses));
-    let stats = DeliveryStats {
-        losses: Arc::clone(&losses),
-        ring: RingOccupancy::new(&ring)?,
-        ring_buffer_bytes: options.ring_buffer_bytes,
+    let pinned = match (&pin_dir, &identity, &options.pin_for) {
+        (Some(dir), Some(identity), Some(root)) => {
+            match pin_loaded(&mut loaded, dir, identity, root) {
+                Ok(()) => true,
+                Err(e) => {
+                    // Links taken out and not pinned are gone: load again, unpinned.
+                    tracing::warn!(
+                        pins = %dir.display(), error = format!("{e:#}"),
+                        "cannot pin the eBPF programs: running unpinned (a restart loads them again)"
+                    );
+                    loaded = loader::load(&params)?;
+                    false
+                }
+            }
+        }
+        _ => false,
     };
-    let filters = Arc::new(Filters::new(watched, name_map, options.watched_capacity));
-
+    let pins = pin_dir
+        .as_deref()
+        .filter(|_| pinned)
+        .map(|dir| dir.display().to_string());
+    tracing::info!(timings = %loaded.timings, pinned, pins, "eBPF programs loaded");
+    let ebpf = &mut loaded.ebpf;
+    pins::set_agent(take_map(ebpf, names::AGENT)?)?;
+    let maps = Maps {
+        watched: take_map(ebpf, names::WATCHED)?,
+        names: take_map(ebpf, names::NAMES)?,
+        ring: take_map(ebpf, names::EVENTS)?,
+        losses: take_map(ebpf, names::LOSSES)?,
+    };
     let description = format!(
-        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{})",
+        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{}{})",
         loaded.hooks,
         loaded.attached.join(", "),
         options.ring_buffer_bytes / 1024,
@@ -185,12 +238,155 @@ pub fn open(
             "; mounted tracefs"
         } else {
             ""
+        },
+        match &pin_dir {
+            Some(dir) if pinned => format!("; pinned in {}", dir.display()),
+            _ => String::new(),
         }
     );
+    // Pinned links keep the programs attached: the object (instructions, relocations, the
+    // programs' own file descriptors) is not needed any more.
+    let ebpf = (!pinned).then_some(loaded.ebpf);
+    start(
+        maps,
+        Started {
+            family: loaded.hooks.family,
+            description,
+            timings: loaded.timings,
+            ebpf,
+        },
+        sink,
+        cancel,
+        &options,
+        &runtime,
+    )
+}
+
+/// The maps the source reads and steers.
+struct Maps {
+    watched: BpfHashMap<MapData, DirKey, u8>,
+    names: BpfHashMap<MapData, NameKey, u32>,
+    ring: RingBuf<MapData>,
+    losses: PerCpuArray<MapData, u64>,
+}
+
+/// What the load (or the adoption) says about the programs.
+struct Started {
+    family: HookFamily,
+    description: String,
+    timings: LoadTimings,
+    ebpf: Option<aya::Ebpf>,
+}
+
+/// Takes the links out of `loaded` and pins them with its maps as the tree's new set.
+fn pin_loaded(
+    loaded: &mut loader::Loaded,
+    dir: &std::path::Path,
+    identity: &pins::Identity,
+    root: &std::path::Path,
+) -> anyhow::Result<()> {
+    let links = loader::take_links(&mut loaded.ebpf, std::mem::take(&mut loaded.links))?;
+    let family = match loaded.hooks.family {
+        HookFamily::Fentry => "fentry",
+        HookFamily::Tracepoints => "tracepoints",
+    };
+    let mut meta = pins::Meta::new(identity, root, family, loaded.attached.clone());
+    meta.load_ms = u64::try_from(loaded.timings.total().as_millis()).unwrap_or(u64::MAX);
+    pins::pin(&mut loaded.ebpf, links, dir, &meta)
+}
+
+/// Carries on with the programs a previous agent pinned: no BTF, no verifier; what they wrote
+/// while no agent ran is in the ring, and the reader drains it first.
+fn start_adopted(
+    adopted: pins::Adopted,
+    sink: Sender<FsEvent>,
+    cancel: CancellationToken,
+    options: &EbpfOptions,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<EbpfSource> {
+    let backlog = RingOccupancy::new(&adopted.events)
+        .map(|ring| ring.used_bytes())
+        .unwrap_or(0);
+    let family = match adopted.meta.family.as_str() {
+        "fentry" => HookFamily::Fentry,
+        _ => HookFamily::Tracepoints,
+    };
+    let timings = LoadTimings {
+        adopted: Some(adopted.opened_in),
+        ..LoadTimings::default()
+    };
+    tracing::info!(
+        pins = %options.pin_for.as_deref().map(pins::tree_dir).unwrap_or_default().display(),
+        opened_in = ?adopted.opened_in,
+        saved_load_ms = adopted.meta.load_ms,
+        backlog_bytes = backlog,
+        "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
+    );
+    let description = format!(
+        "eBPF {family} (adopted): {} (ring buffer {} KiB, batch delay {:?})",
+        adopted.meta.attached.join(", "),
+        options.ring_buffer_bytes / 1024,
+        options.batch_delay,
+    );
+    // What the previous agent watched and named is redone by this agent's first walk (watch,
+    // then read; announce, then look): entries for directories gone since would only fill the
+    // maps.
+    let mut adopted = adopted;
+    clear(&mut adopted.watched);
+    clear(&mut adopted.names);
+    let maps = Maps {
+        watched: adopted.watched,
+        names: adopted.names,
+        ring: adopted.events,
+        losses: adopted.losses,
+    };
+    start(
+        maps,
+        Started {
+            family,
+            description,
+            timings,
+            ebpf: None,
+        },
+        sink,
+        cancel,
+        options,
+        runtime,
+    )
+}
+
+fn clear<K: aya::Pod, V: aya::Pod>(map: &mut BpfHashMap<MapData, K, V>) {
+    let keys: Vec<K> = map.keys().filter_map(Result::ok).collect();
+    for key in keys {
+        let _ = map.remove(&key);
+    }
+}
+
+/// Builds the source over `maps` and starts its reader.
+fn start(
+    maps: Maps,
+    started: Started,
+    sink: Sender<FsEvent>,
+    cancel: CancellationToken,
+    options: &EbpfOptions,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<EbpfSource> {
+    let losses = Arc::new(LossCounters::new(maps.losses));
+    let ring_occupancy = RingOccupancy::new(&maps.ring)?;
+    let filters = Arc::new(Filters::new(
+        maps.watched,
+        maps.names,
+        options.watched_capacity,
+    ));
     let stop_reader = cancel.child_token();
+    let stats = DeliveryStats {
+        losses: Arc::clone(&losses),
+        ring: ring_occupancy,
+        ring_buffer_bytes: options.ring_buffer_bytes,
+    };
     runtime.spawn(
         Reader {
-            ring,
+            ring: maps.ring,
             losses,
             filters: Arc::clone(&filters),
             sink,
@@ -202,13 +398,24 @@ pub fn open(
     );
     Ok(EbpfSource {
         filters,
-        family: loaded.hooks.family,
-        description,
+        family: started.family,
+        description: started.description,
         stats,
-        timings: loaded.timings,
-        _ebpf: Mutex::new(loaded.ebpf),
+        timings: started.timings,
+        _ebpf: Mutex::new(started.ebpf),
         stop_reader,
     })
+}
+
+/// Removes the pinned programs and maps of the tree at `root` (its programs detach); false when
+/// there were none.
+pub fn remove_pins(root: &std::path::Path) -> anyhow::Result<bool> {
+    pins::remove_tree(root)
+}
+
+/// Removes every tree's pinned programs and maps; returns their directories.
+pub fn remove_all_pins() -> anyhow::Result<Vec<PathBuf>> {
+    pins::remove_all()
 }
 
 fn take_map<T>(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<T>
