@@ -153,16 +153,20 @@ mod tests {
     use super::*;
 
     fn layout(vfs: Result<VfsArgs, String>) -> KernelLayout {
-        let mut offsets = KernelOffsets::default();
-        offsets.task_fs = 1234;
-        offsets.dentry_name = 40;
+        let offsets = KernelOffsets {
+            task_fs: 1234,
+            dentry_name: 40,
+            ..KernelOffsets::default()
+        };
         KernelLayout { offsets, vfs }
     }
 
     #[test]
     fn a_layout_survives_the_round_trip_with_and_without_vfs_arguments() {
-        let mut vfs = VfsArgs::default();
-        vfs.rename_data = 2;
+        let vfs = VfsArgs {
+            rename_data: 2,
+            ..VfsArgs::default()
+        };
         for original in [layout(Ok(vfs)), layout(Err("no vfs_mkdir".into()))] {
             match decode(&encode(&Ok(original.clone()))).expect("decodes") {
                 Answer::Layout(decoded) => assert_eq!(decoded, original),

@@ -30,9 +30,6 @@ pub const PIN_ROOT: &str = "/sys/fs/bpf/plugin-agent";
 /// The format of [`Meta`]; a set written in another is never adopted.
 const FORMAT: u32 = 1;
 
-/// bpffs's `statfs` magic.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
 /// The maps userspace opens from a set (the others are the programs' own, kept by them).
 const PINNED_MAPS: [&str; 5] = [
     names::EVENTS,
@@ -325,7 +322,8 @@ fn ensure_bpffs() -> anyhow::Result<()> {
 }
 
 fn is_bpffs(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
 }
 
 #[cfg(test)]
