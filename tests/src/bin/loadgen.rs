@@ -223,6 +223,16 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let end_ns = now_ns();
     pool.shutdown().await?;
     agent.stop().await?;
+    // The eBPF agent leaves its programs pinned for the next one (and its state file); this
+    // run's tree is going, so they go too.
+    let _ = std::process::Command::new(&args.agent)
+        .arg("--admin-socket")
+        .arg(&agent.admin_socket)
+        .args(["cleanup", "--plugin-dir"])
+        .arg(&plugin_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
 
     let totals = {
         let l = ledger.lock();
