@@ -98,12 +98,8 @@ pub struct RunningAgent {
     pub started_at: std::time::SystemTime,
     cancel: CancellationToken,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
-    /// The state file's writer, stopped last: after running operations ended, so the file says
-    /// what they did.
-    state_writer: Option<(
-        CancellationToken,
-        tokio::task::JoinHandle<anyhow::Result<()>>,
-    )>,
+    /// The state on disk, flushed last: after running operations ended, so it says what they did.
+    journal: Option<Arc<crate::persist::Journal>>,
 }
 
 impl RunningAgent {
@@ -146,7 +142,7 @@ impl RunningAgent {
             }
             None => None,
         };
-        let state_writer = config
+        let journal = config
             .state_file
             .as_ref()
             .map(|file| carry_on(&config, file, &stages, &handlers));
@@ -179,7 +175,7 @@ impl RunningAgent {
             started_at: std::time::SystemTime::now(),
             cancel,
             tasks,
-            state_writer,
+            journal,
         })
     }
 
@@ -219,40 +215,25 @@ impl RunningAgent {
         let tasks = async { while self.tasks.join_next().await.is_some() {} };
         crate::shutdown::until(deadline, "agent tasks", tasks).await;
         crate::shutdown::until(deadline, "running operations", self.executor.drain()).await;
-        if let Some((stop, writer)) = self.state_writer.take() {
-            stop.cancel();
-            // Within the SIGTERM deadline: what the operations' grace left, up to this much.
-            let grace =
-                STATE_FILE_GRACE.min(crate::shutdown::remaining().saturating_sub(STATE_FILE_GRACE));
-            let deadline = tokio::time::Instant::now() + grace;
-            let written = async {
-                let _ = writer.await;
-            };
-            crate::shutdown::until(deadline, "the state file", written).await;
+        if let Some(journal) = &self.journal {
+            journal.flush();
         }
     }
 }
 
-/// How long the last write of the state file may take at shutdown (a few MiB to a tmpfs).
-const STATE_FILE_GRACE: Duration = Duration::from_millis(500);
-
-/// Puts back what the previous agent registered (unless told not to), then keeps `file` current;
-/// returns the writer's stop token and task.
+/// Puts back what the previous agent registered (unless told not to) and hands the executor the
+/// journal that records what finishes from now on.
 fn carry_on(
     config: &AgentConfig,
     file: &std::path::Path,
     stages: &Stages,
     handlers: &HandlerRegistry,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-) {
-    let entries = if config.reregister_on_restart {
+) -> Arc<crate::persist::Journal> {
+    if config.reregister_on_restart {
         info!(state_file = %file.display(), "--reregister-on-restart: registering every plugin found again");
-        Vec::new()
-    } else {
-        crate::persist::load(file, &config.plugin_dir)
-    };
+    }
+    let (journal, entries) =
+        crate::persist::Journal::open(file, &config.plugin_dir, config.reregister_on_restart);
     let report = crate::persist::Restore {
         desired: &stages.desired,
         actual: &stages.actual,
@@ -260,6 +241,7 @@ fn carry_on(
         observing: matches!(config.executor.mode, crate::mode::Mode::Observe { .. }),
     }
     .apply(entries);
+    journal.restored(&stages.actual);
     if report != crate::persist::RestoreReport::default() {
         info!(
             state_file = %file.display(),
@@ -268,14 +250,9 @@ fn carry_on(
             "carrying on from the previous agent's state: unchanged plugins are not called again"
         );
     }
-    let stop = CancellationToken::new();
-    let writer = tokio::spawn(crate::persist::run_writer(
-        file.to_path_buf(),
-        config.plugin_dir.clone(),
-        stages.actual.clone(),
-        stop.clone(),
-    ));
-    (stop, writer)
+    let journal = Arc::new(journal);
+    stages.executor.keep_journal(journal.clone());
+    journal
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` as one of the agent's `tasks`, and

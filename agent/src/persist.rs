@@ -1,46 +1,54 @@
 //! The actual state on disk, so that a restarted agent knows what it registered.
 //!
 //! ```text
-//! state::actual --changed--> writer (batched, atomic rename) --> <runtime dir>/state.json
-//! start: state.json --load (format, root checked)--> restore --> state::desired + state::actual
-//!        then the watcher's first walk: same socket instance: nothing happens;
-//!                                       gone: deregistered once; replaced: deregistered, then
-//!                                       registered; new: registered
+//! executor: registration done (handler Register, Notify) --registered--> Journal --append--> state.journal
+//!           deregistration done (handler DeRegister)      --deregistered->         (one line each)
+//!                                   every 1,024+ lines: --compact--> state.json (whole, atomic rename)
+//! start: state.json + state.journal --open (format, tree checked)--> Restore --> state::desired +
+//!        state::actual, then the watcher's first walk: same socket instance: nothing happens;
+//!        gone: deregistered once; replaced: deregistered, then registered; new: registered
 //! ```
 //!
 //! Kubelet keeps its actual state in memory only, so every kubelet restart re-registers every
-//! plugin (and, before 1.33, could not deregister what went while it was down). Here the file lives
+//! plugin (and, before 1.33, could not deregister what went while it was down). Here the state lives
 //! in the runtime directory (`/run/plugin-agent` by default: a tmpfs, so it survives restarts of
-//! the agent, not of the node, which restarts the plugins too). It is written whole to a temporary
-//! file and renamed over the old one, so a crash mid-write leaves the previous version; writes are
-//! batched ([`BATCH`]), so a crash can lose the last changes, which costs at most a repeated call
-//! (a Register the handler already had, a DeRegister for a plugin already gone), never a missed one.
-//! Anything unreadable (corrupt, another format, another tree) is a warning and today's behaviour:
-//! everything found is registered again.
+//! the agent, not of the node, which restarts the plugins too).
+//!
+//! What is recorded is what *finished*: a registration once the handler registered it and the
+//! plugin was told, a deregistration once the handler was told. A registration still running when
+//! the agent is killed is not in the file, so the next agent registers it again (a repeated call,
+//! which handlers take as a refresh); a deregistration still running is still in the file, so the
+//! next agent deregisters it again. Neither is ever missed. Each finished operation is one line
+//! appended to the journal with a single `write(2)`, before the operation reports itself done: a
+//! SIGKILL right after loses nothing (the page cache has it). The journal is folded into the
+//! snapshot, written whole to a temporary file and renamed over the old one, every 1,024 lines (or
+//! the number of plugins, if more), at start and at exit. Anything unreadable (corrupt, another
+//! format, another tree) is a warning and today's behaviour: everything found is registered again;
+//! a torn last journal line (a kill mid-write) is skipped.
 
 use crate::handler::{HandlerRegistry, Plugin, PluginHandler};
 use crate::state::SocketId;
-use crate::state::actual::ActualState;
+use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::desired::DesiredState;
 use anyhow::Context;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// The file's name in the runtime directory.
+/// The snapshot's name in the runtime directory; the journal is beside it (`state.journal`).
 pub const FILE_NAME: &str = "state.json";
 
 /// The format this agent writes and reads; another is ignored (with a warning), never guessed at.
 pub const FORMAT: u32 = 1;
 
-/// How long the writer waits after a change for more before it writes: a burst of 10,000
-/// registrations is a few dozen writes, not 10,000.
-pub const BATCH: Duration = Duration::from_millis(200);
+/// Journal lines before the journal is folded into the snapshot (at least; more with more
+/// plugins, so compaction stays a small share of the writes).
+const COMPACT_AFTER: usize = 1024;
 
-/// What the file holds.
+/// The snapshot.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct StateFile {
     format: u32,
@@ -68,6 +76,37 @@ struct Entry {
     registered_at_unix_ms: u64,
 }
 
+impl Entry {
+    /// None for a path that is not UTF-8: its plugin is registered again after a restart.
+    fn of(path: &Path, entry: &RegisteredPlugin) -> Option<Entry> {
+        Some(Entry {
+            path: path.to_str()?.to_owned(),
+            generation: entry.generation.to_string(),
+            dev: entry.socket.dev,
+            ino: entry.socket.ino,
+            birth_ns: entry.socket.birth_ns,
+            handle: entry.socket.handle,
+            plugin_type: entry.plugin.plugin_type.clone(),
+            name: entry.plugin.name.clone(),
+            endpoint: entry.plugin.endpoint.clone(),
+            versions: entry.plugin.supported_versions.clone(),
+            handler: entry.handler.as_ref().map(|h| h.describe()),
+            registered_at_unix_ms: entry
+                .registered_at
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        })
+    }
+}
+
+/// One journal line.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    Add(Entry),
+    Remove { path: String, generation: String },
+}
+
 /// A plugin a previous agent registered, as read from the file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Restored {
@@ -80,30 +119,227 @@ pub struct Restored {
     pub registered_at: SystemTime,
 }
 
-/// Reads the file at `file` for the tree `root`. Every problem is logged and yields nothing to
-/// restore: the agent then registers everything it finds, as after a reboot.
-pub fn load(file: &Path, root: &Path) -> Vec<Restored> {
-    let bytes = match std::fs::read(file) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            tracing::info!(state_file = %file.display(), "no state file: registering every plugin found");
-            return Vec::new();
-        }
-        Err(e) => {
-            tracing::warn!(state_file = %file.display(), error = %e, "cannot read the state file: registering every plugin found");
-            return Vec::new();
-        }
-    };
-    match parse(&bytes, root) {
-        Ok(restored) => restored,
-        Err(e) => {
-            tracing::warn!(state_file = %file.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
+/// The state on disk: what finished, by path.
+pub struct Journal {
+    snapshot: PathBuf,
+    journal: PathBuf,
+    root: String,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    entries: HashMap<String, Entry>,
+    /// Open for appending; none after a failure to open or write (the next compaction retries).
+    log: Option<std::fs::File>,
+    lines: usize,
+    /// A write failed and was reported; the next success says so.
+    failing: bool,
+}
+
+impl Journal {
+    /// Reads the state at `snapshot` (and its journal) for the tree `root`, unless `ignore`; every
+    /// problem is logged and yields nothing to restore. Returns the journal and what to restore;
+    /// call [`Journal::restored`] with what was actually restored before anything else.
+    pub fn open(snapshot: &Path, root: &Path, ignore: bool) -> (Journal, Vec<Restored>) {
+        let journal = Journal {
+            snapshot: snapshot.to_path_buf(),
+            journal: snapshot.with_extension("journal"),
+            root: root.display().to_string(),
+            inner: Mutex::new(Inner {
+                entries: HashMap::new(),
+                log: None,
+                lines: 0,
+                failing: false,
+            }),
+        };
+        let entries = if ignore {
             Vec::new()
+        } else {
+            journal.read(root)
+        };
+        let restored = entries
+            .iter()
+            .filter_map(|entry| match restored(entry.clone(), root) {
+                Ok(restored) => Some(restored),
+                Err(e) => {
+                    tracing::warn!(state_file = %snapshot.display(), error = format!("{e:#}"), "ignoring a state file entry");
+                    None
+                }
+            })
+            .collect();
+        (journal, restored)
+    }
+
+    fn read(&self, root: &Path) -> Vec<Entry> {
+        let bytes = match std::fs::read(&self.snapshot) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::info!(state_file = %self.snapshot.display(), "no state file: registering every plugin found");
+                return Vec::new();
+            }
+            Err(e) => {
+                tracing::warn!(state_file = %self.snapshot.display(), error = %e, "cannot read the state file: registering every plugin found");
+                return Vec::new();
+            }
+        };
+        let mut entries: HashMap<String, Entry> = match parse(&bytes, root) {
+            Ok(entries) => entries.into_iter().map(|e| (e.path.clone(), e)).collect(),
+            Err(e) => {
+                tracing::warn!(state_file = %self.snapshot.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
+                return Vec::new();
+            }
+        };
+        let torn = replay(
+            &std::fs::read(&self.journal).unwrap_or_default(),
+            &mut entries,
+        );
+        if torn > 0 {
+            tracing::warn!(journal = %self.journal.display(), lines = torn, "skipped unreadable journal lines (a kill mid-write?): their plugins are registered again");
         }
+        entries.into_values().collect()
+    }
+
+    /// Starts from exactly what was restored (entries of a changed handler are dropped), as a
+    /// fresh snapshot and an empty journal.
+    pub fn restored(&self, actual: &ActualState) {
+        let mut inner = self.lock();
+        inner.entries = actual
+            .snapshot()
+            .iter()
+            .filter_map(|(path, entry)| Entry::of(path, entry))
+            .map(|e| (e.path.clone(), e))
+            .collect();
+        self.compact(&mut inner);
+    }
+
+    /// A registration of `path` finished: recorded before it reports itself done.
+    pub fn registered(&self, path: &Path, entry: &RegisteredPlugin) {
+        let Some(entry) = Entry::of(path, entry) else {
+            return;
+        };
+        let mut inner = self.lock();
+        inner.entries.insert(entry.path.clone(), entry.clone());
+        self.append(&mut inner, &Op::Add(entry));
+    }
+
+    /// A deregistration of `path` (the registration of `generation`) finished.
+    pub fn deregistered(&self, path: &Path, generation: Uuid) {
+        let Some(path) = path.to_str() else { return };
+        let mut inner = self.lock();
+        let generation = generation.to_string();
+        if inner
+            .entries
+            .get(path)
+            .is_none_or(|e| e.generation != generation)
+        {
+            return;
+        }
+        inner.entries.remove(path);
+        let op = Op::Remove {
+            path: path.to_owned(),
+            generation,
+        };
+        self.append(&mut inner, &op);
+    }
+
+    /// Folds the journal into the snapshot (at exit).
+    pub fn flush(&self) {
+        let mut inner = self.lock();
+        self.compact(&mut inner);
+    }
+
+    fn append(&self, inner: &mut Inner, op: &Op) {
+        let Ok(mut line) = serde_json::to_vec(op) else {
+            return;
+        };
+        line.push(b'\n');
+        // One write(2) per line: a kill leaves it whole or not at all in practice, and a torn
+        // line is skipped at the next start.
+        let written = inner.log.as_mut().map(|log| log.write_all(&line));
+        match written {
+            Some(Ok(())) => inner.lines += 1,
+            Some(Err(e)) => {
+                inner.log = None;
+                self.failed(
+                    inner,
+                    &format!("cannot append to {}: {e}", self.journal.display()),
+                );
+            }
+            None => {}
+        }
+        if inner.log.is_none() || inner.lines >= COMPACT_AFTER.max(inner.entries.len()) {
+            self.compact(inner);
+        }
+    }
+
+    /// Writes the snapshot whole, then starts an empty journal.
+    fn compact(&self, inner: &mut Inner) {
+        let file = StateFile {
+            format: FORMAT,
+            root: self.root.clone(),
+            plugins: inner.entries.values().cloned().collect(),
+        };
+        let written = serde_json::to_vec(&file)
+            .context("cannot serialize the state")
+            .and_then(|bytes| write_atomically(&self.snapshot, &bytes))
+            .and_then(|()| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .truncate(true)
+                    .open(&self.journal)
+                    .with_context(|| format!("cannot start {}", self.journal.display()))
+            });
+        match written {
+            Ok(log) => {
+                inner.log = Some(log);
+                inner.lines = 0;
+                tracing::debug!(state_file = %self.snapshot.display(), plugins = inner.entries.len(), "state file written");
+                if std::mem::take(&mut inner.failing) {
+                    tracing::info!(state_file = %self.snapshot.display(), "state file written again");
+                }
+            }
+            Err(e) => {
+                inner.log = None;
+                self.failed(inner, &format!("{e:#}"));
+            }
+        }
+    }
+
+    fn failed(&self, inner: &mut Inner, error: &str) {
+        if !std::mem::replace(&mut inner.failing, true) {
+            tracing::warn!(state_file = %self.snapshot.display(), error, "cannot write the state file: a restart will register every plugin again");
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Restored>> {
+/// Applies journal lines to `entries`; returns how many could not be read.
+fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> usize {
+    let mut torn = 0;
+    for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        match serde_json::from_slice::<Op>(line) {
+            Ok(Op::Add(entry)) => {
+                entries.insert(entry.path.clone(), entry);
+            }
+            Ok(Op::Remove { path, generation }) => {
+                if entries
+                    .get(&path)
+                    .is_some_and(|e| e.generation == generation)
+                {
+                    entries.remove(&path);
+                }
+            }
+            Err(_) => torn += 1,
+        }
+    }
+    torn
+}
+
+fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry>> {
     // The format first, alone: a later format may change everything else.
     #[derive(serde::Deserialize)]
     struct Format {
@@ -121,39 +357,37 @@ fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Restored>> {
         file.root,
         root.display()
     );
-    file.plugins
-        .into_iter()
-        .map(|entry| {
-            let generation = Uuid::parse_str(&entry.generation)
-                .with_context(|| format!("bad generation for {}", entry.path))?;
-            let path = PathBuf::from(&entry.path);
-            anyhow::ensure!(
-                path.starts_with(root),
-                "entry {} is outside the tree",
-                entry.path
-            );
-            Ok(Restored {
-                generation,
-                socket: SocketId {
-                    dev: entry.dev,
-                    ino: entry.ino,
-                    birth_ns: entry.birth_ns,
-                    handle: entry.handle,
-                },
-                plugin: Plugin {
-                    plugin_type: entry.plugin_type,
-                    name: entry.name,
-                    endpoint: entry.endpoint,
-                    supported_versions: entry.versions,
-                    socket_path: entry.path,
-                },
-                handler: entry.handler,
-                registered_at: SystemTime::UNIX_EPOCH
-                    + Duration::from_millis(entry.registered_at_unix_ms),
-                path,
-            })
-        })
-        .collect()
+    Ok(file.plugins)
+}
+
+fn restored(entry: Entry, root: &Path) -> anyhow::Result<Restored> {
+    let generation = Uuid::parse_str(&entry.generation)
+        .with_context(|| format!("bad generation for {}", entry.path))?;
+    let path = PathBuf::from(&entry.path);
+    anyhow::ensure!(
+        path.starts_with(root),
+        "entry {} is outside the tree",
+        entry.path
+    );
+    Ok(Restored {
+        generation,
+        socket: SocketId {
+            dev: entry.dev,
+            ino: entry.ino,
+            birth_ns: entry.birth_ns,
+            handle: entry.handle,
+        },
+        plugin: Plugin {
+            plugin_type: entry.plugin_type,
+            name: entry.name,
+            endpoint: entry.endpoint,
+            supported_versions: entry.versions,
+            socket_path: entry.path,
+        },
+        handler: entry.handler,
+        registered_at: SystemTime::UNIX_EPOCH + Duration::from_millis(entry.registered_at_unix_ms),
+        path,
+    })
 }
 
 /// How restoring went, for the start log line.
@@ -180,12 +414,9 @@ impl Restore<'_> {
     pub fn apply(&self, entries: Vec<Restored>) -> RestoreReport {
         let mut report = RestoreReport::default();
         for entry in entries {
-            let handler = match self.handler_for(&entry) {
-                Some(handler) => handler,
-                None => {
-                    report.handler_changed += 1;
-                    continue;
-                }
+            let Some(handler) = self.handler_for(&entry) else {
+                report.handler_changed += 1;
+                continue;
             };
             let path: Arc<Path> = Arc::from(entry.path.as_path());
             self.desired
@@ -217,100 +448,6 @@ impl Restore<'_> {
             _ => None,
         }
     }
-}
-
-/// Writes the actual state to `file` after every change (batched) until `cancel` fires, then
-/// once more. A failed write is logged (once per run of failures) and retried on the next change.
-pub async fn run_writer(
-    file: PathBuf,
-    root: PathBuf,
-    actual: Arc<ActualState>,
-    cancel: CancellationToken,
-) -> anyhow::Result<()> {
-    let mut failing = false;
-    loop {
-        tokio::select! {
-            () = actual.changed() => {}
-            () = cancel.cancelled() => break,
-        }
-        tokio::select! {
-            () = tokio::time::sleep(BATCH) => {}
-            () = cancel.cancelled() => break,
-        }
-        failing = write_logged(&file, &root, &actual, failing).await;
-    }
-    write_logged(&file, &root, &actual, failing).await;
-    Ok(())
-}
-
-async fn write_logged(file: &Path, root: &Path, actual: &ActualState, failing: bool) -> bool {
-    let (bytes, plugins) = match serialize(root, actual) {
-        Ok(serialized) => serialized,
-        Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), "cannot serialize the state file");
-            return true;
-        }
-    };
-    let target = file.to_path_buf();
-    let written = tokio::task::spawn_blocking(move || write_atomically(&target, &bytes)).await;
-    match written {
-        Ok(Ok(())) => {
-            tracing::debug!(state_file = %file.display(), plugins, "state file written");
-            if failing {
-                tracing::info!(state_file = %file.display(), "state file written again");
-            }
-            false
-        }
-        Ok(Err(e)) => {
-            if !failing {
-                tracing::warn!(state_file = %file.display(), error = format!("{e:#}"), "cannot write the state file: a restart will register every plugin again");
-            }
-            true
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "state file writer task failed");
-            true
-        }
-    }
-}
-
-/// The file's bytes, and how many plugins they hold.
-fn serialize(root: &Path, actual: &ActualState) -> anyhow::Result<(Vec<u8>, usize)> {
-    let root = root
-        .to_str()
-        .context("the plugin directory's path is not UTF-8")?
-        .to_owned();
-    let plugins = actual
-        .snapshot()
-        .into_iter()
-        // A path that is not UTF-8 is left out: its plugin is registered again after a restart.
-        .filter_map(|(path, entry)| {
-            Some(Entry {
-                path: path.to_str()?.to_owned(),
-                generation: entry.generation.to_string(),
-                dev: entry.socket.dev,
-                ino: entry.socket.ino,
-                birth_ns: entry.socket.birth_ns,
-                handle: entry.socket.handle,
-                plugin_type: entry.plugin.plugin_type,
-                name: entry.plugin.name,
-                endpoint: entry.plugin.endpoint,
-                versions: entry.plugin.supported_versions,
-                handler: entry.handler.map(|h| h.describe()),
-                registered_at_unix_ms: entry
-                    .registered_at
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            })
-        })
-        .collect::<Vec<_>>();
-    let count = plugins.len();
-    let bytes = serde_json::to_vec(&StateFile {
-        format: FORMAT,
-        root,
-        plugins,
-    })?;
-    Ok((bytes, count))
 }
 
 /// Writes `bytes` to a temporary file beside `file`, syncs it and renames it over `file`: readers
@@ -363,75 +500,156 @@ mod tests {
         handlers
     }
 
-    /// An actual state with two registered plugins, written and read back.
-    fn round_trip(root: &Path) -> (Vec<u8>, ActualState) {
-        let actual = ActualState::default();
-        for (i, name) in ["a", "b"].iter().enumerate() {
-            let path = root.join(format!("{name}.sock"));
-            let path_text = path.display().to_string();
-            actual.add(
-                path,
-                Uuid::new_v4(),
-                socket(10 + i as u64),
-                plugin(&path_text, name),
-                Arc::new(AcceptAll),
-            );
-        }
-        (serialize(root, &actual).expect("serializes").0, actual)
+    /// A journal in a temporary directory for the tree `/plugins`, and its snapshot path.
+    fn journal(dir: &Path) -> (Journal, PathBuf) {
+        let snapshot = dir.join(FILE_NAME);
+        let (journal, restored) = Journal::open(&snapshot, Path::new("/plugins"), false);
+        assert!(restored.is_empty());
+        (journal, snapshot)
+    }
+
+    /// Registers `name` in `actual` and records it as finished.
+    fn register(actual: &ActualState, journal: &Journal, name: &str, ino: u64) -> RegisteredPlugin {
+        let path = PathBuf::from(format!("/plugins/{name}.sock"));
+        let entry = actual.add(
+            path.clone(),
+            Uuid::new_v4(),
+            socket(ino),
+            plugin(&path.display().to_string(), name),
+            Arc::new(AcceptAll),
+        );
+        journal.registered(&path, &entry);
+        entry
+    }
+
+    fn reopen(snapshot: &Path) -> Vec<Restored> {
+        Journal::open(snapshot, Path::new("/plugins"), false).1
     }
 
     #[test]
-    fn restores_what_it_wrote_into_desired_and_actual_state() {
-        let root = Path::new("/var/lib/kubelet/plugins_registry");
-        let (bytes, written) = round_trip(root);
-        let entries = parse(&bytes, root).expect("parses");
-        assert_eq!(entries.len(), 2);
-        let (desired, actual, handlers) =
+    fn what_finished_is_restored_into_desired_and_actual_state_without_a_flush() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        let a = register(&actual, &journal, "a", 10);
+        let b = register(&actual, &journal, "b", 11);
+        journal.deregistered(Path::new("/plugins/b.sock"), b.generation);
+        // Killed here: no flush, only the journal's lines.
+        drop(journal);
+        let entries = reopen(&snapshot);
+        assert_eq!(entries.len(), 1);
+        let (desired, restored, handlers) =
             (DesiredState::default(), ActualState::default(), registry());
         let report = Restore {
             desired: &desired,
-            actual: &actual,
+            actual: &restored,
             handlers: &handlers,
             observing: false,
         }
         .apply(entries);
-        assert_eq!(report.restored, 2);
-        for (path, before) in written.snapshot() {
-            let after = actual.get(&path).expect("restored");
-            assert_eq!(after.generation, before.generation);
-            assert_eq!(after.socket, before.socket);
-            assert_eq!(after.plugin, before.plugin);
-            let want = desired.get(&path).expect("desired too");
-            assert_eq!(
-                (want.generation, want.socket),
-                (before.generation, before.socket)
-            );
-            // The same socket found by the first walk changes nothing.
-            assert_eq!(
-                desired.add_or_update(&path, before.socket, None),
-                Ok(crate::state::desired::Change::Unchanged)
-            );
+        assert_eq!(report.restored, 1);
+        let path = Path::new("/plugins/a.sock");
+        let back = restored.get(path).expect("restored");
+        assert_eq!(
+            (back.generation, back.socket, &back.plugin),
+            (a.generation, a.socket, &a.plugin)
+        );
+        // The same socket found by the first walk changes nothing.
+        assert_eq!(
+            desired.add_or_update(path, a.socket, None),
+            Ok(crate::state::desired::Change::Unchanged)
+        );
+    }
+
+    #[test]
+    fn a_registration_not_finished_is_not_restored_and_a_deregistration_not_finished_is() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        let a = register(&actual, &journal, "a", 10);
+        // Running when killed: in the actual state, not finished.
+        actual.add(
+            PathBuf::from("/plugins/b.sock"),
+            Uuid::new_v4(),
+            socket(11),
+            plugin("/plugins/b.sock", "b"),
+            Arc::new(AcceptAll),
+        );
+        actual.remove(Path::new("/plugins/a.sock"), a.generation);
+        drop(journal);
+        let names: Vec<String> = reopen(&snapshot)
+            .into_iter()
+            .map(|r| r.plugin.name)
+            .collect();
+        assert_eq!(names, ["a"], "a is deregistered again, b registered again");
+    }
+
+    #[test]
+    fn compaction_keeps_the_state_and_empties_the_journal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        for i in 0..(COMPACT_AFTER as u64 + 10) {
+            let entry = register(&actual, &journal, &format!("p{}", i % 20), i);
+            if i % 3 == 0 {
+                journal.deregistered(Path::new(&entry.plugin.socket_path), entry.generation);
+            }
         }
+        let lines = std::fs::read(snapshot.with_extension("journal"))
+            .expect("journal")
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .count();
+        assert!(lines < COMPACT_AFTER, "{lines} lines after compaction");
+        let expected: usize = (0..20u64)
+            .filter(|p| {
+                // The last registration of each name, unless it was deregistered.
+                let last = (0..(COMPACT_AFTER as u64 + 10))
+                    .filter(|i| i % 20 == *p)
+                    .max();
+                last.is_some_and(|i| i % 3 != 0)
+            })
+            .count();
+        journal.flush();
+        assert_eq!(reopen(&snapshot).len(), expected);
+    }
+
+    #[test]
+    fn a_torn_journal_line_is_skipped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        register(&actual, &journal, "a", 10);
+        drop(journal);
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(snapshot.with_extension("journal"))
+            .expect("journal");
+        log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
+            .expect("torn");
+        assert_eq!(reopen(&snapshot).len(), 1);
     }
 
     #[test]
     fn entries_of_another_handler_or_mode_are_not_restored() {
-        let root = Path::new("/plugins");
-        let (bytes, _) = round_trip(root);
-        let (desired, actual) = (DesiredState::default(), ActualState::default());
-        // No handler for the type any more.
-        let none = HandlerRegistry::default();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        register(&actual, &journal, "a", 10);
+        register(&actual, &journal, "b", 11);
+        let (desired, restored) = (DesiredState::default(), ActualState::default());
         let restore = |handlers: &HandlerRegistry, observing| {
             Restore {
                 desired: &desired,
-                actual: &actual,
+                actual: &restored,
                 handlers,
                 observing,
             }
-            .apply(parse(&bytes, root).expect("parses"))
+            .apply(reopen(&snapshot))
         };
+        // No handler for the type any more.
         assert_eq!(
-            restore(&none, false),
+            restore(&HandlerRegistry::default(), false),
             RestoreReport {
                 restored: 0,
                 handler_changed: 2
@@ -439,13 +657,18 @@ mod tests {
         );
         // Registrations are not observations.
         assert_eq!(restore(&registry(), true).restored, 0);
-        assert!(actual.is_empty() && desired.snapshot().is_empty());
+        assert!(restored.is_empty() && desired.snapshot().is_empty());
     }
 
     #[test]
     fn corrupt_foreign_and_other_tree_files_restore_nothing_and_say_why() {
         let root = Path::new("/plugins");
-        let (good, _) = round_trip(root);
+        let good = serde_json::to_vec(&StateFile {
+            format: FORMAT,
+            root: "/plugins".into(),
+            plugins: Vec::new(),
+        })
+        .expect("json");
         let cases: [(&[u8], &str); 5] = [
             (b"", "not a state file"),
             (b"{\"format\": 1, \"root\": ", "not a state file"),
@@ -468,49 +691,31 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_or_unreadable_file_restores_nothing() {
+    fn a_missing_or_unreadable_file_restores_nothing_and_ignore_reads_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
-        assert!(load(&dir.path().join("absent.json"), Path::new("/plugins")).is_empty());
+        assert!(reopen(&dir.path().join("absent.json")).is_empty());
         let garbage = dir.path().join(FILE_NAME);
         std::fs::write(&garbage, b"\x00\xffnot json").expect("write");
-        assert!(load(&garbage, Path::new("/plugins")).is_empty());
+        assert!(reopen(&garbage).is_empty());
+        let other = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(other.path());
+        let actual = ActualState::default();
+        register(&actual, &journal, "a", 10);
+        journal.flush();
+        assert!(
+            Journal::open(&snapshot, Path::new("/plugins"), true)
+                .1
+                .is_empty()
+        );
     }
 
     #[test]
     fn writes_replace_the_file_whole() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join(FILE_NAME);
-        let root = Path::new("/plugins");
-        let (bytes, _) = round_trip(root);
         std::fs::write(&file, b"old content, longer than nothing at all").expect("write");
-        write_atomically(&file, &bytes).expect("written");
-        assert_eq!(std::fs::read(&file).expect("read"), bytes);
+        write_atomically(&file, b"new").expect("written");
+        assert_eq!(std::fs::read(&file).expect("read"), b"new");
         assert!(!file.with_extension("json.tmp").exists());
-        assert_eq!(load(&file, root).len(), 2);
-    }
-
-    #[tokio::test]
-    async fn the_writer_writes_after_a_change_and_once_more_when_cancelled() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let file = dir.path().join(FILE_NAME);
-        let root = PathBuf::from("/plugins");
-        let actual = Arc::new(ActualState::default());
-        let cancel = CancellationToken::new();
-        let writer = tokio::spawn(run_writer(
-            file.clone(),
-            root.clone(),
-            actual.clone(),
-            cancel.clone(),
-        ));
-        actual.add(
-            root.join("a.sock"),
-            Uuid::new_v4(),
-            socket(1),
-            plugin("/plugins/a.sock", "a"),
-            Arc::new(AcceptAll),
-        );
-        cancel.cancel();
-        writer.await.expect("joined").expect("ran");
-        assert_eq!(load(&file, &root).len(), 1);
     }
 }

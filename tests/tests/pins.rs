@@ -49,10 +49,13 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
     let pins = pinned_at(&first).await;
     let before = plugin!(dir.path("before.sock")).name("before").spawn();
     before.wait_for_notify(true, EVENT_TIMEOUT).await;
+    // Reported only once recorded in the state journal.
     first
-        .wait_for_log("the state file", EVENT_TIMEOUT, |l| {
-            l.message() == "state file written" && l.field_is("plugins", "1")
-        })
+        .wait_for_log(
+            "registered",
+            EVENT_TIMEOUT,
+            logs::registered(before.socket()),
+        )
         .await;
     let pid = nix::unistd::Pid::from_raw(first.pid().expect("running") as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("SIGKILL");

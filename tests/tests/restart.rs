@@ -11,7 +11,7 @@ use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::host::PluginHost;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, admin,
-    per_source, plugin, test_name,
+    logs, per_source, plugin, test_name,
 };
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -94,13 +94,15 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
     for plugin in [&kept, &gone, &replaced] {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     }
-    // The state file says all of them before the kill (it is written within 200 ms of a change;
-    // a kill before that costs repeated calls, which is not what this test is about).
-    let all = (plugins + 3).to_string();
+    // The agent reports a registration only once its state journal has it.
     first
-        .wait_for_log("the state file holding every plugin", EVENT_TIMEOUT, |l| {
-            l.message() == "state file written" && l.field("plugins").as_deref() == Some(&all)
-        })
+        .wait_for_logs(
+            Mark(0),
+            plugins + 3,
+            "every registration reported",
+            CONVERGE_TIMEOUT,
+            |l| l.message() == "plugin registered",
+        )
         .await;
 
     let pid = nix::unistd::Pid::from_raw(first.pid().expect("running") as i32);
@@ -319,12 +321,20 @@ async fn a_corrupt_or_foreign_state_file_is_a_warning_and_every_plugin_registers
             warning.field("error").unwrap_or_default()
         );
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-        // And the agent replaced it with its own.
         agent
-            .wait_for_log("a state file written", EVENT_TIMEOUT, |l| {
-                l.message() == "state file written" && l.field_is("plugins", "1")
-            })
+            .wait_for_log(
+                "registered",
+                EVENT_TIMEOUT,
+                logs::registered(plugin.socket()),
+            )
             .await;
+        // And the agent replaced it with its own.
+        assert!(agent.stop().await.success());
+        let written = std::fs::read_to_string(&state_file).expect("the agent's state file");
+        assert!(
+            written.contains("\"format\":1") && written.contains("p.sock"),
+            "{test}: {case}: {written}"
+        );
     }
 }
 
@@ -347,9 +357,11 @@ async fn with_reregister_on_restart_an_unchanged_plugin_is_registered_again() {
         .expect("inotify needs no privileges");
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     first
-        .wait_for_log("the state file", EVENT_TIMEOUT, |l| {
-            l.message() == "state file written" && l.field_is("plugins", "1")
-        })
+        .wait_for_log(
+            "registered",
+            EVENT_TIMEOUT,
+            logs::registered(plugin.socket()),
+        )
         .await;
     first.stop().await;
     let (handler_mark, plugin_mark) = (handler.mark(), plugin.mark());

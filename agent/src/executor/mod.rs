@@ -147,6 +147,9 @@ pub struct OperationExecutor {
     /// short-lived sockets that fail (not plugins) would otherwise leave thousands of timers that
     /// wake the idle agent long after the sockets are gone.
     retry_timers: Mutex<HashMap<PathBuf, CancellationToken>>,
+    /// Where finished registrations and deregistrations are recorded for the next agent (see
+    /// `persist`); unset: nothing outlives this one.
+    journal: std::sync::OnceLock<Arc<crate::persist::Journal>>,
 }
 
 impl OperationExecutor {
@@ -182,6 +185,7 @@ impl OperationExecutor {
             cancel,
             trimmer: crate::memory::Trimmer::default(),
             retry_timers: Mutex::new(HashMap::new()),
+            journal: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&executor);
         handlers.subscribe(move |plugin_type| {
@@ -291,6 +295,15 @@ impl OperationExecutor {
                         plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
                         took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
                     );
+                    // Recorded before it is reported: a kill after the report loses nothing.
+                    if let Some(journal) = this.journal.get()
+                        && let Some(entry) = this
+                            .actual
+                            .get(&path)
+                            .filter(|e| e.generation == desired.generation)
+                    {
+                        journal.registered(&path, &entry);
+                    }
                     let mut event = AgentEvent::new(kind, &path);
                     event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
                     event.plugin = Some(plugin);
@@ -301,6 +314,18 @@ impl OperationExecutor {
         }
         .instrument(span)
         .await
+    }
+
+    /// Records finished operations in `journal` from now on (see `persist`).
+    pub fn keep_journal(&self, journal: Arc<crate::persist::Journal>) {
+        let _ = self.journal.set(journal);
+    }
+
+    /// A deregistration of `path` (the registration of `generation`) finished.
+    fn deregistered(&self, path: &Path, generation: uuid::Uuid) {
+        if let Some(journal) = self.journal.get() {
+            journal.deregistered(path, generation);
+        }
     }
 
     /// Starts deregistering `registered` from `path` unless an operation for it runs.

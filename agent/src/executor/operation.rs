@@ -228,6 +228,7 @@ impl OperationExecutor {
         let Some(handler) = entry.handler.clone() else {
             // Observed only: no handler knows it.
             info!("observed plugin's socket removed");
+            self.deregistered(path, registered.generation);
             event.detail = Some("observed: no handler to tell".into());
             self.notifications.publish(event);
             self.observe_deregister("observed", None, started);
@@ -256,6 +257,8 @@ impl OperationExecutor {
                 event.error = Some(e.message);
             }
         }
+        // Done either way: the handler was told (or failed to listen, and is not asked again).
+        self.deregistered(path, registered.generation);
         self.notifications.publish(event);
     }
 

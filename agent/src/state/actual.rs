@@ -43,8 +43,6 @@ impl std::fmt::Debug for RegisteredPlugin {
 #[derive(Debug, Default)]
 pub struct ActualState {
     plugins: Mutex<Plugins>,
-    /// Woken (with a stored permit) by every add and remove: the state file's writer waits on it.
-    changed: tokio::sync::Notify,
 }
 
 /// Entries by path. Several sockets may carry one plugin name at once (a DRA driver's rolling
@@ -132,26 +130,16 @@ impl ActualState {
             registered_at,
         };
         self.lock().insert(path, entry.clone());
-        self.changed.notify_one();
         entry
-    }
-
-    /// Resolves after the next add or remove (at once if one happened since the last call).
-    pub async fn changed(&self) {
-        self.changed.notified().await;
     }
 
     /// Removes the entry for `path` if it is the registration of `generation`; returns it.
     pub fn remove(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
         let mut plugins = self.lock();
-        let removed = match plugins.by_path.get(path) {
+        match plugins.by_path.get(path) {
             Some(entry) if entry.generation == generation => plugins.remove(path),
             _ => None,
-        };
-        if removed.is_some() {
-            self.changed.notify_one();
         }
-        removed
     }
 
     /// The entry for `path`.
