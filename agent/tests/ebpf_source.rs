@@ -397,6 +397,16 @@ impl Fixture {
         self.collect_until(&Seen::Created(sentinel)).await
     }
 
+    /// Tells the source the entry at `path` exists, as the watcher does after its `stat`.
+    fn announce(&self, path: &Path) {
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return;
+        };
+        if let Ok(dir) = WatchedDir::stat(dir) {
+            self.source.entry_present(&dir, name);
+        }
+    }
+
     async fn collect_until(&mut self, last: &Seen) -> Vec<Seen> {
         let mut seen = Vec::new();
         loop {
@@ -405,6 +415,12 @@ impl Fixture {
                 .unwrap_or_else(|_| panic!("no {last:?} after {seen:?}"))
                 .expect("source closed its channel");
             let event = Seen::from(event);
+            // The watcher announces every entry it finds (the agent is the name table's one
+            // writer): what is created here is announced the same way, so its later removal by
+            // a path the tracepoints cannot resolve is matched by name.
+            if let Seen::Created(path) = &event {
+                self.announce(path);
+            }
             if &event == last {
                 return seen;
             }
@@ -539,7 +555,8 @@ async fn socket_inodes_and_directories_made_next_to_a_watched_cwd_are_reported()
         Action::MknodSocket(f.in_watched("absolute.sock")),
         Action::Mkdir(f.in_watched("absolute-dir")),
         Action::Rmdir(f.name("sub").into()),
-        // Its name was learnt when its creation was reported.
+        // By a multi-component path before anyone announced the name: the tracepoints do not
+        // report it (the watcher, announcing the name and then looking, finds it gone).
         Action::Unlink(f.in_watched("relative.sock")),
         Action::MknodSocket(f.in_elsewhere("elsewhere.sock")),
         Action::Mkdir(f.in_elsewhere("elsewhere-dir")),
@@ -561,7 +578,6 @@ async fn socket_inodes_and_directories_made_next_to_a_watched_cwd_are_reported()
             Seen::Created(f.in_watched("relative.sock")),
             Seen::NameChanged(f.name("absolute.sock").into()),
             Seen::Removed(f.in_watched("sub")),
-            Seen::NameChanged(f.name("relative.sock").into()),
             Seen::NameChanged(f.name("elsewhere.sock").into()),
         ]
     };
@@ -727,13 +743,13 @@ async fn a_plugin_in_its_own_mount_namespace_is_seen_by_directory_identity() {
         Action::Unlink(registration.join(f.name("plugin.sock"))),
     ];
     let seen = f.events_of(&actions, "sentinel.sock").await;
-    assert_eq!(
-        seen,
-        vec![
-            Seen::Created(f.in_watched("plugin.sock")),
-            f.exact_or_name(Seen::Removed(f.in_watched("plugin.sock"))),
-        ]
-    );
+    let mut expected = vec![Seen::Created(f.in_watched("plugin.sock"))];
+    // The tracepoints match the unlink by name, and nobody announced the name before it (the
+    // watcher's look after announcing finds the socket gone); fentry sees the dentry.
+    if f.exact() {
+        expected.push(Seen::Removed(f.in_watched("plugin.sock")));
+    }
+    assert_eq!(seen, expected);
 }
 
 #[tokio::test]

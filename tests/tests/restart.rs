@@ -110,16 +110,12 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
     drop(first);
     let (handler_mark, host_mark, kept_mark) = (handler.mark(), host.mark(), kept.mark());
     // While no agent runs.
-    let old_replaced = replaced.ino();
     gone.stop().await;
     replaced.stop().await;
+    // A new socket instance at the same path (possibly with the freed inode number: the agent
+    // tells instances apart by birth time and file handle too).
     let replaced = dra_plugin(&dir, "replaced");
     replaced.wait_for_event("serving", EVENT_TIMEOUT).await;
-    assert_ne!(
-        replaced.ino(),
-        old_replaced,
-        "{test}: a new socket instance"
-    );
     let new = dra_plugin(&dir, "new");
     new.wait_for_event("serving", EVENT_TIMEOUT).await;
 
