@@ -74,6 +74,12 @@ pub mod scope {
     /// Only the name is known (the path had several components and cannot be resolved in BPF); the
     /// entry was matched by name against `NAMES`, so it may be in any watched directory, or none.
     pub const NAME_ONLY: u32 = 2;
+    /// Parked only, never in the ring: a removal by a path of several components, reported as
+    /// [`NAME_ONLY`] when its syscall returns if its name is in `NAMES` then. Deciding at entry
+    /// lost removals: the agent announces a name it found and then looks at the entry again, and
+    /// an `unlink` that entered before the announcement but removed the entry after the look
+    /// went unreported, leaving a socket the agent believed present.
+    pub const NAME_IF_KNOWN: u32 = 3;
 }
 
 /// Identity of a directory as the kernel sees it: `super_block.s_dev` and `inode.i_ino`.

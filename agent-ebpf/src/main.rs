@@ -547,10 +547,8 @@ mod programs {
         } else {
             // "dir/name" or "/abs/name": only names can be checked.
             match op {
-                PathOp::Remove => {
-                    // SAFETY: presence check only.
-                    unsafe { NAMES.get(&scratch.event.name) }?;
-                }
+                // Decided when the syscall returns (see `scope::NAME_IF_KNOWN`).
+                PathOp::Remove => {}
                 PathOp::CreateSocket | PathOp::MoveTo => {}
                 PathOp::CreateDir => {
                     if !parent_known(scratch) {
@@ -558,7 +556,11 @@ mod programs {
                     }
                 }
             }
-            scratch.event.scope = scope::NAME_ONLY;
+            scratch.event.scope = if op == PathOp::Remove {
+                scope::NAME_IF_KNOWN
+            } else {
+                scope::NAME_ONLY
+            };
             scratch.event.parent = name_only_parent(scratch);
         }
         let event = &mut scratch.event;
@@ -829,13 +831,17 @@ mod programs {
     }
 
     /// Reports (if `succeeded`) and forgets this thread's event parked in `map`; returns whether
-    /// there was one.
+    /// there was one that concerns the tree (a removal by name only if its name is in `NAMES`
+    /// now, when the entry is gone: see `scope::NAME_IF_KNOWN`).
     #[inline(always)]
     fn report_parked(map: &HashMap<u64, Event>, thread: u64, succeeded: bool) -> bool {
         let Some(pending) = map.get_ptr(&thread) else {
             return false;
         };
-        if succeeded {
+        // SAFETY: `pending` is a live map value of this thread; its name is a whole key.
+        let by_name = unsafe { (*pending).scope } == scope::NAME_IF_KNOWN;
+        let concerns_tree = !by_name || unsafe { NAMES.get(&(*pending).name) }.is_some();
+        if succeeded && concerns_tree {
             match EVENTS.reserve::<Event>(0) {
                 Some(mut entry) => {
                     // SAFETY: `pending` is a live map value of this thread; `entry` is reserved
@@ -844,6 +850,9 @@ mod programs {
                         let event = entry.as_mut_ptr();
                         core::ptr::copy_nonoverlapping(pending, event, 1);
                         (*event).ktime_ns = now_ns();
+                        if by_name {
+                            (*event).scope = scope::NAME_ONLY;
+                        }
                     }
                     entry.submit(wake_flags());
                 }
@@ -851,7 +860,7 @@ mod programs {
             }
         }
         let _ = map.remove(&thread);
-        true
+        concerns_tree
     }
 
     // ---------------------------------------------------------------------------------------------

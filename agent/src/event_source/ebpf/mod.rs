@@ -25,7 +25,8 @@
 //!   [`FsEvent::NameChanged`] the watcher checks in every watched directory, or, when the path's
 //!   parent component matched a name in the name table, only in the watched directories of that
 //!   name (the kernel reports the table's id for it; see `filters`). A removal (or rename
-//!   source) passes when its last component is a name present under the tree; a socket `mknod`
+//!   source) passes when its last component is a name present under the tree when the syscall
+//!   returns (decided at exit: at entry it raced with the watcher announcing a name); a socket `mknod`
 //!   always; a rename target when its name is known, when its source was in the tree, or when its
 //!   parent component is a watched directory's name (a move in from anywhere to a new name);
 //!   a `mkdir` when its parent component is a watched directory's name (`mkdir -p` trees are also
