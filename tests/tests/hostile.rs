@@ -1338,7 +1338,10 @@ async fn ebpf_20000_short_lived_socket_names_cause_no_rescan_and_no_removal_is_m
     let listed: Vec<PathBuf> = admin::list(&dir.root().with_file_name("admin.sock"))
         .into_keys()
         .collect();
-    assert!(listed.is_empty(), "{test}: still listed after they went: {listed:?}");
+    assert!(
+        listed.is_empty(),
+        "{test}: still listed after they went: {listed:?}"
+    );
     let metrics = wait_for_http(addr, "/metrics", 200).await;
     let rescans: Vec<&str> = metrics
         .lines()
