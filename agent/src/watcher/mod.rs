@@ -347,14 +347,27 @@ impl Watcher {
     }
 }
 
-/// True for paths with a component below the root that starts with `.`.
+/// True for paths with a component below the root that starts with `.`, and for paths that are
+/// not in plain form (a `.`, `..` or empty component anywhere, a trailing `/`): `Path::components`
+/// drops those, so `root/link/.` or `root/link/` would pass as `root/link`, and `stat` of them
+/// follows the symlink `link` out of the tree. Sources join a watched directory and an entry
+/// name, so no real hint has one.
 fn ignored_name(path: &Path, root: &Path) -> bool {
-    path.strip_prefix(root)
-        .map(|rel| {
-            rel.components()
-                .any(|c| c.as_os_str().as_bytes().first() == Some(&b'.'))
-        })
-        .unwrap_or(true)
+    // Below the root only: the root is the operator's, as given (a trailing `/` included).
+    let raw = path.as_os_str().as_bytes();
+    let below = raw.strip_prefix(root.as_os_str().as_bytes()).unwrap_or(raw);
+    let dotted = below
+        .split(|b| *b == b'/')
+        .enumerate()
+        .any(|(i, part)| (part.is_empty() && i > 0) || part == b"." || part == b"..");
+    dotted
+        || path
+            .strip_prefix(root)
+            .map(|rel| {
+                rel.components()
+                    .any(|c| c.as_os_str().as_bytes().first() == Some(&b'.'))
+            })
+            .unwrap_or(true)
 }
 
 /// Creates the root directory (and parents) with mode 0755 if it is missing.
@@ -379,5 +392,12 @@ mod tests {
         assert!(!ignored_name(Path::new("/r/sub/a.b.sock"), root));
         assert!(!ignored_name(Path::new("/r"), root));
         assert!(ignored_name(Path::new("/elsewhere/a.sock"), root));
+        for odd in ["/r/link/.", "/r/link/", "/r//a.sock", "/r/sub/../a.sock"] {
+            assert!(ignored_name(Path::new(odd), root), "{odd}");
+        }
+        // A root given with a trailing slash is the operator's, not a hint's oddity.
+        let slashed = Path::new("/r/");
+        assert!(!ignored_name(Path::new("/r/"), slashed));
+        assert!(!ignored_name(&slashed.join("a.sock"), slashed));
     }
 }
