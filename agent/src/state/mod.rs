@@ -37,7 +37,8 @@ pub struct SocketId {
     pub ino: u64,
     /// `statx` birth time in nanoseconds since the epoch, when the filesystem reports it.
     pub birth_ns: Option<i128>,
-    /// Hash of the file handle (inode number and generation), when the filesystem exports handles.
+    /// Hash of the file handle (inode number and generation), when the filesystem exports handles;
+    /// stable across builds (FNV-1a), as it is kept in the state file.
     pub handle: Option<u64>,
 }
 
@@ -85,7 +86,6 @@ impl EntryKind {
 /// Hash of the path's file handle, which includes the inode generation; `None` when the
 /// filesystem has no file handles (or the entry vanished meanwhile).
 fn file_handle_hash(path: &Path) -> Option<u64> {
-    use std::hash::{Hash, Hasher};
     use std::os::unix::ffi::OsStrExt;
     /// `struct file_handle` with room for the largest handle (`MAX_HANDLE_SZ`).
     #[repr(C)]
@@ -117,10 +117,24 @@ fn file_handle_hash(path: &Path) -> Option<u64> {
         return None;
     }
     let len = (handle.handle_bytes as usize).min(handle.f_handle.len());
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    handle.handle_type.hash(&mut hasher);
-    handle.f_handle[..len].hash(&mut hasher);
-    Some(hasher.finish())
+    Some(fnv1a(&[
+        &handle.handle_type.to_le_bytes(),
+        &handle.f_handle[..len],
+    ]))
+}
+
+/// 64-bit FNV-1a over `parts`: a hash that stays the same across builds and Rust releases (the
+/// standard library's `DefaultHasher` does not promise that), because socket identities are kept
+/// in the state file across agent restarts and upgrades (`persist`).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    parts
+        .iter()
+        .flat_map(|part| part.iter())
+        .fold(OFFSET, |hash, byte| {
+            (hash ^ u64::from(*byte)).wrapping_mul(PRIME)
+        })
 }
 
 fn statx(path: &Path) -> std::io::Result<libc::statx> {
@@ -143,4 +157,18 @@ fn statx(path: &Path) -> std::io::Result<libc::statx> {
     }
     // SAFETY: statx returned 0, so the kernel filled the struct.
     Ok(unsafe { stx.assume_init() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handle_hash_is_fnv1a_so_it_stays_the_same_across_builds() {
+        // Published FNV-1a 64 test vectors: an identity kept in the state file must not change
+        // with the compiler.
+        assert_eq!(fnv1a(&[]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(&[b"a"]), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(&[b"fo", b"obar"]), 0x8594_4171_f739_67e8);
+    }
 }
