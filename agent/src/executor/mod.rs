@@ -291,10 +291,6 @@ impl OperationExecutor {
                     } else {
                         (EventKind::Registered, "plugin registered")
                     };
-                    info!(
-                        plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
-                        took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
-                    );
                     // Recorded before it is reported: a kill after the report loses nothing.
                     if let Some(journal) = this.journal.get()
                         && let Some(entry) = this
@@ -304,6 +300,10 @@ impl OperationExecutor {
                     {
                         journal.registered(&path, &entry);
                     }
+                    info!(
+                        plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
+                        took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
+                    );
                     let mut event = AgentEvent::new(kind, &path);
                     event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
                     event.plugin = Some(plugin);

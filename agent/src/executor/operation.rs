@@ -238,15 +238,18 @@ impl OperationExecutor {
             .name_locks
             .lock(&entry.plugin.plugin_type, &entry.plugin.name)
             .await;
-        match self
+        let told = self
             .call_handler(
                 HandlerCall::Deregister,
                 &entry.plugin.plugin_type,
                 handler.deregister(&entry.plugin),
                 self.config.handler_timeouts.deregister,
             )
-            .await
-        {
+            .await;
+        // Done either way (the handler was told, or failed to listen and is not asked again),
+        // and recorded before it is reported: a kill after the report loses nothing.
+        self.deregistered(path, registered.generation);
+        match told {
             Ok(()) => {
                 info!("plugin deregistered");
                 self.observe_deregister("success", None, started);
@@ -257,8 +260,6 @@ impl OperationExecutor {
                 event.error = Some(e.message);
             }
         }
-        // Done either way: the handler was told (or failed to listen, and is not asked again).
-        self.deregistered(path, registered.generation);
         self.notifications.publish(event);
     }
 
