@@ -65,6 +65,11 @@ pub mod kind {
     /// A socket inode or a directory was created (`mknod`/`mknodat` of `S_IFSOCK`, `mkdir`,
     /// `mkdirat` returned 0).
     pub const CREATE: u32 = 3;
+    /// A bound `AF_UNIX` socket started listening (`listen` returned 0): it is served now.
+    pub const LISTEN: u32 = 4;
+    /// A descriptor of a listening `AF_UNIX` socket was closed (`close` returned 0): the
+    /// listener is gone unless another descriptor still holds it, which the agent checks.
+    pub const RELEASE: u32 = 5;
 }
 
 /// How precisely the event locates the entry, in [`Event::scope`].
@@ -172,6 +177,10 @@ pub struct KernelOffsets {
     pub socket_sk: u32,
     /// `sock.__sk_common.skc_family` (`unsigned short`).
     pub sock_family: u32,
+    /// `sock.__sk_common.skc_state` (`unsigned char`; `TCP_LISTEN` for a listening socket).
+    pub sock_state: u32,
+    /// `inode.i_mode` (`umode_t`, `u16`).
+    pub inode_mode: u32,
     /// `unix_sock.path.dentry`: the dentry a bound `AF_UNIX` socket lives at.
     pub unix_sock_dentry: u32,
     /// `fs_struct.pwd.dentry`.
@@ -204,6 +213,8 @@ impl KernelOffsets {
         file_dentry: 0,
         socket_sk: 0,
         sock_family: 0,
+        sock_state: 0,
+        inode_mode: 0,
         unix_sock_dentry: 0,
         fs_pwd_dentry: 0,
         dentry_parent: 0,
@@ -372,12 +383,12 @@ mod tests {
     #[test]
     fn layout_has_no_implicit_padding() {
         assert_eq!(core::mem::size_of::<Event>(), 4 * 4 + 8 + 16 + NAME_LEN);
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 18 * 4);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 20 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
         assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);
         assert_eq!(
             core::mem::size_of::<Config>(),
-            18 * 4 + 8 + 16 + 10 * 4 + 10 * 4
+            20 * 4 + 8 + 16 + 10 * 4 + 10 * 4
         );
     }
 

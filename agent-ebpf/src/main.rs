@@ -864,6 +864,146 @@ mod programs {
     }
 
     // ---------------------------------------------------------------------------------------------
+    // listen, close: whether something serves a socket (the agent's liveness hints)
+
+    // Attached in every hook family (there is no VFS function for either). A bound socket that
+    // starts listening is reported so an unserved plugin registers the moment it serves; a closed
+    // descriptor of a listening socket is reported so the agent checks, with one connect, whether
+    // the listener went with it (another descriptor, in a child say, may still hold it). A process
+    // that exits closes its descriptors without `close`: that is the pidfd the agent holds for
+    // each registered plugin's server.
+
+    /// `TCP_LISTEN`, the state of a listening socket (unix sockets reuse the TCP states).
+    const TCP_LISTEN: u8 = 10;
+
+    /// The path-bound `AF_UNIX` socket behind descriptor `fd` of the current task: its dentry in
+    /// the tree, and whether it listens. `None` for anything else (the common case, decided by the
+    /// inode's mode before anything socket-specific is read).
+    #[inline(always)]
+    fn bound_unix_socket(fd: u64) -> Option<(usize, bool)> {
+        let file = fd_file(fd)?;
+        let file_dentry = kptr(file, offset!(file_dentry))?;
+        let inode = kptr(file_dentry, offset!(dentry_inode))?;
+        let mode = kread::<u16>(inode, offset!(inode_mode))?;
+        if u64::from(mode) & S_IFMT != S_IFSOCK {
+            return None;
+        }
+        let socket = kptr(file, offset!(file_private_data))?;
+        let sk = kptr(socket, offset!(socket_sk))?;
+        if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX {
+            return None;
+        }
+        // Unbound and abstract sockets have no dentry.
+        let dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        let listening = kread::<u8>(sk, offset!(sock_state))? == TCP_LISTEN;
+        Some((dentry, listening))
+    }
+
+    #[tracepoint]
+    pub fn listen_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_listen_enter(&ctx);
+        0
+    }
+
+    fn try_listen_enter(ctx: &TracePointContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let fd = arg_u64(ctx, 0)?;
+        // Only path-bound unix sockets, and only their first listen (a second changes nothing).
+        let (_, listening) = bound_unix_socket(fd)?;
+        if listening {
+            return None;
+        }
+        // A thread runs one syscall at a time: bind's table holds listen's descriptor as well.
+        if PENDING_BINDS
+            .insert(bpf_get_current_pid_tgid(), fd as u32, 0)
+            .is_err()
+        {
+            count_loss(loss::PENDING_FULL);
+        }
+        Some(())
+    }
+
+    #[tracepoint]
+    pub fn listen_exit(ctx: TracePointContext) -> u32 {
+        let _ = try_listen_exit(&ctx);
+        0
+    }
+
+    fn try_listen_exit(ctx: &TracePointContext) -> Option<()> {
+        let thread = bpf_get_current_pid_tgid();
+        // SAFETY: the value is copied out before the entry is removed.
+        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
+        let _ = PENDING_BINDS.remove(&thread);
+        // SAFETY: offset within the sys_exit_listen record.
+        if unsafe { ctx.read_at::<i64>(RET) }.ok()? != 0 {
+            return None;
+        }
+        let (dentry, listening) = bound_unix_socket(u64::from(fd))?;
+        if !listening {
+            return None;
+        }
+        // Plugin sockets are entries of watched directories (every directory of the tree is);
+        // one in a directory not watched yet was reported by its bind, as that directory.
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        report_dentry(dentry, parent, kind::LISTEN)
+    }
+
+    /// A listening socket's descriptor closes: parked until `close` returns, then reported if it
+    /// succeeded (by `close_exit`).
+    #[tracepoint]
+    pub fn close_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_close_enter(&ctx);
+        0
+    }
+
+    fn try_close_enter(ctx: &TracePointContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let (dentry, listening) = bound_unix_socket(arg_u64(ctx, 0)?)?;
+        if !listening {
+            return None;
+        }
+        // As for `listen`: entries of watched directories only.
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        let name = kptr(dentry, offset!(dentry_name))?;
+        let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
+        let scratch = SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: the per-CPU scratch slot is ours for the duration of this program run.
+        let event = unsafe { &mut *addr_of_mut!((*scratch).event) };
+        event.name.bytes = [0; NAME_LEN];
+        // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
+        let _ =
+            unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut event.name.bytes) };
+        event.kind = kind::RELEASE;
+        event.scope = scope::EXACT;
+        event.tgid = current_tgid();
+        event.name_len = name_len;
+        event.parent = parent;
+        park(&PENDING, event);
+        Some(())
+    }
+
+    #[tracepoint]
+    pub fn close_exit(ctx: TracePointContext) -> u32 {
+        let thread = bpf_get_current_pid_tgid();
+        // Most closes parked nothing: one lookup, then out.
+        if unsafe { PENDING.get(&thread) }.is_none() {
+            return 0;
+        }
+        // SAFETY: offset within the sys_exit_close record.
+        let succeeded = matches!(unsafe { ctx.read_at::<i64>(RET) }, Ok(0));
+        report_parked(&PENDING, thread, succeeded);
+        0
+    }
+
+    // ---------------------------------------------------------------------------------------------
     // fentry/fexit on the VFS: the preferred family, where the kernel allows it
 
     // These see the dentry an operation acts on, so every path form (relative, `..`, chroot,

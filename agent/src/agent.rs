@@ -252,6 +252,8 @@ fn carry_on(
     }
     let journal = Arc::new(journal);
     stages.executor.keep_journal(journal.clone());
+    // Restored registrations have no registration connection to learn their servers from.
+    stages.executor.watch_restored();
     journal
 }
 
@@ -329,7 +331,8 @@ impl Stages {
             queue.clone(),
             notifications.clone(),
             telemetry.clone(),
-        );
+        )
+        .with_liveness(executor.liveness());
         let reconciler = Reconciler::new(
             desired.clone(),
             actual.clone(),

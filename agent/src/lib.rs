@@ -20,6 +20,7 @@ pub mod event_source;
 pub mod executor;
 pub mod handler;
 pub mod kubelet;
+pub mod liveness;
 pub mod memory;
 pub mod mode;
 pub mod notifications;

@@ -30,6 +30,9 @@ pub enum EventKind {
     RegistrationFailed,
     /// The plugin was deregistered from its handler.
     Deregistered,
+    /// Nothing serves the plugin's socket (its server exited, or it refuses connections); `error`
+    /// says what was found and how. A registered plugin is deregistered next.
+    Unserved,
     /// The watcher walked the whole tree; `detail` says why.
     Rescan,
 }

@@ -6,8 +6,9 @@
 //! reconciler looks at just those, at once. A slow periodic pass over everything (default 30 s) is
 //! the safety net, and also asks the watcher to re-walk the tree.
 //!
-//! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, or
-//! is desired with a different generation (socket re-created), is deregistered; the registration
+//! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, is
+//! desired with a different generation (socket re-created), or is no longer served (`liveness`),
+//! is deregistered; the registration
 //! of the new socket follows when that operation has finished (the executor allows one operation
 //! per path, and marks the path again when it ends).
 
@@ -89,6 +90,9 @@ impl Reconciler {
                 _ = self.queue.changed(), if self.mode == ReconcileMode::Event => {}
                 _ = safety.tick() => {
                     self.queue.mark_all();
+                    if self.mode == ReconcileMode::Event {
+                        self.executor.recheck_unserved();
+                    }
                     if self.mode == ReconcileMode::Event
                         && let Some(rescan) = &self.rescan
                     {
@@ -124,7 +128,9 @@ impl Reconciler {
             let desired = self.desired.get(&path);
             let registered = self.actual.get(&path);
             if let Some(registered) = registered {
-                if desired.as_ref().map(|d| d.generation) != Some(registered.generation) {
+                let superseded =
+                    desired.as_ref().map(|d| d.generation) != Some(registered.generation);
+                if superseded || self.executor.is_unserved(&path, registered.socket) {
                     let outcome = self.executor.deregister(&path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
                 }

@@ -11,7 +11,10 @@
 //! reconnect backoff and then counts the plugin as failed, so such a plugin waits out backoff
 //! steps meant for broken plugins. Here:
 //! - `ECONNREFUSED` (bound, not listening) is retried at once on a short schedule (1 ms doubling to
-//!   50 ms) within the 10 s dial budget;
+//!   50 ms) within the 10 s dial budget (1 s for a socket found by a walk: at start, a socket
+//!   nobody listens on is usually a dead plugin's). Refused to the end is
+//!   [`PluginCallError::NotListening`]: the socket is *unserved* (see `liveness`), which waits
+//!   for the socket to change instead of backing off;
 //! - a connection whose peer has sent *nothing* when `GetInfo`'s 1 s deadline passes is a server
 //!   that is not serving yet (a gRPC server sends its HTTP/2 SETTINGS as soon as it serves), so the
 //!   attempt is repeated on a fresh connection, again within the dial budget. The request waits in
@@ -21,11 +24,13 @@
 
 mod unary;
 
+use crate::liveness::Server;
 use crate::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use std::io;
+use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -70,6 +75,10 @@ impl Pause for Sleep {
 pub struct Timeouts {
     /// Connecting and waiting for the plugin to serve (kubelet: 10 s).
     pub dial: Duration,
+    /// How long, within `dial`, a socket that refuses connections (bound, not listening yet) is
+    /// waited for before it counts as unserved (see `liveness`); the executor shortens it for
+    /// sockets found by a walk rather than seen being created.
+    pub listen: Duration,
     /// `GetInfo` (kubelet: 1 s).
     pub get_info: Duration,
     /// `NotifyRegistrationStatus` (kubelet: 5 s).
@@ -80,6 +89,7 @@ impl Default for Timeouts {
     fn default() -> Self {
         Timeouts {
             dial: Duration::from_secs(10),
+            listen: Duration::from_secs(10),
             get_info: Duration::from_secs(1),
             notify: Duration::from_secs(5),
         }
@@ -112,6 +122,10 @@ pub enum PluginCallError {
     /// The socket vanished, or was replaced by another socket (which gets its own registration).
     #[error("socket {0} no longer exists or was replaced")]
     SocketGone(PathBuf),
+    /// Nothing listened on the socket (connections refused) for as long as it was waited for:
+    /// the socket is unserved, not a broken plugin.
+    #[error("nothing listens on {path}: connection refused for {elapsed:?}")]
+    NotListening { path: PathBuf, elapsed: Duration },
     /// Could not connect within the dial timeout.
     #[error("dial {path}: {reason} (after {elapsed:?})")]
     Dial {
@@ -148,6 +162,8 @@ pub enum OnInvalid {
 pub struct PluginConnection {
     client: UnaryClient<HeardStream>,
     timeouts: Timeouts,
+    /// Who serves the socket, from the connection's credentials.
+    server: Option<Server>,
 }
 
 impl PluginConnection {
@@ -166,10 +182,16 @@ impl PluginConnection {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
+            let listen_end = started + timeouts.listen.min(timeouts.dial);
             let (stream, peer) =
-                connect_when_listening(socket, expected, budget_end, started, waiting)
+                connect_when_listening(socket, expected, budget_end, listen_end, started, waiting)
                     .instrument(info_span!("dial"))
                     .await?;
+            let server = Server::of(stream.inner.as_fd())
+                .inspect_err(
+                    |e| tracing::debug!(error = %e, "cannot read the plugin's credentials"),
+                )
+                .ok();
             let remaining = budget_end.saturating_duration_since(Instant::now());
             // The HTTP/2 steps are boxed: until a peer accepts, this future stays small (a
             // dial that waits for a bound-but-not-serving socket, or for a stale one until its
@@ -206,7 +228,11 @@ impl PluginConnection {
             .await
             {
                 Ok(Ok(info)) => {
-                    let mut connection = PluginConnection { client, timeouts };
+                    let mut connection = PluginConnection {
+                        client,
+                        timeouts,
+                        server,
+                    };
                     if let Err(invalid) = validate_info(&info) {
                         if on_invalid == OnInvalid::Silent {
                             return Err(invalid);
@@ -241,6 +267,12 @@ impl PluginConnection {
         }
     }
 
+    /// Who serves the socket (learned when the connection was made), handed to `liveness` once
+    /// the plugin is registered.
+    pub fn take_server(&mut self) -> Option<Server> {
+        self.server.take()
+    }
+
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
     pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), PluginCallError> {
@@ -272,10 +304,11 @@ impl PluginConnection {
         tracing::info!(error = %broken, "the registration connection broke before Notify; notifying on a new one");
         let started = Instant::now();
         let budget_end = started + self.timeouts.dial;
-        let (stream, _) = connect_when_listening(socket, expected, budget_end, started, waiting)
-            .instrument(info_span!("dial"))
-            .await
-            .map_err(|e| PluginCallError::Notify(format!("{broken}; re-dial: {e}")))?;
+        let (stream, _) =
+            connect_when_listening(socket, expected, budget_end, budget_end, started, waiting)
+                .instrument(info_span!("dial"))
+                .await
+                .map_err(|e| PluginCallError::Notify(format!("{broken}; re-dial: {e}")))?;
         let remaining = budget_end.saturating_duration_since(Instant::now());
         self.client = match Box::pin(tokio::time::timeout(
             remaining,
@@ -388,11 +421,13 @@ fn validate_info(info: &PluginInfo) -> Result<(), PluginCallError> {
     Ok(())
 }
 
-/// Connects to `socket`, retrying `ECONNREFUSED` (bound but not listening yet) until `budget_end`.
+/// Connects to `socket`, retrying `ECONNREFUSED` (bound but not listening yet) until
+/// `listen_end`, and other transient refusals until `budget_end`.
 async fn connect_when_listening(
     socket: &Path,
     expected: SocketId,
     budget_end: Instant,
+    listen_end: Instant,
     started: Instant,
     waiting: &mut dyn Pause,
 ) -> Result<(HeardStream, Arc<PeerBytes>), PluginCallError> {
@@ -421,9 +456,17 @@ async fn connect_when_listening(
             io::ErrorKind::NotFound => {
                 return Err(PluginCallError::SocketGone(socket.to_path_buf()));
             }
-            io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock
-                if Instant::now() + pause < budget_end =>
-            {
+            io::ErrorKind::ConnectionRefused if Instant::now() + pause < listen_end => {
+                waiting.pause(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            io::ErrorKind::ConnectionRefused => {
+                return Err(PluginCallError::NotListening {
+                    path: socket.to_path_buf(),
+                    elapsed: started.elapsed(),
+                });
+            }
+            io::ErrorKind::WouldBlock if Instant::now() + pause < budget_end => {
                 waiting.pause(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));
             }

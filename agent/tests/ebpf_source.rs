@@ -296,6 +296,7 @@ enum Seen {
     Removed(PathBuf),
     NameChanged(OsString),
     Rescan,
+    Serving(PathBuf, bool),
 }
 
 impl From<FsEvent> for Seen {
@@ -311,6 +312,9 @@ impl From<FsEvent> for Seen {
             FsEvent::Removed { path, .. } => Seen::Removed(path),
             FsEvent::NameChanged { name, .. } => Seen::NameChanged(name),
             FsEvent::Rescan { .. } => Seen::Rescan,
+            FsEvent::Serving {
+                path, listening, ..
+            } => Seen::Serving(path, listening),
         }
     }
 }
@@ -326,6 +330,9 @@ struct Fixture {
     watched: PathBuf,
     elsewhere: PathBuf,
     prefix: String,
+    /// Whether `collect_until` keeps the serving hints (`listen`, a listener's `close`): every
+    /// `Action::Bind` listens and closes, and most tests are about entries only.
+    keep_serving: bool,
 }
 
 impl Fixture {
@@ -353,6 +360,7 @@ impl Fixture {
             watched,
             elsewhere,
             prefix: test.to_owned(),
+            keep_serving: false,
         }
     }
 
@@ -415,6 +423,9 @@ impl Fixture {
                 .unwrap_or_else(|_| panic!("no {last:?} after {seen:?}"))
                 .expect("source closed its channel");
             let event = Seen::from(event);
+            if matches!(event, Seen::Serving(..)) && !self.keep_serving {
+                continue;
+            }
             // The watcher announces every entry it finds (the agent is the name table's one
             // writer): what is created here is announced the same way, so its later removal by
             // a path the tracepoints cannot resolve is matched by name.
@@ -427,6 +438,37 @@ impl Fixture {
             seen.push(event);
         }
     }
+}
+
+/// Every `Action::Bind` is a listener (bind, listen, close): in the tree, its `listen` and its
+/// `close` are reported after its creation, each exactly; outside the tree, nothing.
+#[tokio::test]
+async fn a_listen_and_a_listener_s_close_in_the_tree_are_reported_and_nothing_else() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("serving", EbpfOptions::default(), 1024);
+    f.keep_serving = true;
+    let served = f.in_watched("served.sock");
+    let actions = [
+        Action::Bind(f.in_elsewhere("elsewhere.sock")),
+        Action::Bind(served.clone()),
+        Action::MknodSocket(f.in_watched("inode-only.sock")),
+    ];
+    let sentinel = f.in_watched("sentinel.sock");
+    let mut all = actions.to_vec();
+    all.push(Action::Bind(sentinel.clone()));
+    run_helper(&all);
+    let seen = f.collect_until(&Seen::Created(sentinel)).await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(served.clone()),
+            Seen::Serving(served.clone(), true),
+            Seen::Serving(served, false),
+            f.exact_or_name(Seen::Created(f.in_watched("inode-only.sock"))),
+        ]
+    );
 }
 
 #[tokio::test]
@@ -769,6 +811,8 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "fexit vfs_rmdir",
             "fentry vfs_rename",
             "fexit vfs_rename",
+            "sys_exit_listen",
+            "sys_enter_close",
         ]
     } else {
         &[
@@ -779,6 +823,8 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "sys_enter_mknodat",
             "sys_exit_rmdir",
             "sys_enter_renameat2",
+            "sys_exit_listen",
+            "sys_enter_close",
         ]
     };
     for hook in hooks.iter().chain(&["2048 KiB"]) {
@@ -853,7 +899,12 @@ async fn hooks_are_fentry_where_the_kernel_allows_them_and_tracepoints_where_it_
                 "{description}"
             );
             assert!(!description.contains("passed over"), "{description}");
-            assert!(!description.contains("tracepoint"), "{description}");
+            // Only the liveness hints are tracepoints in this family (no VFS function for them).
+            assert!(!description.contains("sys_exit_bind"), "{description}");
+            assert!(
+                description.contains("tracepoint syscalls/sys_exit_listen"),
+                "{description}"
+            );
         }
         // A kernel that refuses it by policy (EPERM at load, like the build machine's): the
         // mandatory open fails saying so, and auto falls back naming the first program refused,

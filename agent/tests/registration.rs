@@ -75,6 +75,7 @@ fn identity(path: &Path) -> SocketId {
 fn fast() -> Timeouts {
     Timeouts {
         dial: Duration::from_secs(5),
+        listen: Duration::from_secs(5),
         get_info: Duration::from_millis(300),
         notify: Duration::from_secs(2),
     }
@@ -199,6 +200,61 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
     );
     let (_, info) = attempt.await.expect("join").expect("GetInfo after listen");
     assert_eq!(info.name, "late");
+}
+
+#[tokio::test]
+async fn a_socket_refusing_connections_past_the_listen_wait_is_not_listening() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("bind, then close"));
+    let timeouts = Timeouts {
+        listen: Duration::from_millis(50),
+        ..fast()
+    };
+    let started = std::time::Instant::now();
+    let result = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        timeouts,
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await;
+    assert!(
+        matches!(result, Err(PluginCallError::NotListening { .. })),
+        "got {:?}",
+        result.map(|(_, info)| info)
+    );
+    assert!(
+        started.elapsed() < fast().dial,
+        "the listen wait, not the dial budget, ended it"
+    );
+}
+
+#[tokio::test]
+async fn the_connection_names_the_process_that_serves_the_socket() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("served.sock");
+    let _stop = serve(
+        tokio::net::UnixListener::bind(&path).expect("bind"),
+        Plugin {
+            name: "served".into(),
+            ..Plugin::default()
+        },
+    );
+    let (mut connection, _) = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+    )
+    .await
+    .expect("GetInfo");
+    let server = connection.take_server().expect("credentials read");
+    assert_eq!(server.pid, Some(std::process::id()));
+    assert_eq!(server.uid, nix::unistd::getuid().as_raw());
+    assert!(server.watchable(), "a pidfd for a live server");
 }
 
 #[tokio::test]

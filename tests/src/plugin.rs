@@ -120,6 +120,47 @@ impl PluginProcess {
         self.events.mark()
     }
 
+    /// The plugin's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` to the plugin's process.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        if let Some(pid) = self.pid() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+        }
+    }
+
+    /// `--hand-off` plugins: hands the listener to a child process (SIGUSR1), waits for the
+    /// parent's exit, and returns the child's pid.
+    pub async fn hand_off(&mut self, timeout: Duration) -> u32 {
+        let mark = self.mark();
+        self.signal(nix::sys::signal::Signal::SIGUSR1);
+        let handed = self
+            .wait_for_after(mark, "handed_off", timeout, |l| l.event() == "handed_off")
+            .await;
+        if let Some(mut parent) = self.child.take() {
+            let _ = tokio::task::spawn_blocking(move || parent.wait()).await;
+        }
+        handed
+            .0
+            .get("child")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|pid| u32::try_from(pid).ok())
+            .unwrap_or_else(|| self.fail("handed_off without a child pid"))
+    }
+
+    /// The processes a `--hand-off` plugin handed its listener to.
+    fn handed_to(&self) -> Vec<u32> {
+        self.events
+            .matching_since(Mark(0), |l| l.event() == "handed_off")
+            .iter()
+            .filter_map(|l| l.0.get("child").and_then(serde_json::Value::as_u64))
+            .filter_map(|pid| u32::try_from(pid).ok())
+            .collect()
+    }
+
     /// The inode of the socket the plugin bound.
     pub fn ino(&self) -> Option<u64> {
         let bound = self
@@ -242,10 +283,17 @@ fn terminate(mut child: Child) -> Option<ExitStatus> {
 
 impl Drop for PluginProcess {
     fn drop(&mut self) {
-        let Some(child) = self.child.take() else {
+        for pid in self.handed_to() {
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+        let child = self.child.take();
+        if child.is_none() && self.handed_to().is_empty() {
             return;
-        };
-        terminate(child);
+        }
+        if let Some(child) = child {
+            terminate(child);
+        }
         // A plugin killed before its own clean-up leaves its socket: remove it, but only if it
         // is still the one this plugin bound (another plugin may have replaced it).
         if let (Some(ino), Ok(meta)) = (self.ino(), std::fs::symlink_metadata(&self.socket))

@@ -18,7 +18,6 @@ per_source!(
     ignores_names_starting_with_a_dot,
     ignores_symlinks_to_sockets_and_to_directories,
     registers_a_socket_whose_path_is_107_bytes_long,
-    retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once,
     registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path,
     registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves,
     loses_no_plugin_under_a_create_delete_storm,
@@ -299,52 +298,6 @@ async fn registers_a_socket_whose_path_is_107_bytes_long(source: Source) {
             "107-byte socket deregistered",
             EVENT_TIMEOUT,
             logs::deregistered(&socket),
-        )
-        .await;
-}
-
-async fn retries_a_stale_socket_and_registers_a_fresh_socket_on_its_path_at_once(source: Source) {
-    let test = test_name();
-    let dir = PluginDir::new();
-    let socket = dir.path("stale.sock");
-    // A plugin that died without removing its socket: the file stays, nobody listens.
-    drop(std::os::unix::net::UnixListener::bind(&socket).expect("bind the stale socket"));
-    let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
-        return;
-    };
-    agent
-        .wait_for_log(
-            "the stale socket discovered",
-            EVENT_TIMEOUT,
-            logs::discovered(&socket),
-        )
-        .await;
-    // The dial budget (10 s) runs out first, then the socket is retried with backoff.
-    let failed = agent
-        .wait_for_log(
-            "the stale socket failed",
-            EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
-        )
-        .await;
-    assert!(
-        failed.field("retry_in").is_some(),
-        "{test}: the failure does not say when it is retried: {failed}"
-    );
-
-    let started = Instant::now();
-    let fresh = plugin!(&socket).name("fresh.example.com").spawn();
-    fresh.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let took = started.elapsed();
-    assert!(
-        took < Duration::from_secs(2),
-        "{test}: the fresh socket took {took:?} to register"
-    );
-    agent
-        .wait_for_log(
-            "the fresh socket registered",
-            EVENT_TIMEOUT,
-            logs::registered(&socket),
         )
         .await;
 }

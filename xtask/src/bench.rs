@@ -47,10 +47,11 @@ pub enum Scenario {
     RestartKill,
     SlowHandler,
     BindBeforeServe,
+    Crash,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 8] = [
+    const ALL: [Scenario; 9] = [
         Scenario::Sequential,
         Scenario::Burst,
         Scenario::Churn,
@@ -59,6 +60,7 @@ impl Scenario {
         Scenario::RestartKill,
         Scenario::SlowHandler,
         Scenario::BindBeforeServe,
+        Scenario::Crash,
     ];
 
     /// loadgen's name for it.
@@ -72,6 +74,7 @@ impl Scenario {
             Scenario::RestartKill => "restart-kill",
             Scenario::SlowHandler => "slow-handler",
             Scenario::BindBeforeServe => "bind-before-serve",
+            Scenario::Crash => "crash",
         }
     }
 
@@ -89,6 +92,9 @@ impl Scenario {
             }
             Scenario::SlowHandler => vec!["--count", "200", "--handler-delay", "50ms"],
             Scenario::BindBeforeServe => vec!["--count", "200", "--serve-delay", "300ms"],
+            // One worker process per plugin (ids 1..=100 on workers 1..=100; the warm-up
+            // plugin, id 0, on worker 0).
+            Scenario::Crash => vec!["--count", "100", "--workers", "101"],
         }
     }
 }

@@ -135,6 +135,7 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         PluginState::Deregistering => api::PluginState::Deregistering,
         PluginState::BackingOff => api::PluginState::BackingOff,
         PluginState::Pending => api::PluginState::Pending,
+        PluginState::Unserved => api::PluginState::Unserved,
     };
     let (desired, registered, backoff) = (&status.desired, &status.registered, &status.backoff);
     let socket = registered
@@ -211,6 +212,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::Observed => api::EventKind::Observed,
         EventKind::RegistrationFailed => api::EventKind::RegistrationFailed,
         EventKind::Deregistered => api::EventKind::Deregistered,
+        EventKind::Unserved => api::EventKind::Unserved,
         EventKind::Rescan => api::EventKind::Rescan,
     };
     api::AgentEvent {

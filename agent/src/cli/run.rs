@@ -264,6 +264,7 @@ impl RunArgs {
         ExecutorConfig {
             plugin_timeouts: Timeouts {
                 dial: t.dial.unwrap_or(plugin_defaults.dial),
+                listen: t.dial.unwrap_or(plugin_defaults.listen),
                 get_info: t.get_info.unwrap_or(plugin_defaults.get_info),
                 notify: t.notify.unwrap_or(plugin_defaults.notify),
             },

@@ -92,6 +92,14 @@ pub enum FsEvent {
     /// Events may have been lost; the watcher walks the whole tree and converges on it. `reason`
     /// says what was lost, for operators (it becomes [`RescanReason::EventLoss`]).
     Rescan { reason: String },
+    /// (eBPF only) The socket at `path` started listening (`listening`), or a descriptor of its
+    /// listener was closed: a hint about whether something serves it, for `liveness`. Loss of
+    /// these costs only their speed: a server's exit is also learned from its pidfd.
+    Serving {
+        path: PathBuf,
+        listening: bool,
+        observed: Observed,
+    },
 }
 
 /// Why the watcher walks the whole tree. Counted by class in metrics and status (loss apart from

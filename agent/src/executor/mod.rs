@@ -36,6 +36,7 @@ mod slots;
 
 use crate::event_source::monotonic_now_ns;
 use crate::handler::HandlerRegistry;
+use crate::liveness::{LearnedBy, Liveness, Loss};
 use crate::mode::Mode;
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::registration::{PluginCallError, Timeouts};
@@ -58,6 +59,11 @@ use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
 use tracing::{Instrument, debug, info, info_span, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+/// How long a socket found by a walk (not seen being created) may refuse connections before it
+/// counts as unserved: long enough for a plugin caught between its bind and its listen, short
+/// enough that a dead plugin's socket left from before a reboot is reported at once.
+const LISTEN_WAIT_AFTER_WALK: Duration = Duration::from_secs(1);
 
 /// How long after its socket was discovered a plugin that misses GetInfo's deadline counts as
 /// just started (busy starting up) rather than hung: it gets quick retries (see `state::backoff`).
@@ -150,6 +156,8 @@ pub struct OperationExecutor {
     /// Where finished registrations and deregistrations are recorded for the next agent (see
     /// `persist`); unset: nothing outlives this one.
     journal: std::sync::OnceLock<Arc<crate::persist::Journal>>,
+    /// The servers of registered plugins, watched for their exit.
+    liveness: Arc<Liveness>,
 }
 
 impl OperationExecutor {
@@ -186,6 +194,22 @@ impl OperationExecutor {
             trimmer: crate::memory::Trimmer::default(),
             retry_timers: Mutex::new(HashMap::new()),
             journal: std::sync::OnceLock::new(),
+            liveness: Arc::default(),
+        });
+        let weak = Arc::downgrade(&executor);
+        executor.liveness.on_loss(move |loss| {
+            if let Some(executor) = weak.upgrade() {
+                executor.unserved(loss);
+            }
+        });
+        let weak = Arc::downgrade(&executor);
+        executor.liveness.on_listen(move |path| {
+            if let Some(executor) = weak.upgrade()
+                && executor.backoff.release_unserved(path)
+            {
+                info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
+                executor.queue.mark(path.to_path_buf());
+            }
         });
         let weak = Arc::downgrade(&executor);
         handlers.subscribe(move |plugin_type| {
@@ -267,12 +291,13 @@ impl OperationExecutor {
         let this = self;
         async move {
             let started = Instant::now();
-            let result = match this.config.mode {
+            let (result, server) = match this.config.mode {
                 Mode::Register => this.run_register(&path, &desired, &mut slot).await,
                 Mode::Observe { contact } => {
                     this.run_observe(&path, &desired, &mut slot, contact).await
                 }
-            };
+            }
+            .map_or_else(|e| (Err(e), None), |(plugin, server)| (Ok(plugin), server));
             if matches!(result, Err(RegisterFailure::ShuttingDown)) {
                 debug!("registration abandoned before the plugin answered: shutting down");
                 return;
@@ -299,6 +324,11 @@ impl OperationExecutor {
                             .filter(|e| e.generation == desired.generation)
                     {
                         journal.registered(&path, &entry);
+                    }
+                    if let Some(server) = server {
+                        debug!(%server, "the plugin's server, watched for its exit");
+                        this.liveness
+                            .watch(&path, desired.generation, desired.socket, server);
                     }
                     info!(
                         plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
@@ -360,6 +390,99 @@ impl OperationExecutor {
         Start::Started
     }
 
+    /// Who serves each registered plugin; the watcher hands it the kernel's hints.
+    pub fn liveness(&self) -> Arc<Liveness> {
+        self.liveness.clone()
+    }
+
+    /// Carries on watching the servers of registrations restored from a previous agent (one
+    /// bare connect each learns them; a refused one is unserved at once).
+    pub fn watch_restored(&self) {
+        for (path, entry) in self.actual.snapshot() {
+            self.liveness.attach(&path, entry.generation, entry.socket);
+        }
+    }
+
+    /// The safety pass's look at unserved sockets: one connect each, and a socket that accepts
+    /// again (it started listening, and no kernel hint said so: another source, or a hint lost
+    /// with the events of an overflow) is registered. Nothing else ever retries them.
+    pub fn recheck_unserved(self: &Arc<Self>) {
+        for (path, socket) in self.backoff.unserved_sockets() {
+            let this = self.clone();
+            self.tasks.spawn(async move {
+                if crate::liveness::accepts(&path, socket).await
+                    && this.backoff.release_unserved(&path)
+                {
+                    info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
+                    this.queue.mark(path);
+                }
+            });
+        }
+    }
+
+    /// Whether nothing serves the socket `socket` at `path` (its registration is deregistered,
+    /// and it is not registered again until it changes).
+    pub fn is_unserved(&self, path: &Path, socket: crate::state::SocketId) -> bool {
+        self.backoff.is_unserved(path, socket)
+    }
+
+    /// A registered plugin's server is gone (see `liveness`): record it, and let the reconciler
+    /// deregister it.
+    fn unserved(self: &Arc<Self>, loss: Loss) {
+        let Some(registered) = self
+            .actual
+            .get(&loss.path)
+            .filter(|r| r.generation == loss.generation)
+        else {
+            return;
+        };
+        let span = info_span!(
+            "unserved", socket_path = %loss.path.display(), plugin_name = %registered.plugin.name,
+            plugin_type = %registered.plugin.plugin_type, learned_by = loss.learned_by.label(),
+            reason = %loss.reason
+        );
+        if let Some(parent) = self.telemetry.discovery.parent_of(&loss.path) {
+            let _ = span.set_parent(parent);
+        }
+        let _in_span = span.enter();
+        self.record_unserved(
+            &loss.path,
+            registered.socket,
+            Some(registered.plugin),
+            loss.learned_by,
+            loss.since,
+            loss.reason,
+        );
+        self.queue.mark(loss.path);
+    }
+
+    /// Nothing serves `socket` at `path`: no retry until it changes.
+    fn record_unserved(
+        &self,
+        path: &Path,
+        socket: crate::state::SocketId,
+        plugin: Option<crate::handler::Plugin>,
+        learned_by: LearnedBy,
+        since: Instant,
+        reason: String,
+    ) {
+        let kind = FailureKind::Unserved {
+            learned_by: learned_by.label(),
+            since,
+        };
+        let said = format!("unserved ({}): {reason}", learned_by.label());
+        self.backoff.unserved(path, socket, said.clone(), kind);
+        if let Some(timer) = self.lock_retry_timers().remove(path) {
+            timer.cancel();
+        }
+        self.telemetry.metrics.liveness_loss(learned_by.label());
+        warn!(learned_by = learned_by.label(), %reason, "plugin unserved: not registered until its socket changes");
+        let mut event = AgentEvent::new(EventKind::Unserved, path);
+        event.error = Some(said);
+        event.plugin = plugin;
+        self.notifications.publish(event);
+    }
+
     /// The socket at `path` left the tree: forget its backoff.
     pub fn forget(&self, path: &Path) {
         self.backoff.forget_path(path);
@@ -387,6 +510,19 @@ impl OperationExecutor {
     }
 
     fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) {
+        if let RegisterFailure::Plugin(PluginCallError::NotListening { .. }) = &error {
+            let since = Instant::now();
+            let reason = error.to_string();
+            self.record_unserved(
+                path,
+                desired.socket,
+                None,
+                LearnedBy::ConnectProbe,
+                since,
+                reason,
+            );
+            return;
+        }
         let kind = match &error {
             RegisterFailure::NoHandler { plugin_type, .. }
             | RegisterFailure::Handler {

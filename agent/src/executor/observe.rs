@@ -69,6 +69,26 @@ impl OperationExecutor {
         }
     }
 
+    /// Records, when `socket` at `path` was deregistered for being unserved, the time from
+    /// learning its server was gone to the end of its DeRegister.
+    pub(super) fn observe_unserved_deregistered(
+        &self,
+        path: &std::path::Path,
+        socket: crate::state::SocketId,
+    ) {
+        let Some(backoff) = self.backoff.get(path, socket) else {
+            return;
+        };
+        if let crate::state::backoff::FailureKind::Unserved { learned_by, since } = backoff.kind {
+            let span = tracing::Span::current();
+            self.telemetry.metrics.unserved_deregistered(
+                learned_by,
+                since.elapsed(),
+                exemplar(&span, false),
+            );
+        }
+    }
+
     /// Records a finished deregistration (started at `started`) on the metrics and the
     /// `deregister` span.
     pub(super) fn observe_deregister(

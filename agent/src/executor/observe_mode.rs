@@ -5,6 +5,7 @@ use super::OperationExecutor;
 use super::operation::{RegisterFailure, plugin_of};
 use super::slots::Slot;
 use crate::handler::Plugin;
+use crate::liveness::Server;
 use crate::mode::Contact;
 use crate::registration::{OnInvalid, PluginConnection};
 use crate::state::desired::DesiredPlugin;
@@ -19,7 +20,8 @@ impl OperationExecutor {
         desired: &DesiredPlugin,
         slot: &mut Slot,
         contact: Contact,
-    ) -> Result<Plugin, RegisterFailure> {
+    ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
+        let mut server = None;
         let plugin = match contact {
             Contact::Never => Plugin {
                 plugin_type: String::new(),
@@ -32,7 +34,7 @@ impl OperationExecutor {
                 let answer = PluginConnection::get_info(
                     path,
                     desired.socket,
-                    self.config.plugin_timeouts,
+                    self.plugin_timeouts(desired),
                     slot,
                     OnInvalid::Silent,
                 );
@@ -41,7 +43,8 @@ impl OperationExecutor {
                 else {
                     return Err(RegisterFailure::ShuttingDown);
                 };
-                let (_unanswered, info) = answer?;
+                let (mut unanswered, info) = answer?;
+                server = unanswered.take_server();
                 plugin_of(path, info)
             }
         };
@@ -54,6 +57,6 @@ impl OperationExecutor {
             desired.socket,
             plugin.clone(),
         );
-        Ok(plugin)
+        Ok((plugin, server))
     }
 }

@@ -5,6 +5,7 @@
 use super::OperationExecutor;
 use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
+use crate::liveness::Server;
 use crate::notifications::{AgentEvent, EventKind};
 use crate::registration::{OnInvalid, PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
@@ -42,6 +43,7 @@ impl RegisterFailure {
         match self {
             RegisterFailure::Plugin(PluginCallError::SocketGone(_)) => "socket_gone",
             RegisterFailure::Plugin(PluginCallError::Dial { .. }) => "dial_error",
+            RegisterFailure::Plugin(PluginCallError::NotListening { .. }) => "not_listening",
             RegisterFailure::Plugin(
                 PluginCallError::GetInfo(_) | PluginCallError::GetInfoTimeout(_),
             ) => "get_info_error",
@@ -107,12 +109,12 @@ impl OperationExecutor {
         path: &Path,
         desired: &DesiredPlugin,
         slot: &mut Slot,
-    ) -> Result<Plugin, RegisterFailure> {
+    ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
         // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
         let answer = PluginConnection::get_info(
             path,
             desired.socket,
-            self.config.plugin_timeouts,
+            self.plugin_timeouts(desired),
             slot,
             OnInvalid::Notify,
         );
@@ -186,7 +188,17 @@ impl OperationExecutor {
             Box::pin(self.roll_back(path, &entry)).await;
             return Err(e.into());
         }
-        Ok(plugin)
+        Ok((plugin, connection.take_server()))
+    }
+
+    /// The plugin call deadlines for `desired`: a socket found by a walk is waited for only
+    /// briefly while it refuses connections (see [`super::LISTEN_WAIT_AFTER_WALK`]).
+    pub(super) fn plugin_timeouts(&self, desired: &DesiredPlugin) -> crate::registration::Timeouts {
+        let mut timeouts = self.config.plugin_timeouts;
+        if !desired.by_event {
+            timeouts.listen = timeouts.listen.min(super::LISTEN_WAIT_AFTER_WALK);
+        }
+        timeouts
     }
 
     /// Undoes a registration whose last steps failed: actual state, then the handler.
@@ -219,6 +231,7 @@ impl OperationExecutor {
         // Every registered socket is deregistered with its own endpoint, also when another
         // socket of the same name registered since (a DRA driver's rolling update, kubelet
         // 1.33+): the handler tells its instances apart by endpoint.
+        self.liveness.forget(path, registered.generation);
         let Some(entry) = self.actual.remove(path, registered.generation) else {
             self.observe_deregister("not_registered", None, started);
             return;
@@ -253,6 +266,7 @@ impl OperationExecutor {
             Ok(()) => {
                 info!("plugin deregistered");
                 self.observe_deregister("success", None, started);
+                self.observe_unserved_deregistered(path, registered.socket);
             }
             Err(e) => {
                 warn!(error = %e, "handler failed to deregister plugin");

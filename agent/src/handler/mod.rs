@@ -5,9 +5,11 @@
 //!
 //! ```text
 //!   socket created ──> validate ──ok──> register ──ok──> (serving) ── socket deleted ──> deregister
-//!                         │                 │
+//!                         │                 │                    └─ server gone ──> deregister (unserved)
 //!                         └─err─> rejected  └─err─> deregister (rollback), rejected
 //!   rejected: the plugin is told Notify(false, reason) and retried with backoff.
+//!   unserved: the process serving the socket exited and nothing listens on it any more (the
+//!   socket file stayed: a crash, an OOM kill); not registered again until the socket changes.
 //! ```
 //!
 //! - Calls for one plugin name (and type) are strictly sequential: never two at once.

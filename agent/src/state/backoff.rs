@@ -33,9 +33,27 @@ pub enum FailureKind {
     /// GetInfo's deadline passed on a plugin that has just started serving: retried quickly
     /// ([`QUICK_RETRY_DELAY`]) for its first [`QUICK_RETRIES`] failures, then as any failure.
     SlowNewPlugin,
+    /// Nothing serves the socket (see `liveness`): not retried at all until the socket changes
+    /// (a new socket is a new key; a removal or rename forgets the path).
+    Unserved {
+        /// How it was learned: `pidfd`, `kernel_release`, `connect_probe`.
+        learned_by: &'static str,
+        /// When it was learned (the server's exit, or the refused connect).
+        since: Instant,
+    },
     /// Anything else.
     Other,
 }
+
+impl FailureKind {
+    pub fn is_unserved(&self) -> bool {
+        matches!(self, FailureKind::Unserved { .. })
+    }
+}
+
+/// How far "never" is for an unserved socket's `retry_at` (a representable instant that no
+/// agent lives to see).
+const NEVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The backoff of one socket instance.
 #[derive(Debug, Clone)]
@@ -113,6 +131,53 @@ impl BackoffTable {
                     .clone()
             }
         }
+    }
+
+    /// Records that nothing serves this socket: no retry until it changes. Replaces a backoff.
+    pub fn unserved(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        reason: String,
+        kind: FailureKind,
+    ) -> Backoff {
+        debug_assert!(kind.is_unserved());
+        let failures = self.get(path, socket).map_or(0, |b| b.failures) + 1;
+        let backoff = Backoff {
+            failures,
+            delay: NEVER,
+            retry_at: Instant::now() + NEVER,
+            last_error: reason,
+            kind,
+        };
+        self.lock()
+            .insert((path.to_path_buf(), socket), backoff.clone());
+        backoff
+    }
+
+    /// Lifts the unserved mark of whatever socket is at `path` (it started listening); returns
+    /// whether there was one.
+    pub fn release_unserved(&self, path: &Path) -> bool {
+        let mut entries = self.lock();
+        let before = entries.len();
+        entries.retain(|(p, _), b| p != path || !b.kind.is_unserved());
+        entries.len() != before
+    }
+
+    /// Every socket marked unserved now, with its path.
+    pub fn unserved_sockets(&self) -> Vec<(PathBuf, SocketId)> {
+        self.lock()
+            .iter()
+            .filter(|(_, b)| b.kind.is_unserved())
+            .map(|(key, _)| key.clone())
+            .collect()
+    }
+
+    /// Whether nothing serves this socket (see [`Self::unserved`]).
+    pub fn is_unserved(&self, path: &Path, socket: SocketId) -> bool {
+        self.lock()
+            .get(&(path.to_path_buf(), socket))
+            .is_some_and(|b| b.kind.is_unserved())
     }
 
     /// Forgets the socket's failures (success, or the socket is gone).

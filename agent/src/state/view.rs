@@ -9,9 +9,11 @@
 //!
 //! ```text
 //! desired  registered (same generation)  backoff (retry_at > now)  ->  state
-//!   yes      yes, with a handler                 -                   Registered
-//!   yes      yes, observed (no handler)          -                   Observed
-//!   any      yes, other generation / none        -                   Deregistering
+//!   yes      yes, with a handler                 not unserved        Registered
+//!   yes      yes, observed (no handler)          not unserved        Observed
+//!   any      yes (other generation, none,        -                   Deregistering
+//!            or its socket is unserved)
+//!   yes      no                                  unserved            Unserved
 //!   yes      no                                  yes                 BackingOff
 //!   yes      no                                  no (none, or due)   Pending
 //! ```
@@ -37,9 +39,12 @@ pub enum PluginState {
     /// Observe mode: described (GetInfo, unless contact is off) from the socket that is desired
     /// now; no handler and no Notify.
     Observed,
-    /// Registered from a socket that is no longer desired (gone or re-created): the
-    /// deregistration runs or is about to.
+    /// Registered from a socket that is no longer desired (gone or re-created) or no longer
+    /// served: the deregistration runs or is about to.
     Deregistering,
+    /// Desired, and nothing serves it (its server exited, or it refuses connections): not
+    /// registered, and not retried until the socket changes (see `liveness`).
+    Unserved,
 }
 
 impl PluginState {
@@ -51,6 +56,7 @@ impl PluginState {
             PluginState::Registered => "registered",
             PluginState::Observed => "observed",
             PluginState::Deregistering => "deregistering",
+            PluginState::Unserved => "unserved",
         }
     }
 }
@@ -77,12 +83,17 @@ pub fn derive(
     backoff: Option<&Backoff>,
     now: Instant,
 ) -> PluginState {
+    let unserved = backoff.is_some_and(|b| b.kind.is_unserved());
     match (desired, registered) {
-        (Some(d), Some(r)) if d.generation == r.generation && r.handler.is_none() => {
-            PluginState::Observed
+        (Some(d), Some(r)) if d.generation == r.generation && !unserved => {
+            if r.handler.is_none() {
+                PluginState::Observed
+            } else {
+                PluginState::Registered
+            }
         }
-        (Some(d), Some(r)) if d.generation == r.generation => PluginState::Registered,
         (_, Some(_)) => PluginState::Deregistering,
+        _ if unserved => PluginState::Unserved,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
         _ => PluginState::Pending,
     }
@@ -200,5 +211,46 @@ mod tests {
         view.desired.remove(path);
         assert_eq!(view.status(path, now).state, PluginState::Deregistering);
         assert_eq!(view.all(now).len(), 1);
+    }
+
+    #[test]
+    fn an_unserved_socket_is_deregistering_while_registered_then_unserved_for_good() {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let desired = view.desired.get(path).expect("desired");
+        let plugin = Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: "a".into(),
+            endpoint: String::new(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: path.display().to_string(),
+        };
+        let entry = view.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin,
+            Arc::new(AcceptAll),
+        );
+        let now = Instant::now();
+        let kind = FailureKind::Unserved {
+            learned_by: "pidfd",
+            since: now,
+        };
+        view.backoff
+            .unserved(path, socket(), "its server exited".into(), kind);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
+        view.actual.remove(path, entry.generation);
+        let years = now + Duration::from_secs(10 * 365 * 24 * 3600);
+        assert_eq!(view.status(path, years).state, PluginState::Unserved);
+        // A new socket at the path is a new key: pending, not unserved.
+        let other = SocketId { ino: 3, ..socket() };
+        view.desired
+            .add_or_update(path, other, None)
+            .expect("desired");
+        assert_eq!(view.status(path, now).state, PluginState::Pending);
     }
 }

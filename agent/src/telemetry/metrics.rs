@@ -77,6 +77,13 @@ pub struct WalkErrorLabels {
     pub kind: &'static str,
 }
 
+/// The label set of liveness losses.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LivenessLabels {
+    /// How the loss was learned: `pidfd`, `kernel_release` or `connect_probe`.
+    pub learned_by: &'static str,
+}
+
 /// The label set of deregistration latency.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DeregistrationLabels {
@@ -141,6 +148,8 @@ pub struct Metrics {
     handler_calls: HistogramFamily<HandlerCallLabels>,
     rescans: Family<RescanLabels, Counter>,
     walk_errors: Family<WalkErrorLabels, Counter>,
+    liveness_losses: Family<LivenessLabels, Counter>,
+    unserved_deregistration: HistogramFamily<LivenessLabels>,
 }
 
 impl Default for Metrics {
@@ -154,6 +163,8 @@ impl Default for Metrics {
             handler_calls: Family::new_with_constructor(handler_histogram),
             rescans: Family::default(),
             walk_errors: Family::default(),
+            liveness_losses: Family::default(),
+            unserved_deregistration: Family::new_with_constructor(latency_histogram),
         }
     }
 }
@@ -250,6 +261,30 @@ impl Metrics {
             .inc();
     }
 
+    /// A plugin was found unserved (its server exited, or its socket refused connections).
+    pub fn liveness_loss(&self, learned_by: &'static str) {
+        self.liveness_losses
+            .get_or_create(&LivenessLabels { learned_by })
+            .inc();
+    }
+
+    /// An unserved plugin's DeRegister finished `took` after the agent learned its server was
+    /// gone.
+    pub fn unserved_deregistered(
+        &self,
+        learned_by: &'static str,
+        took: Duration,
+        exemplar: Option<TraceExemplar>,
+    ) {
+        observe(
+            &self
+                .unserved_deregistration
+                .get_or_create(&LivenessLabels { learned_by }),
+            took,
+            exemplar,
+        );
+    }
+
     /// Registers these metrics and the scrape-time `state` ones in a registry for exposition.
     pub fn registry(&self, state: StateCollector) -> Registry {
         let mut registry = self.registry_without_state();
@@ -290,6 +325,16 @@ impl Metrics {
             "handler_call_duration_seconds",
             "Handler ValidatePlugin / RegisterPlugin / DeRegisterPlugin latency, by plugin type, call and outcome",
             self.handler_calls.clone(),
+        );
+        agent.register(
+            "liveness_losses",
+            "Plugins found unserved (their server exited, or their socket refused connections), by how it was learned",
+            self.liveness_losses.clone(),
+        );
+        agent.register(
+            "unserved_deregistration_seconds",
+            "Time from learning a plugin's server was gone to the end of its handler's DeRegister, by how it was learned",
+            self.unserved_deregistration.clone(),
         );
         agent.register(
             "rescans",
@@ -410,7 +455,7 @@ impl StateCollector {
         family(
             encoder,
             "plugin_agent_plugins",
-            "Plugin sockets by plugin type and state (registered, deregistering, pending, backing_off).",
+            "Plugin sockets by plugin type and state (registered, observed, deregistering, pending, backing_off, unserved).",
             MetricType::Gauge,
             self.plugins_by_state(plugins)
                 .into_iter()
@@ -425,7 +470,7 @@ impl StateCollector {
 
     /// Plugins counted by (type, state). The type is known once registered (and then is a
     /// handler's type: bounded); before that it is `unknown`. Every handler's `registered`
-    /// series and the `unknown` pending and backing-off series exist at zero, so dashboards see
+    /// series and the `unknown` pending, backing-off and unserved series exist at zero, so dashboards see
     /// them before the first plugin.
     fn plugins_by_state(&self, plugins: &[PluginStatus]) -> BTreeMap<(String, &'static str), i64> {
         let mut by_state = BTreeMap::new();
@@ -434,6 +479,7 @@ impl StateCollector {
         }
         by_state.insert(("unknown".into(), PluginState::Pending.label()), 0);
         by_state.insert(("unknown".into(), PluginState::BackingOff.label()), 0);
+        by_state.insert(("unknown".into(), PluginState::Unserved.label()), 0);
         for plugin in plugins {
             let plugin_type = plugin
                 .registered
@@ -554,6 +600,10 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_handler_call_duration_seconds_bucket",
     "plugin_agent_handler_call_duration_seconds_sum",
     "plugin_agent_handler_call_duration_seconds_count",
+    "plugin_agent_liveness_losses_total",
+    "plugin_agent_unserved_deregistration_seconds_bucket",
+    "plugin_agent_unserved_deregistration_seconds_sum",
+    "plugin_agent_unserved_deregistration_seconds_count",
     "plugin_agent_rescans_total",
     "plugin_agent_walk_errors_total",
     "plugin_agent_plugins",
@@ -646,6 +696,8 @@ mod tests {
         );
         m.rescan(&RescanReason::Start);
         m.walk_error("unreadable");
+        m.liveness_loss("pidfd");
+        m.unserved_deregistered("pidfd", Duration::from_millis(3), None);
         let registry = m.registry(StateCollector {
             state: StateView {
                 desired,

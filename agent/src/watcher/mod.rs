@@ -73,6 +73,8 @@ pub struct Watcher {
     telemetry: Arc<Telemetry>,
     /// When the first name hint of the batch being handled was observed.
     names_observed: Observed,
+    /// Where the source's hints about who serves a socket go (`FsEvent::Serving`).
+    liveness: Option<Arc<crate::liveness::Liveness>>,
 }
 
 impl Watcher {
@@ -102,7 +104,15 @@ impl Watcher {
             notifications,
             telemetry,
             names_observed: Observed::default(),
+            liveness: None,
         }
+    }
+
+    /// Hands the source's serving hints (a socket's `listen`, its listener's `close`) to
+    /// `liveness`; without it they are ignored.
+    pub fn with_liveness(mut self, liveness: Arc<crate::liveness::Liveness>) -> Self {
+        self.liveness = Some(liveness);
+        self
     }
 
     /// Where the reconciler's safety pass asks for a full re-walk.
@@ -170,6 +180,21 @@ impl Watcher {
                         names.add(name, parent);
                     }
                     FsEvent::Rescan { .. } => {}
+                    FsEvent::Serving {
+                        path,
+                        listening,
+                        observed,
+                    } => {
+                        if listening {
+                            // Served now: also a socket the watcher may not know yet.
+                            self.check(&path, observed);
+                        }
+                        if let Some(liveness) = &self.liveness
+                            && path.starts_with(&self.root)
+                        {
+                            liveness.kernel_hint(&path, listening);
+                        }
+                    }
                 }
             }
             if !names.is_empty() {

@@ -9,7 +9,12 @@
 //! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
 //! `{"event":"get_info"}`, `{"event":"notify","registered":..,"error":..,"refused":..}`,
 //! `{"event":"accepted"}` (raw modes), `{"event":"idle_close"}` (`--max-connection-idle`),
-//! `{"event":"stopped"}`.
+//! `{"event":"handed_off","child":..}` (`--hand-off`), `{"event":"stopped"}`.
+//!
+//! With `--hand-off`, SIGUSR1 makes it hand its listening socket to a child process (a copy of
+//! itself that serves the inherited descriptor without calling `listen()` again, as a
+//! socket-activated service does) and exit without removing the socket: the listener outlives
+//! the process that created it, and the socket's credentials still name the exited parent.
 //!
 //! On SIGTERM or SIGINT it removes its socket (only if the path still holds the socket it bound, so
 //! a plugin that replaced it keeps its own) and exits 0, as real plugins do.
@@ -109,6 +114,19 @@ struct Args {
     /// with `MaxConnectionIdle` (or a proxy's idle timeout) do.
     #[arg(long, value_parser = humantime::parse_duration)]
     max_connection_idle: Option<Duration>,
+    /// On SIGUSR1, hand the listening socket to a child process and exit (see the module docs).
+    #[arg(long)]
+    hand_off: bool,
+    /// Keep the socket bound but not listening until SIGUSR2 (connections are refused meanwhile).
+    #[arg(long)]
+    listen_on_sigusr2: bool,
+    /// On SIGUSR2, close the listening socket and keep running (a server whose listener died
+    /// while its process lives on); prints `{"event":"listener_closed"}`.
+    #[arg(long)]
+    close_listener_on_sigusr2: bool,
+    /// Serve the listening socket inherited as this descriptor (the child of `--hand-off`).
+    #[arg(long, hide = true)]
+    serve_fd: Option<i32>,
 }
 
 /// Prints one event line and flushes it, so the harness sees it at once. A closed stdout is not
@@ -257,8 +275,23 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
     if let Some(delay) = args.listen_delay {
         tokio::time::sleep(delay).await;
     }
-    let backlog = Backlog::new(128).context("backlog")?;
-    listen(&fd, backlog).context("listen")?;
+    if args.listen_on_sigusr2 {
+        let mut usr2 =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
+        emit(json!({"event": "waiting_for_sigusr2"}));
+        usr2.recv().await;
+    }
+    // An inherited listener is served as it is: listen() again would make this process the one
+    // the socket's credentials name.
+    if args.serve_fd.is_none() {
+        let backlog = Backlog::new(128).context("backlog")?;
+        listen(&fd, backlog).context("listen")?;
+    }
+    if args.hand_off {
+        let inheritable = nix::unistd::dup(&fd).context("dup the listener")?;
+        let handed = hand_off_on_sigusr1(inheritable)?;
+        tokio::spawn(handed);
+    }
     let listener = std::os::unix::net::UnixListener::from(fd);
     listener.set_nonblocking(true).context("set_nonblocking")?;
     let listener = UnixListener::from_std(listener).context("register listener")?;
@@ -266,7 +299,9 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
     if let Some(delay) = args.serve_delay {
         tokio::time::sleep(delay).await;
     }
-    emit(json!({"event": "serving", "mode": format!("{:?}", args.mode)}));
+    emit(
+        json!({"event": "serving", "mode": format!("{:?}", args.mode), "pid": std::process::id()}),
+    );
     match args.mode {
         Mode::Grpc => {
             use tokio_stream::StreamExt as _;
@@ -274,11 +309,24 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
             let idle = args.max_connection_idle;
             let incoming = UnixListenerStream::new(listener)
                 .map(move |stream| stream.map(|stream| IdleLimited::new(stream, idle)));
+            let closing = args.close_listener_on_sigusr2;
+            let mut usr2 =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
+            let close = async move {
+                if closing {
+                    usr2.recv().await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
             tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming(incoming)
+                .serve_with_incoming_shutdown(incoming, close)
                 .await
                 .context("gRPC server")?;
+            // The listener is closed; the process lives on.
+            emit(json!({"event": "listener_closed"}));
+            std::future::pending::<()>().await;
         }
         Mode::NonGrpc => loop {
             let (mut stream, _) = listener.accept().await.context("accept")?;
@@ -390,6 +438,36 @@ fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static s
     })
 }
 
+/// Installs the SIGUSR1 handler now; returns the task that, on SIGUSR1, starts a copy of this
+/// plugin serving `listener` (a descriptor without close-on-exec) and exits this process
+/// without removing the socket.
+fn hand_off_on_sigusr1(
+    listener: std::os::fd::OwnedFd,
+) -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut usr1 = signal(SignalKind::user_defined1())?;
+    Ok(async move {
+        usr1.recv().await;
+        let exe = std::env::current_exe().unwrap_or_else(|_| "example-plugin".into());
+        let args = std::env::args()
+            .skip(1)
+            .filter(|a| a != "--hand-off")
+            .collect::<Vec<_>>();
+        let child = std::process::Command::new(exe)
+            .args(args)
+            .arg("--serve-fd")
+            .arg(listener.as_raw_fd().to_string())
+            .spawn();
+        match child {
+            Ok(child) => {
+                emit(json!({"event": "handed_off", "child": child.id()}));
+                std::process::exit(0);
+            }
+            Err(e) => eprintln!("example-plugin: cannot start the child to hand off to: {e}"),
+        }
+    })
+}
+
 /// Removes the socket if the path still holds the one this process bound.
 fn remove_own_socket(path: &Path, ino: u64) {
     if let Ok(meta) = std::fs::symlink_metadata(path)
@@ -422,7 +500,14 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        let fd = match bind_socket(&socket) {
+        let bound = match args.serve_fd {
+            // SAFETY: the parent handed this descriptor over for this process to own.
+            Some(fd) => {
+                Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+            }
+            None => bind_socket(&socket),
+        };
+        let fd = match bound {
             Ok(fd) => fd,
             Err(e) => {
                 eprintln!("example-plugin: {e:#}");
@@ -432,7 +517,9 @@ fn main() -> ExitCode {
         let ino = std::fs::symlink_metadata(&socket)
             .map(|m| m.ino())
             .unwrap_or(0);
-        emit(json!({"event": "bound", "socket": socket, "ino": ino}));
+        if args.serve_fd.is_none() {
+            emit(json!({"event": "bound", "socket": socket, "ino": ino}));
+        }
         let code = tokio::select! {
             signal = stop => {
                 emit(json!({"event": "stopped", "signal": signal}));

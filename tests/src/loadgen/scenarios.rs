@@ -34,6 +34,10 @@ pub enum Scenario {
     SlowHandler,
     /// A burst of plugins that bind, then serve only `serve-delay` later.
     BindBeforeServe,
+    /// `count` plugins, each in its own worker process (run with `--workers` > `count`),
+    /// registered; then each worker SIGKILLed in turn, its socket left behind (a crash, an OOM
+    /// kill), and its deregistration awaited. Its "stop" is the kill.
+    Crash,
 }
 
 /// Scenario sizes and bounds.
@@ -95,7 +99,48 @@ pub async fn run(scenario: Scenario, p: &Params, ctx: &mut Ctx<'_>) -> anyhow::R
         Scenario::Restart => churn(p, ctx, Some(Signal::SIGTERM)).await,
         Scenario::RestartKill => churn(p, ctx, Some(Signal::SIGKILL)).await,
         Scenario::Storm => storm(p, ctx).await,
+        Scenario::Crash => crash(p, ctx).await,
     }
+}
+
+/// How long a crashed plugin's deregistration is awaited before the next crash; once one is not
+/// noticed at all (kubelet's way, the polling mode), the rest are not awaited.
+const CRASH_NOTICE_BOUND: Duration = Duration::from_secs(2);
+
+async fn crash(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
+    let ids: Vec<u64> = (0..p.count).map(|_| ctx.id()).collect();
+    for id in &ids {
+        ctx.pool.start(*id, Duration::ZERO).await?;
+    }
+    ctx.pool.flush().await?;
+    let all = ctx
+        .ledger
+        .wait_for(p.timeout, |l| {
+            ids.iter()
+                .all(|id| l.plugins.get(id).is_some_and(|r| !r.notified.is_empty()))
+        })
+        .await;
+    anyhow::ensure!(all, "not every plugin registered within {:?}", p.timeout);
+    let mut noticed = true;
+    for (n, id) in ids.iter().enumerate() {
+        ctx.ledger.report(crate::plugins::Report::Stopped {
+            id: *id,
+            at_ns: now_ns(),
+        });
+        ctx.pool.kill_worker_of(*id)?;
+        if noticed {
+            noticed = ctx
+                .ledger
+                .wait_for(CRASH_NOTICE_BOUND, |l| {
+                    l.plugins
+                        .get(id)
+                        .is_some_and(|r| !r.deregistered_events.is_empty())
+                })
+                .await;
+        }
+        ctx.progress.set("crash", n as u64 + 1, p.count);
+    }
+    Ok(())
 }
 
 async fn sequential(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {

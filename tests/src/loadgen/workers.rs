@@ -59,6 +59,8 @@ pub async fn serve(dir: PathBuf, announce: Announce) -> anyhow::Result<()> {
 /// The coordinator's handle on its workers.
 pub struct WorkerPool {
     workers: Vec<(Child, BufWriter<ChildStdin>)>,
+    /// Workers SIGKILLed (the crash scenario): told nothing more.
+    killed: std::collections::HashSet<usize>,
 }
 
 impl WorkerPool {
@@ -97,16 +99,39 @@ impl WorkerPool {
             });
             workers.push((child, BufWriter::new(stdin)));
         }
-        Ok(WorkerPool { workers })
+        Ok(WorkerPool {
+            workers,
+            killed: std::collections::HashSet::new(),
+        })
+    }
+
+    fn index(&self, id: u64) -> usize {
+        (id % self.workers.len() as u64) as usize
     }
 
     fn worker(&mut self, id: u64) -> &mut BufWriter<ChildStdin> {
-        let n = self.workers.len() as u64;
-        &mut self.workers[(id % n) as usize].1
+        let index = self.index(id);
+        &mut self.workers[index].1
+    }
+
+    /// SIGKILLs the worker that hosts plugin `id` (and whatever else it hosts): a crash, its
+    /// sockets left behind. Nothing is sent to it afterwards.
+    pub fn kill_worker_of(&mut self, id: u64) -> anyhow::Result<()> {
+        let index = self.index(id);
+        self.workers[index]
+            .0
+            .start_kill()
+            .context("SIGKILL a worker")?;
+        self.killed.insert(index);
+        Ok(())
     }
 
     /// Queues: start plugin `id`, serving after `serve_delay`. Sent at the next [`Self::flush`].
     pub async fn start(&mut self, id: u64, serve_delay: Duration) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.killed.contains(&self.index(id)),
+            "plugin {id}'s worker was killed"
+        );
         let line = format!("start {id} {}\n", serve_delay.as_millis());
         self.worker(id).write_all(line.as_bytes()).await?;
         Ok(())
@@ -114,6 +139,9 @@ impl WorkerPool {
 
     /// Queues: stop plugin `id`. Sent at the next [`Self::flush`].
     pub async fn stop(&mut self, id: u64) -> anyhow::Result<()> {
+        if self.killed.contains(&self.index(id)) {
+            return Ok(());
+        }
         let line = format!("stop {id}\n");
         self.worker(id).write_all(line.as_bytes()).await?;
         Ok(())
@@ -121,8 +149,10 @@ impl WorkerPool {
 
     /// Sends what is queued to every worker.
     pub async fn flush(&mut self) -> anyhow::Result<()> {
-        for (_, stdin) in &mut self.workers {
-            stdin.flush().await?;
+        for (index, (_, stdin)) in self.workers.iter_mut().enumerate() {
+            if !self.killed.contains(&index) {
+                stdin.flush().await?;
+            }
         }
         Ok(())
     }

@@ -186,6 +186,20 @@ fn targets(r: &Value) -> Vec<(&'static str, String, bool)> {
             ),
             t["registered"] == t["plugins"] && p99 <= 50_000,
         )),
+        "crash" => {
+            let dereg = n(&t["deregistration"]["p99_us"]);
+            let all = t["deregistration"]["n"] == t["plugins"];
+            out.push((
+                "crash: 100 SIGKILLed, all deregistered, death -> DeRegister p99 <= 25 ms",
+                format!(
+                    "{}/{} deregistered, p99 {} ms",
+                    t["deregistration"]["n"],
+                    t["plugins"],
+                    ms(&t["deregistration"]["p99_us"])
+                ),
+                all && dereg <= 25_000,
+            ));
+        }
         "restart" | "restart-kill" => {
             let restart = &t["restart"];
             out.push((

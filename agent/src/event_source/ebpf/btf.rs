@@ -316,6 +316,18 @@ const NEEDED: &[Needed] = &[
         size: 8,
     },
     Needed {
+        field: |o| &mut o.sock_state,
+        strukt: "sock",
+        path: "__sk_common.skc_state",
+        size: 1,
+    },
+    Needed {
+        field: |o| &mut o.inode_mode,
+        strukt: "inode",
+        path: "i_mode",
+        size: 2,
+    },
+    Needed {
         field: |o| &mut o.inode_ino,
         strukt: "inode",
         path: "i_ino",

@@ -91,6 +91,27 @@ const TRACEPOINT_HOOKS: &[TracepointHook] = &[
     },
 ];
 
+/// The liveness hints (`listen` of a bound socket, `close` of a listening one), attached in
+/// every family: neither is a VFS operation, so there is no fentry for them to prefer.
+const LIVENESS_HOOKS: &[TracepointHook] = &[
+    TracepointHook {
+        program: "listen_enter",
+        tracepoints: &["sys_enter_listen"],
+    },
+    TracepointHook {
+        program: "listen_exit",
+        tracepoints: &["sys_exit_listen"],
+    },
+    TracepointHook {
+        program: "close_enter",
+        tracepoints: &["sys_enter_close"],
+    },
+    TracepointHook {
+        program: "close_exit",
+        tracepoints: &["sys_exit_close"],
+    },
+];
+
 /// An fentry or fexit program of the preferred family and the kernel function it traces.
 struct FunctionHook {
     program: &'static str,
@@ -315,7 +336,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
             HookFamily::Fentry => attach_functions(ebpf, &vfs, &mut timings, &mut links),
             HookFamily::Tracepoints => {
                 mounted_tracefs = tracefs::ensure_mounted()?;
-                attach_tracepoints(ebpf, &mut timings, &mut links)
+                attach_tracepoints(ebpf, TRACEPOINT_HOOKS, &mut timings, &mut links)
             }
         },
         |ebpf, family| {
@@ -326,6 +347,14 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     )?;
     // Links of a family that was passed over are gone with its programs.
     links.retain(|link| link.family() == selection.family);
+    let mut attached = attached;
+    mounted_tracefs |= tracefs::ensure_mounted()?;
+    attached.extend(attach_tracepoints(
+        &mut ebpf,
+        LIVENESS_HOOKS,
+        &mut timings,
+        &mut links,
+    )?);
     Ok(Loaded {
         ebpf,
         links,
@@ -416,14 +445,15 @@ fn detach_functions(ebpf: &mut Ebpf) {
     }
 }
 
-/// Loads the tracepoint programs and attaches each to its syscall tracepoints.
+/// Loads the tracepoint programs of `hooks` and attaches each to its syscall tracepoints.
 fn attach_tracepoints(
     ebpf: &mut Ebpf,
+    hooks: &[TracepointHook],
     timings: &mut LoadTimings,
     links: &mut Vec<LinkId>,
 ) -> anyhow::Result<Vec<String>> {
     let mut attached = Vec::new();
-    for hook in TRACEPOINT_HOOKS {
+    for hook in hooks {
         let program: &mut TracePoint = ebpf
             .program_mut(hook.program)
             .with_context(|| format!("the eBPF object has no program {}", hook.program))?

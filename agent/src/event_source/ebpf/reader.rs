@@ -240,7 +240,8 @@ fn drain(
         {
             if let FsEvent::Created { observed, .. }
             | FsEvent::Removed { observed, .. }
-            | FsEvent::NameChanged { observed, .. } = &mut fs_event
+            | FsEvent::NameChanged { observed, .. }
+            | FsEvent::Serving { observed, .. } = &mut fs_event
             {
                 observed.read_ns = read_ns;
             }

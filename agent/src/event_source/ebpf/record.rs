@@ -56,6 +56,11 @@ pub fn translate(
             match event.kind {
                 kind::BIND | kind::CREATE => Some(FsEvent::Created { path, observed }),
                 kind::REMOVE => Some(FsEvent::Removed { path, observed }),
+                kind::LISTEN | kind::RELEASE => Some(FsEvent::Serving {
+                    path,
+                    listening: event.kind == kind::LISTEN,
+                    observed,
+                }),
                 _ => None,
             }
         }
@@ -211,7 +216,11 @@ mod tests {
         };
         match translated {
             None | Some(FsEvent::Rescan { .. }) => true,
-            Some(FsEvent::Created { path, .. } | FsEvent::Removed { path, .. }) => {
+            Some(
+                FsEvent::Created { path, .. }
+                | FsEvent::Removed { path, .. }
+                | FsEvent::Serving { path, .. },
+            ) => {
                 path.parent() == Some(Path::new("/plugins"))
                     && path.file_name().is_some_and(one_name)
             }

@@ -1,0 +1,386 @@
+//! A plugin is registered only while something serves it (`agent/src/liveness.rs`).
+//!
+//! Each scenario runs on every source, since none of this depends on how sockets are found: the
+//! server's exit is learned from the pidfd taken at registration, a refused connect decides that
+//! nothing serves the socket any more, and an unserved socket is neither registered nor retried
+//! until it changes. Every assertion names the mechanism the agent reported (`learned_by`).
+
+use plugin_agent_tests::{
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, PluginDir, Scenario, Source, admin, logs,
+    per_source, plugin, test_name,
+};
+use std::path::Path;
+
+per_source!(
+    a_sigkilled_plugin_is_deregistered_as_unserved_and_registered_again_when_restarted,
+    a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered,
+    a_stale_socket_at_start_is_unserved_at_once_and_never_retried,
+    after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_meanwhile_is_unserved,
+    the_safety_pass_registers_an_unserved_socket_that_accepts_again,
+);
+
+/// The agent found the plugin at `socket` unserved, learned by `how`.
+fn unserved<'a>(socket: &'a Path, how: &'a str) -> impl Fn(&Line) -> bool + 'a {
+    move |l| {
+        l.message() == "plugin unserved: not registered until its socket changes"
+            && l.field_is("socket_path", &socket.to_string_lossy())
+            && l.field_is("learned_by", how)
+    }
+}
+
+fn state_of(admin_socket: &Path, socket: &Path) -> admin::Listed {
+    admin::list(admin_socket)
+        .remove(socket)
+        .unwrap_or_else(|| panic!("{} is not listed", socket.display()))
+}
+
+/// SIGKILL (what the OOM killer sends) leaves the socket behind: the pidfd wakes the agent, one
+/// refused connect confirms, the handler gets DeRegister, and `list` says `unserved` with how it
+/// was learned. No registration is attempted while the socket stays; the restarted plugin (a new
+/// socket at the same path) registers at once.
+async fn a_sigkilled_plugin_is_deregistered_as_unserved_and_registered_again_when_restarted(
+    source: Source,
+) {
+    let Some(s) = Scenario::start(source).await else {
+        return;
+    };
+    let socket = s.dir.path("crashy.sock");
+    let plugin = plugin!(&socket).name("crashy").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    s.agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    let mark = s.agent.mark();
+    plugin.kill().await;
+    assert!(
+        socket.exists(),
+        "{}: a SIGKILLed plugin leaves its socket",
+        s.test
+    );
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "unserved, learned by pidfd",
+            EVENT_TIMEOUT,
+            unserved(&socket, "pidfd"),
+        )
+        .await;
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "the handler told",
+            EVENT_TIMEOUT,
+            logs::handler_deregistered(&socket),
+        )
+        .await;
+    let listed = state_of(&s.dir.root().with_file_name("admin.sock"), &socket);
+    assert_eq!(listed.state, "unserved", "{}: {listed:?}", s.test);
+    let why = listed.last_error.unwrap_or_default();
+    assert!(
+        why.contains("pidfd"),
+        "{}: the reason names how: {why}",
+        s.test
+    );
+    assert!(
+        s.agent
+            .logs_since(mark, logs::registration_failed(&socket))
+            .is_empty(),
+        "{}: an unserved socket is not retried",
+        s.test
+    );
+
+    let restarted = plugin!(&socket).name("crashy").spawn();
+    restarted.wait_for_notify(true, EVENT_TIMEOUT).await;
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "the restarted plugin registered",
+            EVENT_TIMEOUT,
+            logs::registered(&socket),
+        )
+        .await;
+    assert_eq!(
+        state_of(&s.dir.root().with_file_name("admin.sock"), &socket).state,
+        "registered"
+    );
+}
+
+/// A listener handed to a child (socket activation, fd passing) outlives the process the
+/// socket's credentials name: its exit wakes the agent, the connect succeeds, and the plugin
+/// stays registered (no DeRegister, no Notify again).
+async fn a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered(source: Source) {
+    let Some(s) = Scenario::start(source).await else {
+        return;
+    };
+    let socket = s.dir.path("activated.sock");
+    let mut plugin = plugin!(&socket).name("activated").arg("--hand-off").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    s.agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    let mark = s.agent.mark();
+    plugin.hand_off(EVENT_TIMEOUT).await;
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "the server's exit noticed and the listener found alive",
+            EVENT_TIMEOUT,
+            |l| {
+                l.message().starts_with(
+                    "the plugin's server exited but its socket still accepts connections",
+                ) && l.field_is("socket_path", &socket.to_string_lossy())
+            },
+        )
+        .await;
+    assert!(
+        s.agent
+            .logs_since(mark, |l| logs::handler_deregistered(&socket)(l)
+                || unserved(&socket, "pidfd")(l))
+            .is_empty(),
+        "{}: a handed-on listener is not a lost plugin",
+        s.test
+    );
+    assert_eq!(
+        state_of(&s.dir.root().with_file_name("admin.sock"), &socket).state,
+        "registered"
+    );
+    assert_eq!(
+        plugin.notifications().len(),
+        1,
+        "{}: the plugin was not registered again",
+        s.test
+    );
+}
+
+/// A socket nobody listens on when the agent starts (a plugin that died before a reboot, say:
+/// node-driver-registrar #206) is unserved after the short listen wait, not put through the
+/// backoff chain; a plugin that then binds the path registers at once.
+async fn a_stale_socket_at_start_is_unserved_at_once_and_never_retried(source: Source) {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let socket = dir.path("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("bind a socket, then close it"));
+    let options = AgentOptions::new(source, &dir.root());
+    let admin_socket = options.admin_socket.clone();
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    agent
+        .wait_for_log(
+            "the stale socket unserved",
+            EVENT_TIMEOUT,
+            unserved(&socket, "connect_probe"),
+        )
+        .await;
+    assert!(
+        agent
+            .logs_since(
+                plugin_agent_tests::Mark(0),
+                logs::registration_failed(&socket)
+            )
+            .is_empty(),
+        "{test}: no backoff chain for a socket nobody listens on"
+    );
+    assert_eq!(state_of(&admin_socket, &socket).state, "unserved");
+
+    let plugin = plugin!(&socket).name("fresh").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    assert_eq!(state_of(&admin_socket, &socket).state, "registered");
+}
+
+/// A restored registration has no registration connection: the new agent learns its server with
+/// a bare connect (no GetInfo, no Notify) and watches it from then on; one whose plugin died
+/// while no agent ran is refused and unserved at once.
+async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_meanwhile_is_unserved(
+    source: Source,
+) {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(source, &dir.root());
+    options.admin_socket = dir.outside("admin.sock");
+    let Some(first) = AgentProcess::start(&test, options.clone()).await else {
+        return;
+    };
+    let (alive, dying) = (dir.path("alive.sock"), dir.path("dying.sock"));
+    let alive_plugin = plugin!(&alive).name("alive").spawn();
+    let dying_plugin = plugin!(&dying).name("dying").spawn();
+    for socket in [&alive, &dying] {
+        first
+            .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(socket))
+            .await;
+    }
+    first.stop().await;
+    dying_plugin.kill().await;
+
+    let second = AgentProcess::start(&test, options.clone())
+        .await
+        .expect("started once");
+    second
+        .wait_for_log(
+            "the plugin that died while no agent ran, unserved",
+            EVENT_TIMEOUT,
+            unserved(&dying, "connect_probe"),
+        )
+        .await;
+    second
+        .wait_for_log(
+            "its handler told",
+            EVENT_TIMEOUT,
+            logs::handler_deregistered(&dying),
+        )
+        .await;
+    assert_eq!(
+        alive_plugin
+            .events_since(plugin_agent_tests::Mark(0), "get_info")
+            .len(),
+        1,
+        "{test}: the restored plugin was not called again"
+    );
+    let mark = second.mark();
+    alive_plugin.kill().await;
+    second
+        .wait_for_log_after(
+            mark,
+            "the restored plugin's death, learned by pidfd",
+            EVENT_TIMEOUT,
+            unserved(&alive, "pidfd"),
+        )
+        .await;
+    assert_eq!(state_of(&options.admin_socket, &alive).state, "unserved");
+}
+
+/// eBPF only: a listener closed while its process lives on has no exit to wake the agent; the
+/// kernel's report of the close does, and one refused connect confirms it. (Other sources do not
+/// see it: the plugin stays registered until its socket changes, as documented.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ebpf_a_listener_closed_while_its_process_lives_is_unserved_on_the_kernel_s_report() {
+    let Some(s) = Scenario::start(Source::Ebpf).await else {
+        return;
+    };
+    let socket = s.dir.path("closing.sock");
+    let plugin = plugin!(&socket)
+        .name("closing")
+        .arg("--close-listener-on-sigusr2")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    s.agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    let mark = s.agent.mark();
+    plugin.signal(nix::sys::signal::Signal::SIGUSR2);
+    plugin
+        .wait_for_event("listener_closed", EVENT_TIMEOUT)
+        .await;
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "unserved, learned from the kernel's close report",
+            EVENT_TIMEOUT,
+            unserved(&socket, "kernel_release"),
+        )
+        .await;
+    s.agent
+        .wait_for_log_after(
+            mark,
+            "the handler told",
+            EVENT_TIMEOUT,
+            logs::handler_deregistered(&socket),
+        )
+        .await;
+    assert!(plugin.pid().is_some(), "{}: the plugin still runs", s.test);
+    assert_eq!(
+        state_of(&s.dir.root().with_file_name("admin.sock"), &socket).state,
+        "unserved"
+    );
+}
+
+/// eBPF only: a socket unserved at start (bound, nobody listening) registers the moment its
+/// plugin listens, on the kernel's report of the `listen`; nothing retried it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ebpf_an_unserved_socket_registers_when_its_plugin_listens_on_the_kernel_s_report() {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let socket = dir.path("late.sock");
+    let plugin = plugin!(&socket)
+        .name("late")
+        .arg("--listen-on-sigusr2")
+        .spawn();
+    plugin
+        .wait_for_event("waiting_for_sigusr2", EVENT_TIMEOUT)
+        .await;
+    let options = AgentOptions::new(Source::Ebpf, &dir.root());
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    agent
+        .wait_for_log(
+            "unserved at start",
+            EVENT_TIMEOUT,
+            unserved(&socket, "connect_probe"),
+        )
+        .await;
+    plugin.signal(nix::sys::signal::Signal::SIGUSR2);
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("the listen reported by the kernel", EVENT_TIMEOUT, |l| {
+            l.message()
+                == "an unserved socket started listening (reported by the kernel): registering it"
+                && l.field_is("socket_path", &socket.to_string_lossy())
+        })
+        .await;
+    assert!(
+        agent
+            .logs_since(
+                plugin_agent_tests::Mark(0),
+                logs::registration_failed(&socket)
+            )
+            .is_empty(),
+        "{test}: no retries while unserved"
+    );
+}
+
+/// Without kernel hints (inotify, fanotify), the reconciler's safety pass connects once to each
+/// unserved socket: one that accepts again registers.
+async fn the_safety_pass_registers_an_unserved_socket_that_accepts_again(source: Source) {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let socket = dir.path("late.sock");
+    let plugin = plugin!(&socket)
+        .name("late")
+        .arg("--listen-on-sigusr2")
+        .spawn();
+    plugin
+        .wait_for_event("waiting_for_sigusr2", EVENT_TIMEOUT)
+        .await;
+    let mut options = AgentOptions::new(source, &dir.root());
+    options.extra = vec!["--safety-period".into(), "2s".into()];
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    agent
+        .wait_for_log(
+            "unserved at start",
+            EVENT_TIMEOUT,
+            unserved(&socket, "connect_probe"),
+        )
+        .await;
+    plugin.signal(nix::sys::signal::Signal::SIGUSR2);
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    // With eBPF the kernel's report of the listen comes first; elsewhere the safety pass.
+    let how = if source == Source::Ebpf {
+        "an unserved socket started listening (reported by the kernel): registering it"
+    } else {
+        "an unserved socket accepts connections again (safety pass): registering it"
+    };
+    agent
+        .wait_for_log(how, EVENT_TIMEOUT, |l| {
+            l.message() == how && l.field_is("socket_path", &socket.to_string_lossy())
+        })
+        .await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+}
