@@ -48,10 +48,11 @@ pub enum Scenario {
     SlowHandler,
     BindBeforeServe,
     Crash,
+    Handoff,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 9] = [
+    const ALL: [Scenario; 10] = [
         Scenario::Sequential,
         Scenario::Burst,
         Scenario::Churn,
@@ -61,6 +62,7 @@ impl Scenario {
         Scenario::SlowHandler,
         Scenario::BindBeforeServe,
         Scenario::Crash,
+        Scenario::Handoff,
     ];
 
     /// loadgen's name for it.
@@ -75,6 +77,7 @@ impl Scenario {
             Scenario::SlowHandler => "slow-handler",
             Scenario::BindBeforeServe => "bind-before-serve",
             Scenario::Crash => "crash",
+            Scenario::Handoff => "handoff",
         }
     }
 
@@ -95,6 +98,7 @@ impl Scenario {
             // One worker process per plugin (ids 1..=100 on workers 1..=100; the warm-up
             // plugin, id 0, on worker 0).
             Scenario::Crash => vec!["--count", "100", "--workers", "101"],
+            Scenario::Handoff => vec!["--count", "100"],
         }
     }
 }

@@ -9,7 +9,8 @@
 //! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
 //! `{"event":"get_info"}`, `{"event":"notify","registered":..,"error":..,"refused":..}`,
 //! `{"event":"accepted"}` (raw modes), `{"event":"idle_close"}` (`--max-connection-idle`),
-//! `{"event":"handed_off","child":..}` (`--hand-off`), `{"event":"stopped"}`.
+//! `{"event":"handed_off","child":..}` (`--hand-off`), `{"event":"stopped"}`; every line also
+//! carries `at_ns`, the wall-clock time it was printed.
 //!
 //! With `--hand-off`, SIGUSR1 makes it hand its listening socket to a child process (a copy of
 //! itself that serves the inherited descriptor without calling `listen()` again, as a
@@ -131,7 +132,14 @@ struct Args {
 
 /// Prints one event line and flushes it, so the harness sees it at once. A closed stdout is not
 /// a reason to stop serving.
-fn emit(event: serde_json::Value) {
+fn emit(mut event: serde_json::Value) {
+    // When it happened (wall clock, ns), for load generators that time plugins from outside.
+    let at_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    if let Some(fields) = event.as_object_mut() {
+        fields.insert("at_ns".into(), at_ns.into());
+    }
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{event}");
     let _ = out.flush();

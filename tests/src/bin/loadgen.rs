@@ -202,6 +202,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         plugin_dir: &plugin_dir,
         agent: &mut agent_slot,
         next_id: 1,
+        announce: &announce,
     };
     let load_started = now_ns();
     scenarios::run(args.scenario, &args.params, &mut ctx).await?;

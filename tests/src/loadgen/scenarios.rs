@@ -34,6 +34,11 @@ pub enum Scenario {
     SlowHandler,
     /// A burst of plugins that bind, then serve only `serve-delay` later.
     BindBeforeServe,
+    /// `count` example plugins (their own processes), registered; each then hands its listening
+    /// socket to a child and exits (SIGUSR1: socket activation's shape). Nothing may be
+    /// deregistered while the children serve (`early_deregistrations`); afterwards the children
+    /// are killed and the sockets removed.
+    Handoff,
     /// `count` plugins, each in its own worker process (run with `--workers` > `count`),
     /// registered; then each worker SIGKILLed in turn, its socket left behind (a crash, an OOM
     /// kill), and its deregistration awaited. Its "stop" is the kill.
@@ -79,6 +84,8 @@ pub struct Ctx<'a> {
     pub agent: &'a mut Option<AgentUnderTest>,
     /// Next plugin id (0 is the warm-up plugin).
     pub next_id: u64,
+    /// What plugins announce (for the scenarios that start their own plugin processes).
+    pub announce: &'a crate::plugins::Announce,
 }
 
 impl Ctx<'_> {
@@ -100,6 +107,115 @@ pub async fn run(scenario: Scenario, p: &Params, ctx: &mut Ctx<'_>) -> anyhow::R
         Scenario::RestartKill => churn(p, ctx, Some(Signal::SIGKILL)).await,
         Scenario::Storm => storm(p, ctx).await,
         Scenario::Crash => crash(p, ctx).await,
+        Scenario::Handoff => handoff(p, ctx).await,
+    }
+}
+
+/// How long the agent is watched after the last hand-off: every parent's exit reaches it in
+/// milliseconds (its pidfd), so a false deregistration would land well within this.
+const HANDOFF_WATCH: Duration = Duration::from_secs(2);
+
+async fn handoff(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()
+        .context("locating loadgen")?
+        .with_file_name("example-plugin");
+    let mut parents = Vec::new();
+    let children = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
+    for _ in 0..p.count {
+        let id = ctx.id();
+        let socket = ctx.plugin_dir.join(crate::plugins::socket_name(id));
+        let mut child = tokio::process::Command::new(&exe)
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--type", &ctx.announce.plugin_type])
+            .args(["--name", &format!("loadgen-{id}")])
+            .args(["--versions", &ctx.announce.versions.join(",")])
+            .arg("--hand-off")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        let stdout = child.stdout.take().context("plugin stdout")?;
+        tokio::spawn(follow_example_plugin(
+            id,
+            stdout,
+            ctx.ledger.clone(),
+            children.clone(),
+        ));
+        parents.push((id, socket, child));
+    }
+    let all = ctx
+        .ledger
+        .wait_for(p.timeout, |l| {
+            parents
+                .iter()
+                .all(|(id, _, _)| l.plugins.get(id).is_some_and(|r| !r.notified.is_empty()))
+        })
+        .await;
+    anyhow::ensure!(all, "not every plugin registered within {:?}", p.timeout);
+    for (n, (_, _, parent)) in parents.iter_mut().enumerate() {
+        if let Some(pid) = parent.id() {
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            nix::sys::signal::kill(pid, Signal::SIGUSR1).context("SIGUSR1 a plugin")?;
+        }
+        parent.wait().await.context("waiting for a plugin's exit")?;
+        ctx.progress.set("handoff", n as u64 + 1, p.count);
+    }
+    tokio::time::sleep(HANDOFF_WATCH).await;
+    // Over: the children go, and their sockets with them.
+    for pid in children.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
+    }
+    for (id, socket, _) in &parents {
+        let _ = std::fs::remove_file(socket);
+        ctx.ledger.report(crate::plugins::Report::Stopped {
+            id: *id,
+            at_ns: now_ns(),
+        });
+    }
+    Ok(())
+}
+
+/// Turns an example plugin's event lines into ledger reports, and notes the child it hands off to.
+async fn follow_example_plugin(
+    id: u64,
+    stdout: tokio::process::ChildStdout,
+    ledger: SharedLedger,
+    children: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
+) {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    // The child a plugin hands off to prints its own `serving`: the plugin's first is the one.
+    let mut served = false;
+    while let Ok(Some(line)) = lines.next_line().await {
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        let at_ns = event["at_ns"].as_u64().unwrap_or_else(now_ns);
+        match event["event"].as_str() {
+            Some("serving") if !served => {
+                served = true;
+                ledger.report(crate::plugins::Report::Serving {
+                    id,
+                    bound_ns: at_ns,
+                    serving_ns: at_ns,
+                });
+            }
+            Some("notify") => ledger.report(crate::plugins::Report::Notified {
+                id,
+                registered: event["registered"].as_bool().unwrap_or(false),
+                at_ns,
+            }),
+            Some("handed_off") => {
+                if let Some(child) = event["child"].as_u64().and_then(|c| u32::try_from(c).ok()) {
+                    children
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(child);
+                }
+            }
+            _ => {}
+        }
     }
 }
 

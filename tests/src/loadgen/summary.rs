@@ -70,6 +70,9 @@ pub struct Totals {
     pub lost: usize,
     pub stale: usize,
     pub duplicates: usize,
+    /// Plugins deregistered while still serving (before they were stopped): false
+    /// deregistrations.
+    pub early_deregistrations: usize,
     /// `Notify(false)` received (retried by the agent; not an error by itself).
     pub rejections: u64,
     /// Plugins that could not even be started (bind failed...).
@@ -219,6 +222,14 @@ pub fn summarize(
             totals.stale += 1;
         }
         totals.duplicates += duplicate_registrations(p);
+        let stopped = p.stopped_ns.unwrap_or(u64::MAX);
+        // Same clock, a reading apart: an event within 1 ms before the stop is the stop's.
+        if p.deregistered_events
+            .iter()
+            .any(|&at| at.saturating_add(1_000_000) < stopped)
+        {
+            totals.early_deregistrations += 1;
+        }
         if let Some(file) = csv.as_mut() {
             let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
             writeln!(

@@ -200,6 +200,14 @@ fn targets(r: &Value) -> Vec<(&'static str, String, bool)> {
                 all && dereg <= 25_000,
             ));
         }
+        "handoff" => out.push((
+            "handoff: 100 listeners handed to a child, parent exits: 0 deregistered, all registered",
+            format!(
+                "{}/{} registered, {} deregistered while served",
+                t["registered"], t["plugins"], t["early_deregistrations"]
+            ),
+            t["registered"] == t["plugins"] && n(&t["early_deregistrations"]) == 0,
+        )),
         "restart" | "restart-kill" => {
             let restart = &t["restart"];
             out.push((
