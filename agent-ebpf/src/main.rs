@@ -990,6 +990,31 @@ mod programs {
         Some(())
     }
 
+    /// The last reference to a socket is dropped (`unix_release`: once per socket, whoever held
+    /// it, by a `close` or an exit): a listening one in a watched directory is reported. The
+    /// fentry family's release hint; the tracepoints' `close` pair stands in where fentry is
+    /// refused, without exits.
+    #[fentry(function = "unix_release")]
+    pub fn unix_release_enter(ctx: FEntryContext) -> u32 {
+        let _ = try_unix_release_enter(&ctx);
+        0
+    }
+
+    fn try_unix_release_enter(ctx: &FEntryContext) -> Option<()> {
+        let socket = func_arg(ctx.as_ptr(), 0)? as usize;
+        let sk = kptr(socket, offset!(socket_sk))?;
+        if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX
+            || kread::<u8>(sk, offset!(sock_state))? != TCP_LISTEN
+        {
+            return None;
+        }
+        let dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        report_dentry(dentry, parent, kind::RELEASE)
+    }
+
     #[tracepoint]
     pub fn close_exit(ctx: TracePointContext) -> u32 {
         let thread = bpf_get_current_pid_tgid();

@@ -262,14 +262,23 @@ impl Liveness {
         server: Server,
     ) {
         let Some(pidfd) = server.pidfd else {
-            tracing::debug!(socket_path = %path.display(), server = %DisplayPid(server.pid), "no pidfd for the plugin's server: its exit cannot be watched");
-            self.replace(path, generation, socket, None);
+            // Gone already (it died since the connection was made), or a kernel that gives no
+            // pidfd for it: one connect now says which it matters for.
+            tracing::debug!(socket_path = %path.display(), server = %DisplayPid(server.pid), "no pidfd for the plugin's server: its exit cannot be watched; checking once now");
+            let this = Arc::downgrade(self);
+            let owned = path.to_path_buf();
+            let pid = server.pid;
+            self.spawn_watch(path, generation, socket, async move {
+                let Some(this) = this.upgrade() else { return };
+                this.check_unwatchable(&owned, generation, socket, pid)
+                    .await;
+            });
             return;
         };
         let this = Arc::downgrade(self);
         let owned = path.to_path_buf();
         let pid = server.pid;
-        let task = tokio::spawn(async move {
+        self.spawn_watch(path, generation, socket, async move {
             if let Err(e) = exited(pidfd).await {
                 tracing::warn!(socket_path = %owned.display(), error = %e, "cannot wait on the plugin server's pidfd: its exit goes unnoticed");
                 return;
@@ -278,7 +287,6 @@ impl Liveness {
             let Some(this) = this.upgrade() else { return };
             this.decide(&owned, generation, socket, since, pid).await;
         });
-        self.replace(path, generation, socket, Some(task.abort_handle()));
     }
 
     /// Learns the server of a restored registration with one bare connect, and watches it; a
@@ -287,7 +295,7 @@ impl Liveness {
         let this = Arc::downgrade(self);
         let owned = path.to_path_buf();
         let permits = self.attaches.clone();
-        let task = tokio::spawn(async move {
+        self.spawn_watch(path, generation, socket, async move {
             let Ok(_permit) = permits.acquire_owned().await else {
                 return;
             };
@@ -304,7 +312,10 @@ impl Liveness {
                 ),
                 (Probe::Served, Some(stream)) => match Server::of(stream.as_fd()) {
                     // The watch replaces this task's entry: same path and generation.
-                    Ok(server) => this.watch(&owned, generation, socket, server),
+                    Ok(server) => {
+                        tracing::debug!(socket_path = %owned.display(), %server, "the restored plugin's server, watched for its exit");
+                        this.watch(&owned, generation, socket, server);
+                    }
                     Err(e) => {
                         tracing::debug!(socket_path = %owned.display(), error = %e, "cannot read the restored plugin's server credentials")
                     }
@@ -312,7 +323,6 @@ impl Liveness {
                 _ => {}
             }
         });
-        self.replace(path, generation, socket, Some(task.abort_handle()));
     }
 
     /// The kernel's hint (eBPF source) about the socket at `path`: it started `listening`, or
@@ -367,6 +377,29 @@ impl Liveness {
     /// Registrations being watched now.
     pub fn watched(&self) -> usize {
         self.lock().len()
+    }
+
+    /// A server whose exit cannot be watched (no pidfd): one connect says whether it is gone
+    /// already (it died between the connection and the pidfd); served, nothing more is known.
+    async fn check_unwatchable(
+        &self,
+        path: &Path,
+        generation: Uuid,
+        socket: SocketId,
+        pid: Option<u32>,
+    ) {
+        if probe(path, socket).await.0 == Probe::Refused {
+            self.lost(
+                path,
+                generation,
+                LearnedBy::ConnectProbe,
+                Instant::now(),
+                format!(
+                    "its server ({}) was gone before its exit could be watched, and nothing listens on the socket",
+                    DisplayPid(pid)
+                ),
+            );
+        }
     }
 
     /// The server of `path`'s registration exited: one connect decides.
@@ -441,13 +474,27 @@ impl Liveness {
         }
     }
 
-    fn replace(&self, path: &Path, generation: Uuid, socket: SocketId, task: Option<AbortHandle>) {
-        let watch = Watch {
-            generation,
-            socket,
-            task,
+    /// Runs `task` as the watch of `path`'s registration `generation`, replacing any watch of the
+    /// path. The entry is in place before the task can run (the lock is held across the spawn):
+    /// a task that finishes at once (a server gone already) ends its own entry, not one put in
+    /// after it, and an attach that hands over to a pidfd watch cannot be put back over it.
+    fn spawn_watch(
+        &self,
+        path: &Path,
+        generation: Uuid,
+        socket: SocketId,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let old = {
+            let mut watches = self.lock();
+            let task = tokio::spawn(task);
+            let watch = Watch {
+                generation,
+                socket,
+                task: Some(task.abort_handle()),
+            };
+            watches.insert(path.to_path_buf(), watch)
         };
-        let old = self.lock().insert(path.to_path_buf(), watch);
         // The same registration's attach hands over to its watch from inside the old task;
         // aborting that task only ends it after this call returns.
         if let Some(task) = old.and_then(|w| w.task) {

@@ -65,6 +65,8 @@ fn can_run() -> bool {
 enum Action {
     /// `bind` an `AF_UNIX` socket at a path (relative paths resolve against the helper's cwd).
     Bind(PathBuf),
+    /// `bind` and `listen`, and keep the listener until the helper exits (no `close`).
+    BindKept(PathBuf),
     /// `bind` expecting `EADDRINUSE`.
     BindFails(PathBuf),
     /// `bind` an abstract socket (no filesystem entry).
@@ -112,6 +114,7 @@ impl Action {
         let p = |p: &Path| p.to_str().expect("test paths are UTF-8").to_owned();
         match self {
             Action::Bind(path) => format!("bind\t{}", p(path)),
+            Action::BindKept(path) => format!("bind_kept\t{}", p(path)),
             Action::BindFails(path) => format!("bind_fails\t{}", p(path)),
             Action::BindAbstract(name) => format!("bind_abstract\t{name}"),
             Action::Chdir(path) => format!("chdir\t{}", p(path)),
@@ -155,6 +158,7 @@ impl Action {
         let fields: Vec<&str> = line.split('\t').collect();
         match fields[..] {
             ["bind", path] => drop(UnixListener::bind(path).expect(path)),
+            ["bind_kept", path] => std::mem::forget(UnixListener::bind(path).expect(path)),
             ["bind_fails", path] => {
                 let err = UnixListener::bind(path).expect_err(path);
                 assert_eq!(err.raw_os_error(), Some(libc::EADDRINUSE), "{path}");
@@ -438,6 +442,31 @@ impl Fixture {
             seen.push(event);
         }
     }
+}
+
+/// A listener still open when its process exits is released without a `close`: fentry on
+/// `unix_release` (the last reference dropped, whoever held it) reports it; the tracepoint family
+/// sees only `close` calls, and says nothing (the agent's pidfd covers a registered server's exit).
+#[tokio::test]
+async fn a_listener_released_by_its_process_exit_is_reported_where_fentry_runs() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("released", EbpfOptions::default(), 1024);
+    f.keep_serving = true;
+    let kept = f.in_watched("kept.sock");
+    run_helper(&[Action::BindKept(kept.clone())]);
+    let sentinel = f.in_watched("sentinel.sock");
+    run_helper(&[Action::Bind(sentinel.clone())]);
+    let seen = f.collect_until(&Seen::Created(sentinel)).await;
+    let mut expected = vec![
+        Seen::Created(kept.clone()),
+        Seen::Serving(kept.clone(), true),
+    ];
+    if f.exact() {
+        expected.push(Seen::Serving(kept, false));
+    }
+    assert_eq!(seen, expected);
 }
 
 /// Every `Action::Bind` is a listener (bind, listen, close): in the tree, its `listen` and its
@@ -811,8 +840,8 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "fexit vfs_rmdir",
             "fentry vfs_rename",
             "fexit vfs_rename",
+            "fentry unix_release",
             "sys_exit_listen",
-            "sys_enter_close",
         ]
     } else {
         &[

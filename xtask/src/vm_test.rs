@@ -5,8 +5,8 @@
 //! apt: qemu-system-x86, busybox-static, linux-image-<Debian's current>-amd64 (downloaded, not installed)
 //!   -> target/vm-test/: vmlinuz + initramfs (busybox, the 9p modules, vm_init.sh)
 //!   -> qemu (TCG), the host's / shared over 9p -> RUNS, each with PLUGIN_AGENT_EBPF_HOOKS=<family>:
-//!      ebpf_source on fentry and on tracepoints; the agent's eBPF discovery and upstream (kubelet
-//!      scenario) e2e tests on fentry; source selection on auto
+//!      ebpf_source on fentry and on tracepoints; the agent's eBPF discovery, upstream (kubelet
+//!      scenario) and liveness e2e tests on fentry; source selection on auto
 //!   -> target/vm-test/<run>.status (the test binary's exit code)
 //! ```
 //!
@@ -101,6 +101,14 @@ const RUNS: &[Run] = &[
             "registers_10_sockets_that_exist_before_the_agent_starts",
             "tracks_10_plugins_with_the_same_name_on_different_sockets",
         ],
+    },
+    Run {
+        label: "liveness-fentry",
+        package: "plugin-agent-tests",
+        test: "liveness",
+        family: "fentry",
+        filter: "ebpf",
+        skip: &[],
     },
     Run {
         label: "source_selection-auto",

@@ -91,9 +91,9 @@ const TRACEPOINT_HOOKS: &[TracepointHook] = &[
     },
 ];
 
-/// The liveness hints (`listen` of a bound socket, `close` of a listening one), attached in
-/// every family: neither is a VFS operation, so there is no fentry for them to prefer.
-const LIVENESS_HOOKS: &[TracepointHook] = &[
+/// The liveness hint `listen` of a bound socket, attached in every family (no VFS function to
+/// prefer).
+const LISTEN_HOOKS: &[TracepointHook] = &[
     TracepointHook {
         program: "listen_enter",
         tracepoints: &["sys_enter_listen"],
@@ -102,6 +102,11 @@ const LIVENESS_HOOKS: &[TracepointHook] = &[
         program: "listen_exit",
         tracepoints: &["sys_exit_listen"],
     },
+];
+
+/// The tracepoint family's release hint: a `close` of a listening socket's descriptor (the
+/// fentry family has `unix_release` instead, which also sees exits).
+const CLOSE_HOOKS: &[TracepointHook] = &[
     TracepointHook {
         program: "close_enter",
         tracepoints: &["sys_enter_close"],
@@ -152,6 +157,11 @@ const FUNCTION_HOOKS: &[FunctionHook] = &[
         program: "vfs_rename_exit",
         exit: true,
         function: "vfs_rename",
+    },
+    FunctionHook {
+        program: "unix_release_enter",
+        exit: false,
+        function: "unix_release",
     },
 ];
 
@@ -349,12 +359,18 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     links.retain(|link| link.family() == selection.family);
     let mut attached = attached;
     mounted_tracefs |= tracefs::ensure_mounted()?;
-    attached.extend(attach_tracepoints(
-        &mut ebpf,
-        LIVENESS_HOOKS,
-        &mut timings,
-        &mut links,
-    )?);
+    let liveness = match selection.family {
+        HookFamily::Fentry => LISTEN_HOOKS.iter().collect::<Vec<_>>(),
+        HookFamily::Tracepoints => LISTEN_HOOKS.iter().chain(CLOSE_HOOKS).collect(),
+    };
+    for hook in liveness {
+        attached.extend(attach_tracepoints(
+            &mut ebpf,
+            std::slice::from_ref(hook),
+            &mut timings,
+            &mut links,
+        )?);
+    }
     Ok(Loaded {
         ebpf,
         links,
