@@ -67,8 +67,9 @@ pub mod kind {
     pub const CREATE: u32 = 3;
     /// A bound `AF_UNIX` socket started listening (`listen` returned 0): it is served now.
     pub const LISTEN: u32 = 4;
-    /// A descriptor of a listening `AF_UNIX` socket was closed (`close` returned 0): the
-    /// listener is gone unless another descriptor still holds it, which the agent checks.
+    /// A listening `AF_UNIX` socket was released: its last reference dropped (fentry on
+    /// `unix_release`), or one of its descriptors closed (`close` returned 0: the listener is gone
+    /// unless another descriptor still holds it). The agent checks with a connect either way.
     pub const RELEASE: u32 = 5;
 }
 

@@ -20,10 +20,12 @@
 //! server is learned with one bare connect (no RPC, so the plugin is not "called"), which also
 //! finds sockets whose server died while no agent ran.
 //!
-//! With the eBPF source the kernel adds two hints ([`Liveness::kernel_hint`]): a descriptor of a
-//! registered plugin's listening socket was closed (a listener closed while its process lives on,
-//! which no exit reports), checked with the same connect; and a bound socket started listening,
-//! which moves an unserved socket on at once.
+//! With the eBPF source the kernel adds two hints ([`Liveness::kernel_hint`]): a registered
+//! plugin's listening socket was released (fentry: its last reference dropped, whoever held it,
+//! which covers the death of a process it was handed to; syscall tracepoints: a `close()` of one
+//! of its descriptors, which covers a listener closed while its process lives on), checked with
+//! the same connect; and a bound socket started listening, which moves an unserved socket on at
+//! once.
 //!
 //! This room imports only `state` (the socket identity a probe checks first); the executor owns
 //! the [`Liveness`] and is what a [`Loss`] is reported to.
@@ -285,7 +287,9 @@ impl Liveness {
             }
             let since = Instant::now();
             let Some(this) = this.upgrade() else { return };
-            this.decide(&owned, generation, socket, since, pid).await;
+            // Boxed: a registered plugin's task waits on its pidfd for as long as it lives, and
+            // should cost that wait's few bytes, not the connect's.
+            Box::pin(this.decide(&owned, generation, socket, since, pid)).await;
         });
     }
 
@@ -326,7 +330,7 @@ impl Liveness {
     }
 
     /// The kernel's hint (eBPF source) about the socket at `path`: it started `listening`, or
-    /// (not `listening`) a descriptor of its listener was closed. A close is checked with a
+    /// (not `listening`) its listener was released (see the module docs). A release is checked with a
     /// connect when the path's plugin is registered; refused, it is a loss.
     pub fn kernel_hint(self: &Arc<Self>, path: &Path, listening: bool) {
         if listening {
