@@ -16,6 +16,9 @@
 /// Bytes of an entry name, including the terminating NUL (`NAME_MAX + 1`).
 pub const NAME_LEN: usize = 256;
 
+/// Bytes of a task's command name, including the terminating NUL (`TASK_COMM_LEN`).
+pub const COMM_LEN: usize = 16;
+
 /// Bytes of the per-CPU buffer a syscall's path argument is copied into (`PATH_MAX`).
 pub const PATH_BUF_LEN: usize = 4096;
 
@@ -138,12 +141,20 @@ pub struct Event {
     pub kind: u32,
     /// One of [`scope`].
     pub scope: u32,
-    /// Thread-group id (the process id) that made the call.
+    /// Thread-group id (the process id, in the initial pid namespace) that made the call.
     pub tgid: u32,
     /// Bytes of `name` before the first NUL.
     pub name_len: u32,
+    /// The caller's uid (`bpf_get_current_uid_gid`, in the initial user namespace).
+    pub uid: u32,
+    /// The caller's gid.
+    pub gid: u32,
     /// `bpf_ktime_get_ns()` (`CLOCK_MONOTONIC`) when the syscall returned.
     pub ktime_ns: u64,
+    /// The caller's cgroup v2 id (`bpf_get_current_cgroup_id`: its cgroup directory's inode).
+    pub cgroup_id: u64,
+    /// The caller's command name (`task_struct.comm`), NUL-padded.
+    pub comm: [u8; COMM_LEN],
     /// The directory holding the entry, when `scope` is [`scope::EXACT`]. When it is
     /// [`scope::NAME_ONLY`], `dev` is 0 and `ino` is the `NAMES` value (userspace's id for the
     /// name) of the path's parent component if the kernel matched it there, else 0: a hint of
@@ -383,7 +394,10 @@ mod tests {
 
     #[test]
     fn layout_has_no_implicit_padding() {
-        assert_eq!(core::mem::size_of::<Event>(), 4 * 4 + 8 + 16 + NAME_LEN);
+        assert_eq!(
+            core::mem::size_of::<Event>(),
+            6 * 4 + 8 + 8 + COMM_LEN + 16 + NAME_LEN
+        );
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 20 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
         assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);

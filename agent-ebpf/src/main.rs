@@ -35,12 +35,15 @@ mod programs {
     use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
     use agent_ebpf::{
-        Config, DirKey, Event, META_BYTES, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss, scope,
+        COMM_LEN, Config, DirKey, Event, META_BYTES, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss,
+        scope,
     };
     use aya_ebpf::EbpfContext;
+    use aya_ebpf::helpers::generated::bpf_get_current_cgroup_id;
     use aya_ebpf::helpers::generated::bpf_probe_read_kernel as raw_probe_read_kernel;
     use aya_ebpf::helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
+        bpf_get_current_uid_gid, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     };
     use aya_ebpf::macros::{fentry, fexit, map, tracepoint};
@@ -189,6 +192,48 @@ mod programs {
 
     fn current_tgid() -> u32 {
         (bpf_get_current_pid_tgid() >> 32) as u32
+    }
+
+    /// Who is making the call, as a record names its creator: tgid, uid, gid, cgroup and command,
+    /// taken now (the process may be gone by the time the agent reads the record).
+    #[derive(Clone, Copy)]
+    struct Caller {
+        tgid: u32,
+        uid: u32,
+        gid: u32,
+        cgroup_id: u64,
+        comm: [u8; COMM_LEN],
+    }
+
+    impl Caller {
+        #[inline(always)]
+        fn current() -> Caller {
+            let uid_gid = bpf_get_current_uid_gid();
+            Caller {
+                tgid: current_tgid(),
+                uid: uid_gid as u32,
+                gid: (uid_gid >> 32) as u32,
+                // SAFETY: a helper without arguments, valid in every tracing program.
+                cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+                comm: bpf_get_current_comm().unwrap_or([0; COMM_LEN]),
+            }
+        }
+
+        /// Writes the caller into `event` (scratch or ring memory).
+        ///
+        /// # Safety
+        /// `event` points at an `Event` this program run owns exclusively.
+        #[inline(always)]
+        unsafe fn stamp(self, event: *mut Event) {
+            // SAFETY: the caller's promise.
+            unsafe {
+                (*event).tgid = self.tgid;
+                (*event).uid = self.uid;
+                (*event).gid = self.gid;
+                (*event).cgroup_id = self.cgroup_id;
+                (*event).comm = self.comm;
+            }
+        }
     }
 
     /// The agent's own filesystem activity is not reported back. The tgid is in a map, not in
@@ -371,6 +416,7 @@ mod programs {
         key.bytes = [0; NAME_LEN];
         // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
         let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut key.bytes) };
+        let caller = Caller::current();
         let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
             count_loss(loss::RING_FULL);
             return None;
@@ -380,7 +426,7 @@ mod programs {
         unsafe {
             (*event).kind = what;
             (*event).scope = scope::EXACT;
-            (*event).tgid = current_tgid();
+            caller.stamp(event);
             (*event).name_len = name_len;
             (*event).ktime_ns = now_ns();
             (*event).parent = parent;
@@ -569,7 +615,8 @@ mod programs {
         } else {
             kind::CREATE
         };
-        event.tgid = current_tgid();
+        // SAFETY: `event` is this program run's per-CPU scratch record.
+        unsafe { Caller::current().stamp(event) };
         Some(())
     }
 
@@ -983,7 +1030,8 @@ mod programs {
             unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut event.name.bytes) };
         event.kind = kind::RELEASE;
         event.scope = scope::EXACT;
-        event.tgid = current_tgid();
+        // SAFETY: `event` is this program run's per-CPU scratch record.
+        unsafe { Caller::current().stamp(event) };
         event.name_len = name_len;
         event.parent = parent;
         park(&PENDING, event);
@@ -1175,7 +1223,8 @@ mod programs {
         };
         event.scope = scope::EXACT;
         event.parent = parent;
-        event.tgid = current_tgid();
+        // SAFETY: `event` is this program run's per-CPU scratch record.
+        unsafe { Caller::current().stamp(event) };
         park(&PENDING, event);
         Some(())
     }

@@ -5,10 +5,13 @@
 //!                                                   actual state <-/
 //! ```
 
+use crate::config::PolicySource;
 use crate::event_source::{self, EventSource, SourceChoice, SourceKind, SourceOptions};
-use crate::executor::{ExecutorConfig, OperationExecutor};
+use crate::executor::{ExecutorConfig, OperationExecutor, PolicyReload};
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
+use crate::policy::Policy;
+use crate::provenance::Resolver;
 use crate::reconciler::{ReconcileMode, Reconciler};
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
@@ -50,6 +53,11 @@ pub struct AgentConfig {
     pub state_file: Option<PathBuf>,
     /// Ignore the state file at start: register every plugin again, as kubelet does.
     pub reregister_on_restart: bool,
+    /// Who may register what; read at start (an error fails it) and on every reload.
+    pub policy: PolicySource,
+    /// Complete each socket's creator and server from `/proc` (command, cgroup, pod); off: only
+    /// what the kernel reports (see `provenance`).
+    pub provenance: bool,
 }
 
 impl AgentConfig {
@@ -65,6 +73,8 @@ impl AgentConfig {
             metrics_addr: None,
             state_file: None,
             reregister_on_restart: false,
+            policy: PolicySource::default(),
+            provenance: true,
         }
     }
 }
@@ -109,6 +119,7 @@ impl RunningAgent {
         config: AgentConfig,
         handlers: Arc<HandlerRegistry>,
     ) -> anyhow::Result<RunningAgent> {
+        let policy = Policy::compile(&config.policy.rules()?)?;
         let cancel = CancellationToken::new();
         let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
         let source = event_source::open(
@@ -123,6 +134,12 @@ impl RunningAgent {
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
 
         let stages = Stages::assemble(&config, &handlers, source.clone(), &cancel);
+        if !policy.is_empty() {
+            info!(rules = policy.len(), "policy in force");
+        }
+        stages
+            .executor
+            .with_admission(stages.provenance.clone(), policy);
 
         let (ready_tx, ready) = watch::channel(false);
 
@@ -294,6 +311,7 @@ struct Stages {
     executor: Arc<OperationExecutor>,
     watcher: Watcher,
     reconciler: Reconciler,
+    provenance: Arc<Resolver>,
 }
 
 impl Stages {
@@ -324,6 +342,11 @@ impl Stages {
             telemetry.clone(),
             cancel.child_token(),
         );
+        let provenance = Arc::new(if config.provenance {
+            Resolver::default()
+        } else {
+            Resolver::kernel_only()
+        });
         let watcher = Watcher::new(
             config.plugin_dir.clone(),
             source,
@@ -332,7 +355,8 @@ impl Stages {
             notifications.clone(),
             telemetry.clone(),
         )
-        .with_liveness(executor.liveness());
+        .with_liveness(executor.liveness())
+        .with_provenance(provenance.clone());
         let reconciler = Reconciler::new(
             desired.clone(),
             actual.clone(),
@@ -350,6 +374,45 @@ impl Stages {
             executor,
             watcher,
             reconciler,
+            provenance,
+        }
+    }
+}
+
+impl RunningAgent {
+    /// What reads the policy again and applies it (`plugin-agent policy reload`, SIGHUP).
+    pub fn policy_reloader(&self) -> PolicyReloader {
+        PolicyReloader {
+            source: self.config.policy.clone(),
+            executor: self.executor.clone(),
+        }
+    }
+}
+
+/// Reads the policy again and applies it to every socket; cheap to clone.
+#[derive(Clone)]
+pub struct PolicyReloader {
+    source: PolicySource,
+    executor: Arc<OperationExecutor>,
+}
+
+impl PolicyReloader {
+    /// A policy that does not load changes nothing: the error says why (file, line, column),
+    /// and the agent runs on with the policy it had.
+    pub fn reload(&self) -> anyhow::Result<PolicyReload> {
+        let policy = self
+            .source
+            .rules()
+            .and_then(|rules| Policy::compile(rules.as_slice()));
+        match policy {
+            Ok(policy) => Ok(self.executor.reload_policy(policy)),
+            Err(e) => {
+                warn!(
+                    error = format!("{e:#}"),
+                    "policy not reloaded: keeping the policy in force"
+                );
+                Err(e)
+            }
         }
     }
 }

@@ -14,8 +14,14 @@
 //!
 //! [timeouts]
 //! validate = "45s"
+//!
+//! [[policy]]                      # who may register what (see `policy`); SIGHUP re-reads it
+//! type = "CSIPlugin"
+//! name = "*.csi.example.com"
+//! allow_uids = [0]
 //! ```
 
+use crate::policy::RuleFile;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -59,6 +65,32 @@ pub struct ConfigFile {
     /// Deadlines.
     #[serde(default)]
     pub timeouts: TimeoutsFile,
+    /// Look up who created and serves each socket in `/proc` (default true; see `provenance`).
+    pub provenance: Option<bool>,
+    /// Who may register what (`[[policy]]` tables; see `policy`).
+    #[serde(default)]
+    pub policy: Vec<RuleFile>,
+}
+
+/// Where the policy comes from: the configuration file's `[[policy]]` rules (read again on
+/// every reload), then the rule the command line's flags make, last.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PolicySource {
+    pub file: Option<PathBuf>,
+    pub flag_rule: Option<RuleFile>,
+}
+
+impl PolicySource {
+    /// The rules in force now; a file that cannot be read or parsed is an error naming the
+    /// file, the line and the column.
+    pub fn rules(&self) -> anyhow::Result<Vec<RuleFile>> {
+        let mut rules = match &self.file {
+            Some(file) => ConfigFile::load(file)?.policy,
+            None => Vec::new(),
+        };
+        rules.extend(self.flag_rule.clone());
+        Ok(rules)
+    }
 }
 
 /// `[timeouts]`: kubelet's defaults apply to what is left out.

@@ -7,6 +7,7 @@
 //! loses the oldest events and is told how many (`Lagged`).
 
 use crate::handler::Plugin;
+use crate::provenance::Provenance;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 use tokio::sync::broadcast;
@@ -33,6 +34,8 @@ pub enum EventKind {
     /// Nothing serves the plugin's socket (its server exited, or it refuses connections); `error`
     /// says what was found and how. A registered plugin is deregistered next.
     Unserved,
+    /// The policy refuses the plugin; `error` is the refusal it was sent.
+    Rejected,
     /// The watcher walked the whole tree; `detail` says why.
     Rescan,
 }
@@ -54,6 +57,8 @@ pub struct AgentEvent {
     pub latency: Option<Duration>,
     /// Free-form detail (rescan reason...).
     pub detail: Option<String>,
+    /// For registrations, observations and refusals: who created the socket and who serves it.
+    pub provenance: Option<Provenance>,
 }
 
 impl AgentEvent {
@@ -67,6 +72,7 @@ impl AgentEvent {
             error: None,
             latency: None,
             detail: None,
+            provenance: None,
         }
     }
 }

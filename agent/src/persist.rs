@@ -27,6 +27,7 @@
 //! a torn last journal line (a kill mid-write) is skipped.
 
 use crate::handler::{HandlerRegistry, Plugin, PluginHandler};
+use crate::provenance::{Creator, Process, Provenance};
 use crate::state::SocketId;
 use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::desired::DesiredState;
@@ -74,6 +75,13 @@ struct Entry {
     /// The handler's description (its target) it was registered with; none when observed.
     handler: Option<String>,
     registered_at_unix_ms: u64,
+    /// Who created the socket, when known (absent in files of agents before provenance: an
+    /// older agent reading a newer file ignores them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    creator: Option<Process>,
+    /// Who served the registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    server: Option<Process>,
 }
 
 impl Entry {
@@ -95,6 +103,8 @@ impl Entry {
                 .registered_at
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            creator: entry.provenance.creator.process().cloned(),
+            server: entry.provenance.server.as_deref().cloned(),
         })
     }
 }
@@ -103,7 +113,7 @@ impl Entry {
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Op {
-    Add(Entry),
+    Add(Box<Entry>),
     Remove { path: String, generation: String },
 }
 
@@ -117,6 +127,7 @@ pub struct Restored {
     /// The handler's description; none: observed only.
     pub handler: Option<String>,
     pub registered_at: SystemTime,
+    pub provenance: Provenance,
 }
 
 /// The state on disk: what finished, by path.
@@ -219,7 +230,7 @@ impl Journal {
         };
         let mut inner = self.lock();
         inner.entries.insert(entry.path.clone(), entry.clone());
-        self.append(&mut inner, &Op::Add(entry));
+        self.append(&mut inner, &Op::Add(Box::new(entry)));
     }
 
     /// A deregistration of `path` (the registration of `generation`) finished.
@@ -323,7 +334,7 @@ fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> usize {
     for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
         match serde_json::from_slice::<Op>(line) {
             Ok(Op::Add(entry)) => {
-                entries.insert(entry.path.clone(), entry);
+                entries.insert(entry.path.clone(), *entry);
             }
             Ok(Op::Remove { path, generation }) => {
                 if entries
@@ -386,6 +397,12 @@ fn restored(entry: Entry, root: &Path) -> anyhow::Result<Restored> {
         },
         handler: entry.handler,
         registered_at: SystemTime::UNIX_EPOCH + Duration::from_millis(entry.registered_at_unix_ms),
+        provenance: Provenance {
+            creator: entry
+                .creator
+                .map_or(Creator::FoundByWalk, |p| Creator::Known(Arc::new(p))),
+            server: entry.server.map(Arc::new),
+        },
         path,
     })
 }
@@ -419,16 +436,21 @@ impl Restore<'_> {
                 continue;
             };
             let path: Arc<Path> = Arc::from(entry.path.as_path());
-            self.desired
-                .restore(path.clone(), entry.generation, entry.socket);
-            self.actual.restore(
-                path,
+            self.desired.restore(
+                path.clone(),
                 entry.generation,
                 entry.socket,
-                entry.plugin,
-                handler,
-                entry.registered_at,
+                entry.provenance.creator.clone(),
             );
+            let registered = RegisteredPlugin {
+                generation: entry.generation,
+                socket: entry.socket,
+                plugin: entry.plugin,
+                handler,
+                registered_at: entry.registered_at,
+                provenance: entry.provenance,
+            };
+            self.actual.restore(path, registered);
             report.restored += 1;
         }
         report
@@ -517,6 +539,7 @@ mod tests {
             socket(ino),
             plugin(&path.display().to_string(), name),
             Arc::new(AcceptAll),
+            Provenance::default(),
         );
         journal.registered(&path, &entry);
         entry
@@ -574,6 +597,7 @@ mod tests {
             socket(11),
             plugin("/plugins/b.sock", "b"),
             Arc::new(AcceptAll),
+            Provenance::default(),
         );
         actual.remove(Path::new("/plugins/a.sock"), a.generation);
         drop(journal);

@@ -130,7 +130,7 @@ impl Reconciler {
             if let Some(registered) = registered {
                 let superseded =
                     desired.as_ref().map(|d| d.generation) != Some(registered.generation);
-                if superseded || self.executor.is_unserved(&path, registered.socket) {
+                if superseded || self.executor.is_held(&path, registered.socket) {
                     let outcome = self.executor.deregister(&path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
                 }

@@ -267,6 +267,11 @@ impl PluginConnection {
         }
     }
 
+    /// Who serves the socket, as its connection's credentials name it.
+    pub fn server(&self) -> Option<&Server> {
+        self.server.as_ref()
+    }
+
     /// Who serves the socket (learned when the connection was made), handed to `liveness` once
     /// the plugin is registered.
     pub fn take_server(&mut self) -> Option<Server> {

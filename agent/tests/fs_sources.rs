@@ -84,10 +84,10 @@ fn helper_process_performs_filesystem_actions() {
     }
 }
 
-/// Runs `actions` in a child process, in order, and waits for it.
-fn act(actions: &[Action]) {
+/// Runs `actions` in a child process, in order, and waits for it; returns its pid.
+fn act(actions: &[Action]) -> u32 {
     let script: Vec<String> = actions.iter().map(Action::encode).collect();
-    let status = Command::new(std::env::current_exe().expect("test binary path"))
+    let mut helper = Command::new(std::env::current_exe().expect("test binary path"))
         .args([
             "--exact",
             "helper_process_performs_filesystem_actions",
@@ -96,9 +96,33 @@ fn act(actions: &[Action]) {
         ])
         .env(ACTIONS_ENV, script.join("\n"))
         .stdout(std::process::Stdio::null())
-        .status()
+        .spawn()
         .expect("spawn helper process");
+    let pid = helper.id();
+    let status = helper.wait().expect("wait for the helper process");
     assert!(status.success(), "helper process failed on {actions:?}");
+    pid
+}
+
+/// `event` without who made it, once that is checked: a source that names a process for a
+/// creation must name `helper`, which made every change of a step (fanotify gives its pid;
+/// inotify names nobody).
+fn made_by(event: FsEvent, helper: u32) -> FsEvent {
+    match event {
+        FsEvent::Created { path, observed } => {
+            if let Some(by) = observed.by {
+                assert_eq!(by.pid, helper, "{} was created by the helper", path.display());
+            }
+            FsEvent::Created {
+                path,
+                observed: Observed {
+                    by: None,
+                    ..observed
+                },
+            }
+        }
+        other => other,
+    }
 }
 
 fn created(path: impl Into<PathBuf>) -> FsEvent {
@@ -193,8 +217,12 @@ impl Harness {
             .join(format!("sentinel-{}", self.steps));
         let mut all = actions.to_vec();
         all.push(Action::Touch(sentinel.clone()));
-        act(&all);
-        self.collect_until(|ev| *ev == created(&sentinel)).await
+        let helper = act(&all);
+        let seen = self.collect_until(|ev| made_by(ev.clone(), helper) == created(&sentinel));
+        seen.await
+            .into_iter()
+            .map(|ev| made_by(ev, helper))
+            .collect()
     }
 
     /// Receives until `last` matches (excluded from the result).

@@ -52,3 +52,15 @@ pub fn list(admin_socket: &Path) -> BTreeMap<PathBuf, Listed> {
         .map(|r| (r.socket_path.clone(), r))
         .collect()
 }
+
+/// Every row of `plugin-agent list -o json` as JSON, by socket path: for the fields
+/// [`Listed`] leaves out (provenance, the refusing rule).
+pub fn list_json(admin_socket: &Path) -> BTreeMap<PathBuf, serde_json::Value> {
+    let rows: Vec<serde_json::Value> = json_of(admin_socket, "list");
+    rows.into_iter()
+        .map(|row| {
+            let path = PathBuf::from(row["socket_path"].as_str().unwrap_or_default());
+            (path, row)
+        })
+        .collect()
+}

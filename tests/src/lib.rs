@@ -23,10 +23,12 @@
 
 pub mod admin;
 pub mod agent;
+pub mod cgroup;
 pub mod env;
 pub mod events;
 pub mod handler;
 pub mod host;
+pub mod http;
 pub mod plugin;
 pub mod procfs;
 

@@ -25,6 +25,10 @@ pub struct PluginOptions {
     socket: PathBuf,
     args: Vec<String>,
     label: String,
+    /// `cgroup.procs` of the cgroup the plugin starts in.
+    cgroup: Option<PathBuf>,
+    /// The uid and gid it runs as.
+    user: Option<(u32, u32)>,
 }
 
 impl PluginOptions {
@@ -40,7 +44,23 @@ impl PluginOptions {
             socket,
             args: Vec::new(),
             label,
+            cgroup: None,
+            user: None,
         }
+    }
+
+    /// Starts the plugin in `cgroup` (it is moved there before it executes, so everything it
+    /// does, its bind included, happens there).
+    pub fn in_cgroup(mut self, cgroup: &crate::cgroup::TestCgroup) -> PluginOptions {
+        self.cgroup = Some(cgroup.procs_file());
+        self
+    }
+
+    /// Runs the plugin as `uid`:`gid` (the test runs as root; the plugin directory must let
+    /// that user create its socket).
+    pub fn as_user(mut self, uid: u32, gid: u32) -> PluginOptions {
+        self.user = Some((uid, gid));
+        self
     }
 
     /// `PluginInfo.name`.
@@ -61,13 +81,29 @@ impl PluginOptions {
 
     /// Starts the plugin without waiting for anything.
     pub fn spawn(self) -> PluginProcess {
-        let mut child = Command::new(&self.bin)
+        let mut command = Command::new(&self.bin);
+        command
             .arg("--socket")
             .arg(&self.socket)
             .args(&self.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(procs) = &self.cgroup {
+            let procs = std::ffi::CString::new(procs.as_os_str().as_encoded_bytes())
+                .expect("a cgroup path has no NUL");
+            // SAFETY: between fork and exec the closure only makes async-signal-safe calls
+            // (open, write, close) on memory prepared before the fork.
+            unsafe {
+                use std::os::unix::process::CommandExt;
+                command.pre_exec(move || join_cgroup(&procs));
+            }
+        }
+        if let Some((uid, gid)) = self.user {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(gid);
+        }
+        let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
         let stdout = child.stdout.take().expect("stdout is piped");
@@ -137,6 +173,16 @@ impl PluginProcess {
     pub async fn hand_off(&mut self, timeout: Duration) -> u32 {
         let mark = self.mark();
         self.signal(nix::sys::signal::Signal::SIGUSR1);
+        self.handed_off_after(mark, timeout).await
+    }
+
+    /// `--listen-in-child` plugins: waits until the launcher started the child that serves
+    /// the socket and exited; returns the child's pid.
+    pub async fn wait_for_launch(&mut self, timeout: Duration) -> u32 {
+        self.handed_off_after(Mark(0), timeout).await
+    }
+
+    async fn handed_off_after(&mut self, mark: Mark, timeout: Duration) -> u32 {
         let handed = self
             .wait_for_after(mark, "handed_off", timeout, |l| l.event() == "handed_off")
             .await;
@@ -303,4 +349,23 @@ impl Drop for PluginProcess {
             let _ = std::fs::remove_file(&self.socket);
         }
     }
+}
+
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` (writing "0" names
+/// the writer). Runs between fork and exec.
+fn join_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: open, write and close with valid pointers and lengths.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let error = std::io::Error::last_os_error();
+        libc::close(fd);
+        if written != 1 {
+            return Err(error);
+        }
+    }
+    Ok(())
 }

@@ -21,19 +21,17 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use plugin_agent_tests::env::skip;
+use plugin_agent_tests::http::{http_get, metrics_addr};
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, PluginDir, Source, logs, plugin,
 };
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-
-/// The agent's log line that names the bound metrics address.
-const SERVING: &str = "serving /metrics, /healthz and /readyz";
 
 /// Starts an agent on the inotify source with `extra` arguments.
 async fn agent(test: &str, dir: &PluginDir, extra: &[&str]) -> AgentProcess {
@@ -42,39 +40,6 @@ async fn agent(test: &str, dir: &PluginDir, extra: &[&str]) -> AgentProcess {
     AgentProcess::start(test, options)
         .await
         .unwrap_or_else(|| panic!("{test}: the inotify source needs nothing special"))
-}
-
-/// The address the agent serves metrics on (it was started with `--metrics-addr 127.0.0.1:0`).
-async fn metrics_addr(agent: &AgentProcess) -> SocketAddr {
-    let line = agent
-        .wait_for_log("the metrics server", EVENT_TIMEOUT, |l| {
-            l.message() == SERVING
-        })
-        .await;
-    line.field("addr")
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| agent.fail(&format!("no address in {line}")))
-}
-
-/// A plain HTTP/1.0 GET on loopback: status code and body.
-fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
 }
 
 fn percent_encode(text: &str) -> String {

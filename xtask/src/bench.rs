@@ -27,7 +27,8 @@ pub struct Options {
     /// instead of 60 s: run `cargo xtask bench churn` for the 60 s target).
     #[arg(value_enum)]
     pub scenario: Option<Scenario>,
-    /// Modes to run (default: all). ebpf, fanotify, inotify, polling.
+    /// Modes to run (default: ebpf, fanotify, inotify, polling). Also ebpf-no-provenance and
+    /// fanotify-no-provenance (`--provenance false`), for what provenance costs.
     #[arg(long, value_delimiter = ',')]
     pub modes: Vec<String>,
     /// Extra arguments for every `loadgen run` (e.g. `--count=20000`, `--duration=120s`), after
@@ -107,24 +108,42 @@ impl Scenario {
 struct Mode {
     name: &'static str,
     agent_args: &'static [&'static str],
+    /// Run when no `--modes` are given (the others are for a question of their own).
+    by_default: bool,
 }
 
 const MODES: &[Mode] = &[
     Mode {
         name: "ebpf",
         agent_args: &["--source", "ebpf"],
+        by_default: true,
     },
     Mode {
         name: "fanotify",
         agent_args: &["--source", "fanotify"],
+        by_default: true,
     },
     Mode {
         name: "inotify",
         agent_args: &["--source", "inotify"],
+        by_default: true,
     },
     Mode {
         name: "polling",
         agent_args: &["--source", "inotify", "--reconcile-mode", "polling"],
+        by_default: true,
+    },
+    // What provenance (the /proc reads naming each socket's creator and server) costs: the
+    // same sources with it off (`cargo xtask bench burst --modes ebpf,ebpf-no-provenance,...`).
+    Mode {
+        name: "ebpf-no-provenance",
+        agent_args: &["--source", "ebpf", "--provenance", "false"],
+        by_default: false,
+    },
+    Mode {
+        name: "fanotify-no-provenance",
+        agent_args: &["--source", "fanotify", "--provenance", "false"],
+        by_default: false,
     },
 ];
 
@@ -144,7 +163,13 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     };
     let modes: Vec<&Mode> = MODES
         .iter()
-        .filter(|m| options.modes.is_empty() || options.modes.iter().any(|n| n == m.name))
+        .filter(|m| {
+            if options.modes.is_empty() {
+                m.by_default
+            } else {
+                options.modes.iter().any(|n| n == m.name)
+            }
+        })
         .collect();
     let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
     let mut results = Vec::new();

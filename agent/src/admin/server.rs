@@ -3,10 +3,11 @@
 //! come from the broadcast bus).
 
 use super::MAX_MESSAGE_BYTES;
-use crate::agent::RunningAgent;
+use crate::agent::{PolicyReloader, RunningAgent};
 use crate::handler::{self, HandlerRegistry, Plugin};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::state::backoff::Backoff;
+use crate::provenance::{Process, Provenance};
+use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
 use anyhow::Context;
@@ -32,6 +33,8 @@ pub struct AdminService {
     allowed_uid: u32,
     /// Observe mode uses no handler: adding one is refused rather than silently ignored.
     observes: bool,
+    /// Reads the policy again (`ReloadPolicy`).
+    policy: PolicyReloader,
     /// Ends the event streams when the server stops: a graceful shutdown waits for every open
     /// response, and a `watch` stream would otherwise never end.
     shutdown: CancellationToken,
@@ -65,6 +68,7 @@ impl AdminService {
             },
             allowed_uid: nix::unistd::geteuid().as_raw(),
             observes: agent.config.executor.mode.observes(),
+            policy: agent.policy_reloader(),
             shutdown: CancellationToken::new(),
         }
     }
@@ -136,7 +140,12 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         PluginState::BackingOff => api::PluginState::BackingOff,
         PluginState::Pending => api::PluginState::Pending,
         PluginState::Unserved => api::PluginState::Unserved,
+        PluginState::Rejected => api::PluginState::Rejected,
     };
+    let refusal = status.backoff.as_ref().and_then(|b| match &b.kind {
+        FailureKind::Rejected { refusal, plugin } => Some((refusal, plugin)),
+        _ => None,
+    });
     let (desired, registered, backoff) = (&status.desired, &status.registered, &status.backoff);
     let socket = registered
         .as_ref()
@@ -147,7 +156,11 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         socket_dev: socket.map(|s| s.dev).unwrap_or_default(),
         socket_ino: socket.map(|s| s.ino).unwrap_or_default(),
         state: state as i32,
-        plugin: registered.as_ref().map(|r| to_api(&r.plugin)),
+        plugin: registered
+            .as_ref()
+            .map(|r| &r.plugin)
+            .or(refusal.map(|(_, plugin)| &**plugin))
+            .map(to_api),
         generation: desired
             .as_ref()
             .map(|d| d.generation.to_string())
@@ -170,6 +183,37 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
             .map(next_retry_ms)
             .unwrap_or_default(),
         failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
+        provenance: status.provenance().as_ref().map(provenance_to_api),
+        rejected_by_rule: refusal.map(|(r, _)| r.rule.to_string()).unwrap_or_default(),
+    }
+}
+
+/// The wire form of a socket's provenance.
+pub fn provenance_to_api(provenance: &Provenance) -> api::Provenance {
+    api::Provenance {
+        creator: provenance.creator.process().map(process_to_api),
+        creator_unknown: provenance
+            .creator
+            .unknown_because()
+            .unwrap_or_default()
+            .to_string(),
+        server: provenance.server.as_deref().map(process_to_api),
+        creator_is_not_server: provenance.creator_is_not_server(),
+    }
+}
+
+fn process_to_api(process: &Process) -> api::Process {
+    let cgroup = process.cgroup.as_deref();
+    let text = |value: Option<&str>| value.map(str::to_string).unwrap_or_default();
+    api::Process {
+        pid: process.pid.unwrap_or_default(),
+        uid: process.uid,
+        gid: process.gid,
+        command: text(process.command.as_deref()),
+        cgroup: text(cgroup.map(|c| &*c.path)),
+        cgroup_id: cgroup.and_then(|c| c.id).unwrap_or_default(),
+        pod_uid: text(cgroup.and_then(|c| c.pod_uid.as_deref())),
+        container_id: text(cgroup.and_then(|c| c.container_id.as_deref())),
     }
 }
 
@@ -213,6 +257,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::RegistrationFailed => api::EventKind::RegistrationFailed,
         EventKind::Deregistered => api::EventKind::Deregistered,
         EventKind::Unserved => api::EventKind::Unserved,
+        EventKind::Rejected => api::EventKind::Rejected,
         EventKind::Rescan => api::EventKind::Rescan,
     };
     api::AgentEvent {
@@ -226,6 +271,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .map(|d| d.as_micros() as u64)
             .unwrap_or_default(),
         detail: event.detail.clone().unwrap_or_default(),
+        provenance: event.provenance.as_ref().map(provenance_to_api),
     }
 }
 
@@ -303,6 +349,25 @@ impl api::agent_server::Agent for AdminService {
         let removed = self.handlers.remove(&request.plugin_type);
         tracing::info!(plugin_type = %request.plugin_type, removed, "handler removed through the admin API");
         Ok(Response::new(api::RemoveHandlerResponse { removed }))
+    }
+
+    async fn reload_policy(
+        &self,
+        request: Request<api::ReloadPolicyRequest>,
+    ) -> Result<Response<api::ReloadPolicyResponse>, Status> {
+        self.authorize(&request)?;
+        let reloader = self.policy.clone();
+        // Reads a file and looks at every registered plugin: off the runtime's workers.
+        let reloaded = tokio::task::spawn_blocking(move || reloader.reload())
+            .await
+            .map_err(|e| Status::internal(format!("policy reload did not finish: {e}")))?;
+        let reload = reloaded.map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok(Response::new(api::ReloadPolicyResponse {
+            rules: count(reload.rules),
+            refused: count(reload.refused),
+            retried: count(reload.retried),
+        }))
     }
 }
 

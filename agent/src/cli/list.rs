@@ -1,7 +1,7 @@
 //! `plugin-agent list`: every socket the agent knows, with its state, as a table, JSON or YAML.
 
 use super::Output;
-use super::render::{print_structured, print_table, timestamp};
+use super::render::{ProvenanceRow, print_structured, print_table, timestamp};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 
@@ -21,6 +21,10 @@ struct PluginRow {
     last_error: Option<String>,
     next_retry: Option<String>,
     failures: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    provenance: Option<ProvenanceRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rejected_by_rule: Option<String>,
 }
 
 impl From<api::PluginEntry> for PluginRow {
@@ -43,11 +47,17 @@ impl From<api::PluginEntry> for PluginRow {
             last_error: (!e.last_error.is_empty()).then_some(e.last_error),
             next_retry: (e.next_retry_unix_ms > 0).then(|| timestamp(e.next_retry_unix_ms)),
             failures: e.failures,
+            provenance: e.provenance.map(ProvenanceRow::from),
+            rejected_by_rule: (!e.rejected_by_rule.is_empty()).then_some(e.rejected_by_rule),
         }
     }
 }
 
-pub(super) async fn list(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
+pub(super) async fn list(
+    socket: &std::path::Path,
+    output: Output,
+    wide: bool,
+) -> anyhow::Result<()> {
     let mut client = admin::client::connect(socket).await?;
     let rows: Vec<PluginRow> = client
         .list_plugins(api::ListPluginsRequest {})
@@ -60,31 +70,68 @@ pub(super) async fn list(socket: &std::path::Path, output: Output) -> anyhow::Re
     if output != Output::Table {
         return print_structured(&rows, output);
     }
-    let table: Vec<[String; 6]> = rows
-        .iter()
-        .map(|r| {
-            let note = match (&r.last_error, &r.next_retry) {
-                (Some(e), Some(at)) => format!("retry {at}: {e}"),
-                (Some(e), None) => e.clone(),
-                _ => r
-                    .registered_at
-                    .clone()
-                    .map(|at| format!("since {at}"))
-                    .unwrap_or_default(),
-            };
-            [
-                r.socket_path.clone(),
-                r.state.clone(),
-                r.plugin_type.clone(),
-                r.name.clone(),
-                r.supported_versions.join(","),
-                note,
-            ]
-        })
-        .collect();
-    print_table(
-        &["SOCKET", "STATE", "TYPE", "NAME", "VERSIONS", "NOTE"],
-        &table,
-    );
+    if wide {
+        let table: Vec<[String; 8]> = rows.iter().map(wide_row).collect();
+        print_table(
+            &[
+                "SOCKET", "STATE", "TYPE", "NAME", "SERVER", "CREATOR", "WHERE", "NOTE",
+            ],
+            &table,
+        );
+    } else {
+        let table: Vec<[String; 6]> = rows
+            .iter()
+            .map(|r| {
+                [
+                    r.socket_path.clone(),
+                    r.state.clone(),
+                    r.plugin_type.clone(),
+                    r.name.clone(),
+                    r.supported_versions.join(","),
+                    note(r),
+                ]
+            })
+            .collect();
+        print_table(
+            &["SOCKET", "STATE", "TYPE", "NAME", "VERSIONS", "NOTE"],
+            &table,
+        );
+    }
     Ok(())
+}
+
+/// The last error (and when it is retried), else since when it is registered.
+fn note(r: &PluginRow) -> String {
+    match (&r.last_error, &r.next_retry) {
+        (Some(e), Some(at)) => format!("retry {at}: {e}"),
+        (Some(e), None) => e.clone(),
+        _ => r
+            .registered_at
+            .clone()
+            .map(|at| format!("since {at}"))
+            .unwrap_or_default(),
+    }
+}
+
+/// `--wide`: who serves and who created each socket, and where the server runs (its pod and
+/// container, else its cgroup).
+fn wide_row(r: &PluginRow) -> [String; 8] {
+    let (server, creator, place) = match &r.provenance {
+        Some(p) => (
+            p.server_summary(),
+            p.creator_summary(),
+            p.server.as_ref().map(|s| s.place()).unwrap_or_default(),
+        ),
+        None => ("-".into(), "unknown".into(), String::new()),
+    };
+    [
+        r.socket_path.clone(),
+        r.state.clone(),
+        r.plugin_type.clone(),
+        r.name.clone(),
+        server,
+        creator,
+        place,
+        note(r),
+    ]
 }

@@ -1,15 +1,16 @@
-//! The `plugin-agent` command line: `run` starts the agent; `list`, `watch`, `status` and
-//! `handler` talk to a running agent through its admin socket; `completions` prints shell
+//! The `plugin-agent` command line: `run` starts the agent; `list`, `watch`, `status`,
+//! `handler` and `policy` talk to a running agent through its admin socket; `completions` prints shell
 //! completions.
 //!
 //! One file per subcommand, as bpfman's CLI: this file holds the clap definitions and the
 //! dispatch; [`run`] merges flags, the configuration file and defaults and runs the agent;
-//! [`list`], [`watch`], [`status`] and [`handler`] are admin API clients; [`render`] holds the
+//! [`list`], [`watch`], [`status`], [`handler`] and [`policy`] are admin API clients; [`render`] holds the
 //! output helpers they share (tables, JSON/YAML, timestamps).
 
 mod cleanup;
 mod handler;
 mod list;
+mod policy;
 mod render;
 pub mod run;
 mod status;
@@ -87,11 +88,16 @@ pub enum Command {
         plugin-agent run --source inotify --reconcile-mode polling   # behave like kubelet")]
     Run(Box<RunArgs>),
     /// List every plugin socket: state, name, type, endpoint, versions, errors, next retry.
-    #[command(after_help = "Examples:\n  plugin-agent list\n  plugin-agent list -o yaml")]
+    #[command(
+        after_help = "Examples:\n  plugin-agent list\n  plugin-agent list --wide\n  plugin-agent list -o yaml"
+    )]
     List {
         /// Output format.
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
+        /// In the table, who serves and who created each socket, and its pod or cgroup.
+        #[arg(long)]
+        wide: bool,
     },
     /// Follow discovery and registration events as they happen (Ctrl-C to stop).
     Watch {
@@ -108,6 +114,9 @@ pub enum Command {
     /// Add or remove a handler in the running agent.
     #[command(subcommand)]
     Handler(HandlerCommand),
+    /// The running agent's policy (who may register what).
+    #[command(subcommand)]
+    Policy(PolicyCommand),
     /// Remove what the agent leaves behind on purpose so that a restart is invisible: the
     /// pinned eBPF programs (which detaches them) and the state file. For uninstalling; a
     /// restart or an upgrade needs neither removed.
@@ -153,6 +162,16 @@ pub enum HandlerCommand {
     },
 }
 
+/// `plugin-agent policy ...`.
+#[derive(Subcommand, Debug)]
+pub enum PolicyCommand {
+    /// Read the configuration file's [[policy]] rules again and apply them to every socket
+    /// (as SIGHUP does): registered plugins the new policy refuses are deregistered, refused ones
+    /// are tried again. A file that does not parse changes nothing; the error says where.
+    #[command(after_help = "Example:\n  plugin-agent policy reload")]
+    Reload,
+}
+
 /// `plugin-agent run`. Settings left out come from `--config`, then from the defaults shown.
 /// Runs a command to completion.
 pub async fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -170,10 +189,11 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
             };
             run::run(args.resolve(file, admin_socket.clone())?).await
         }
-        Command::List { output } => list::list(&socket(), output).await,
+        Command::List { output, wide } => list::list(&socket(), output, wide).await,
         Command::Watch { output } => watch::watch(&socket(), output).await,
         Command::Status { output } => status::status(&socket(), output).await,
         Command::Handler(command) => handler::execute(&socket(), command).await,
+        Command::Policy(PolicyCommand::Reload) => policy::reload(&socket()).await,
         Command::Cleanup { plugin_dir, all } => cleanup::cleanup(plugin_dir, all, &socket()),
         Command::Completions { shell } => {
             clap_complete::generate(

@@ -2,6 +2,7 @@
 //! tables, and timestamps.
 
 use super::Output;
+use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
 
 pub(super) fn timestamp(unix_ms: i64) -> String {
@@ -48,5 +49,107 @@ pub(super) fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N
     line(header.to_vec());
     for row in rows {
         line(row.iter().map(String::as_str).collect());
+    }
+}
+
+/// A socket's provenance as `list` and `watch` print it (JSON and YAML keep every field).
+#[derive(Debug, Clone, serde::Serialize)]
+pub(super) struct ProvenanceRow {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub creator: Option<ProcessRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub creator_unknown: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server: Option<ProcessRow>,
+    pub creator_is_not_server: bool,
+}
+
+/// A process as `list` and `watch` print it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(super) struct ProcessRow {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+}
+
+fn some(text: String) -> Option<String> {
+    (!text.is_empty()).then_some(text)
+}
+
+impl From<api::Process> for ProcessRow {
+    fn from(p: api::Process) -> Self {
+        ProcessRow {
+            pid: (p.pid > 0).then_some(p.pid),
+            uid: p.uid,
+            gid: p.gid,
+            command: some(p.command),
+            cgroup: some(p.cgroup),
+            pod_uid: some(p.pod_uid),
+            container_id: some(p.container_id),
+        }
+    }
+}
+
+impl From<api::Provenance> for ProvenanceRow {
+    fn from(p: api::Provenance) -> Self {
+        ProvenanceRow {
+            creator: p.creator.map(ProcessRow::from),
+            creator_unknown: some(p.creator_unknown),
+            server: p.server.map(ProcessRow::from),
+            creator_is_not_server: p.creator_is_not_server,
+        }
+    }
+}
+
+impl ProcessRow {
+    /// `42/driver uid=0`.
+    pub fn summary(&self) -> String {
+        let mut out = self.pid.map(|p| p.to_string()).unwrap_or("?".into());
+        if let Some(command) = &self.command {
+            out += &format!("/{command}");
+        }
+        if let Some(uid) = self.uid {
+            out += &format!(" uid={uid}");
+        }
+        out
+    }
+
+    /// `pod <uid> container <12 hex>`, else the cgroup path.
+    pub fn place(&self) -> String {
+        match (&self.pod_uid, &self.container_id, &self.cgroup) {
+            (Some(pod), Some(id), _) => format!("pod {pod} container {}", &id[..id.len().min(12)]),
+            (Some(pod), None, _) => format!("pod {pod}"),
+            (None, _, Some(cgroup)) => cgroup.clone(),
+            _ => String::new(),
+        }
+    }
+}
+
+impl ProvenanceRow {
+    /// The server, for a table cell.
+    pub fn server_summary(&self) -> String {
+        self.server
+            .as_ref()
+            .map_or_else(|| "-".into(), ProcessRow::summary)
+    }
+
+    /// The creator, for a table cell: `same` when it is the server.
+    pub fn creator_summary(&self) -> String {
+        match (&self.creator, &self.server) {
+            (Some(c), Some(s)) if c.pid.is_some() && c.pid == s.pid => "same".into(),
+            (Some(c), _) => c.summary(),
+            (None, _) => "unknown".into(),
+        }
     }
 }

@@ -4,11 +4,12 @@
 use super::DEFAULT_PLUGIN_DIR;
 use crate::admin;
 use crate::agent::{AgentConfig, RunningAgent};
-use crate::config::ConfigFile;
+use crate::config::{ConfigFile, PolicySource};
 use crate::event_source::{SourceChoice, SourceOptions};
 use crate::executor::{ExecutorConfig, HandlerTimeouts};
 use crate::handler::{self, HandlerRegistry};
 use crate::mode::{Contact, Mode};
+use crate::policy::RuleFile;
 use crate::reconciler::ReconcileMode;
 use crate::registration::Timeouts;
 use crate::telemetry;
@@ -107,6 +108,29 @@ pub struct RunArgs {
     #[arg(long)]
     pub reregister_on_restart: bool,
 
+    /// Policy for the simple case, one rule for every plugin after the configuration file's
+    /// `[[policy]]` rules: the serving process's uid must be one of these. Repeatable.
+    #[arg(long = "policy-allow-uid", value_name = "UID")]
+    pub policy_allow_uids: Vec<u32>,
+
+    /// As --policy-allow-uid, for the serving process's gid.
+    #[arg(long = "policy-allow-gid", value_name = "GID")]
+    pub policy_allow_gids: Vec<u32>,
+
+    /// As --policy-allow-uid, a glob on the serving process's cgroup v2 path (`*` matches `/`
+    /// too), e.g. '/kubepods.slice/*'.
+    #[arg(long = "policy-allow-cgroup", value_name = "GLOB")]
+    pub policy_allow_cgroups: Vec<String>,
+
+    /// As --policy-allow-uid: a socket's creator must be in its server's cgroup.
+    #[arg(long)]
+    pub policy_same_cgroup: bool,
+
+    /// Complete each socket's creator and server from /proc (command, cgroup, pod, container)
+    /// [default: true]; false keeps only what the kernel reports.
+    #[arg(long, value_name = "BOOL")]
+    pub provenance: Option<bool>,
+
     /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
     /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
     #[arg(long)]
@@ -169,6 +193,7 @@ impl RunArgs {
         admin_socket: Option<PathBuf>,
     ) -> anyhow::Result<RunSettings> {
         let executor = self.executor_config(&file);
+        let flag_rule = self.flag_rule();
         let plugin_dir = self
             .plugin_dir
             .or(file.plugin_dir)
@@ -248,12 +273,42 @@ impl RunArgs {
             .map(|dir| dir.join(crate::persist::FILE_NAME));
         agent.reregister_on_restart =
             self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
+        agent.provenance = self.provenance.or(file.provenance).unwrap_or(true);
+        agent.policy = PolicySource {
+            // Absolute: a reload reads it again whatever the directory is then.
+            file: self
+                .config
+                .as_deref()
+                .map(std::path::absolute)
+                .transpose()?,
+            flag_rule,
+        };
         Ok(RunSettings {
             agent,
             handlers,
             admin_socket,
             keep_capabilities: self.keep_capabilities,
         })
+    }
+
+    /// The rule `--policy-*` make, if any: every plugin, after the file's rules.
+    fn flag_rule(&self) -> Option<RuleFile> {
+        let list = |values: &[u32]| (!values.is_empty()).then(|| values.to_vec());
+        let rule = RuleFile {
+            id: Some("command-line".into()),
+            plugin_type: "*".into(),
+            name: "*".into(),
+            allow_uids: list(&self.policy_allow_uids),
+            allow_gids: list(&self.policy_allow_gids),
+            allow_cgroups: (!self.policy_allow_cgroups.is_empty())
+                .then(|| self.policy_allow_cgroups.clone()),
+            same_cgroup: self.policy_same_cgroup,
+        };
+        let any = rule.allow_uids.is_some()
+            || rule.allow_gids.is_some()
+            || rule.allow_cgroups.is_some()
+            || rule.same_cgroup;
+        any.then_some(rule)
     }
 
     /// Timeouts and concurrency of operations: flags over `file` over kubelet's values.
@@ -360,7 +415,9 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
             }
         })
     });
+    let reloads = tokio::spawn(reload_policy_on_sighup(agent.policy_reloader()));
     let result = agent.run_until(shutdown_signal()).await;
+    reloads.abort();
     admin_cancel.cancel();
     if let Some(admin) = admin {
         // Its connections end with the cancel (see `serving`); the bound is a backstop.
@@ -383,4 +440,19 @@ async fn shutdown_signal() {
         _ = int.recv() => tracing::info!("SIGINT: finishing running operations"),
     }
     crate::shutdown::begin();
+}
+
+/// SIGHUP reads the policy again (as `plugin-agent policy reload`); a policy that does not load
+/// is logged and changes nothing.
+async fn reload_policy_on_sighup(reloader: crate::agent::PolicyReloader) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        tracing::info!("SIGHUP: reloading the policy");
+        let reloader = reloader.clone();
+        // The reload logs its outcome either way.
+        let _ = tokio::task::spawn_blocking(move || reloader.reload()).await;
+    }
 }

@@ -1,6 +1,7 @@
 //! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
 
 use super::Output;
+use super::render::ProvenanceRow;
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
@@ -19,6 +20,8 @@ struct EventRow {
     latency_us: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     detail: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    provenance: Option<ProvenanceRow>,
 }
 
 pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
@@ -46,6 +49,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             error: (!event.error.is_empty()).then_some(event.error),
             latency_us: (event.latency_us > 0).then_some(event.latency_us),
             detail: (!event.detail.is_empty()).then_some(event.detail),
+            provenance: event.provenance.map(ProvenanceRow::from),
         };
         match output {
             Output::Json => println!("{}", serde_json::to_string(&row)?),
@@ -54,6 +58,13 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                 let mut line = format!("{} {:<20} {}", row.time, row.kind, row.socket_path);
                 if let Some(p) = &row.plugin {
                     line += &format!(" plugin={p}");
+                }
+                if let Some(p) = &row.provenance {
+                    line += &format!(
+                        " server={:?} creator={:?}",
+                        p.server_summary(),
+                        p.creator_summary()
+                    );
                 }
                 if let Some(l) = row.latency_us {
                     line += &format!(" latency={:.3}ms", l as f64 / 1000.0);

@@ -51,7 +51,8 @@ impl fmt::Display for SourceKind {
     }
 }
 
-/// When the kernel saw the change, for latency measurement (absent for sources without timestamps).
+/// When the kernel saw the change (for latency measurement; absent for sources without
+/// timestamps), and who made it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Observed {
     /// `CLOCK_MONOTONIC` nanoseconds at the kernel event (`bpf_ktime_get_ns`).
@@ -59,6 +60,9 @@ pub struct Observed {
     /// `CLOCK_MONOTONIC` nanoseconds when the source's reader took the event off the kernel's
     /// queue (eBPF), so latency splits into kernel -> reader and reader -> consumer.
     pub read_ns: Option<u64>,
+    /// Who made the change, as the source recorded it then (eBPF: pid, uid, gid, command,
+    /// cgroup; fanotify: the pid; inotify: nobody): the socket's creator (see `provenance`).
+    pub by: Option<crate::provenance::Actor>,
 }
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds: the clock `bpf_ktime_get_ns` reads, so kernel event

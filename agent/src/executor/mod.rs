@@ -28,6 +28,7 @@
 //! (`registration`), the handlers, the event bus and the telemetry sink; nothing imports it but
 //! the reconciler and the assembly (`agent`).
 
+mod admission;
 mod claims;
 mod observe;
 mod observe_mode;
@@ -46,6 +47,7 @@ use crate::state::desired::DesiredPlugin;
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::Via;
+pub use admission::PolicyReload;
 use claims::NameLocks;
 use operation::RegisterFailure;
 use slots::Slots;
@@ -158,6 +160,8 @@ pub struct OperationExecutor {
     journal: std::sync::OnceLock<Arc<crate::persist::Journal>>,
     /// The servers of registered plugins, watched for their exit.
     liveness: Arc<Liveness>,
+    /// Who serves each plugin, and whether the policy lets it register.
+    admission: admission::Admission,
 }
 
 impl OperationExecutor {
@@ -195,6 +199,7 @@ impl OperationExecutor {
             retry_timers: Mutex::new(HashMap::new()),
             journal: std::sync::OnceLock::new(),
             liveness: Arc::default(),
+            admission: admission::Admission::default(),
         });
         let weak = Arc::downgrade(&executor);
         executor.liveness.on_loss(move |loss| {
@@ -283,7 +288,12 @@ impl OperationExecutor {
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
             slot_wait_ms = queued.elapsed().as_millis() as u64,
-            outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty
+            outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty,
+            process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
+            process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
+            plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,
+            plugin_agent.creator.user.id = Empty, plugin_agent.creator.linux.cgroup = Empty,
+            plugin_agent.creator.unknown = Empty
         );
         if let Some(parent) = self.telemetry.discovery.parent_of(&path) {
             let _ = span.set_parent(parent);
@@ -316,15 +326,16 @@ impl OperationExecutor {
                     } else {
                         (EventKind::Registered, "plugin registered")
                     };
+                    let entry = this
+                        .actual
+                        .get(&path)
+                        .filter(|e| e.generation == desired.generation);
                     // Recorded before it is reported: a kill after the report loses nothing.
-                    if let Some(journal) = this.journal.get()
-                        && let Some(entry) = this
-                            .actual
-                            .get(&path)
-                            .filter(|e| e.generation == desired.generation)
-                    {
-                        journal.registered(&path, &entry);
+                    if let (Some(journal), Some(entry)) = (this.journal.get(), &entry) {
+                        journal.registered(&path, entry);
                     }
+                    let provenance = entry.map(|e| e.provenance);
+                    let (served_by, created_by) = describe(provenance.as_ref());
                     if let Some(server) = server {
                         debug!(%server, "the plugin's server, watched for its exit");
                         this.liveness
@@ -332,11 +343,12 @@ impl OperationExecutor {
                     }
                     info!(
                         plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
-                        took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
+                        server = %served_by, creator = %created_by, took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
                     );
                     let mut event = AgentEvent::new(kind, &path);
                     event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
                     event.plugin = Some(plugin);
+                    event.provenance = provenance;
                     this.notifications.publish(event);
                 }
                 Err(error) => this.failed(&path, &desired, error),
@@ -420,10 +432,10 @@ impl OperationExecutor {
         }
     }
 
-    /// Whether nothing serves the socket `socket` at `path` (its registration is deregistered,
-    /// and it is not registered again until it changes).
-    pub fn is_unserved(&self, path: &Path, socket: crate::state::SocketId) -> bool {
-        self.backoff.is_unserved(path, socket)
+    /// Whether nothing serves the socket `socket` at `path`, or the policy refuses it: its
+    /// registration is ended, and it is not registered again until it (or the policy) changes.
+    pub fn is_held(&self, path: &Path, socket: crate::state::SocketId) -> bool {
+        self.backoff.is_held(path, socket)
     }
 
     /// A registered plugin's server is gone (see `liveness`): record it, and let the reconciler
@@ -471,7 +483,7 @@ impl OperationExecutor {
             since,
         };
         let said = format!("unserved ({}): {reason}", learned_by.label());
-        self.backoff.unserved(path, socket, said.clone(), kind);
+        self.backoff.hold(path, socket, said.clone(), kind);
         if let Some(timer) = self.lock_retry_timers().remove(path) {
             timer.cancel();
         }
@@ -510,6 +522,15 @@ impl OperationExecutor {
     }
 
     fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) {
+        if let RegisterFailure::Rejected {
+            refusal,
+            plugin,
+            provenance,
+        } = error
+        {
+            self.record_rejected(path, desired.socket, plugin, provenance, refusal);
+            return;
+        }
         if let RegisterFailure::Plugin(PluginCallError::NotListening { .. }) = &error {
             let since = Instant::now();
             let reason = error.to_string();
@@ -607,4 +628,23 @@ impl OperationExecutor {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// A registration's server and creator, for its log line.
+fn describe(provenance: Option<&crate::provenance::Provenance>) -> (String, String) {
+    let Some(provenance) = provenance else {
+        return ("unknown".into(), "unknown".into());
+    };
+    let server = provenance
+        .server
+        .as_deref()
+        .map_or_else(|| "unknown".into(), ToString::to_string);
+    let creator = match provenance.creator.process() {
+        Some(creator) => creator.to_string(),
+        None => format!(
+            "unknown: {}",
+            provenance.creator.unknown_because().unwrap_or_default()
+        ),
+    };
+    (server, creator)
 }

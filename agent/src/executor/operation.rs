@@ -7,6 +7,8 @@ use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
 use crate::liveness::Server;
 use crate::notifications::{AgentEvent, EventKind};
+use crate::policy::Refusal;
+use crate::provenance::Provenance;
 use crate::registration::{OnInvalid, PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
 use crate::state::desired::DesiredPlugin;
@@ -27,6 +29,13 @@ pub(super) enum RegisterFailure {
     /// The agent began shutting down before the plugin answered: no outcome to report.
     #[error("the agent is shutting down")]
     ShuttingDown,
+    /// The policy refuses the plugin (see `policy`).
+    #[error("{refusal}")]
+    Rejected {
+        refusal: Refusal,
+        plugin: Plugin,
+        provenance: Provenance,
+    },
     #[error("{message}")]
     Handler {
         message: String,
@@ -51,6 +60,7 @@ impl RegisterFailure {
             RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
             RegisterFailure::NoHandler { .. } => "no_handler",
             RegisterFailure::ShuttingDown => "shutting_down",
+            RegisterFailure::Rejected { .. } => "rejected_by_policy",
             RegisterFailure::Handler { outcome, .. } => outcome,
         }
     }
@@ -131,6 +141,19 @@ impl OperationExecutor {
         span.record("plugin_name", plugin.name.as_str());
         span.record("plugin_type", plugin.plugin_type.as_str());
         debug!(plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, "GetInfo answered");
+        let provenance = Provenance {
+            creator: desired.creator.clone(),
+            server: self.server_process(connection.server()),
+        };
+        record_provenance(&span, &provenance);
+        if let Err(refusal) = self.admit(&plugin.plugin_type, &plugin.name, &provenance) {
+            Box::pin(notify_failure(&mut connection, &refusal.to_string())).await;
+            return Err(RegisterFailure::Rejected {
+                refusal,
+                plugin,
+                provenance,
+            });
+        }
 
         let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
             let error = RegisterFailure::NoHandler {
@@ -164,6 +187,7 @@ impl OperationExecutor {
             desired.socket,
             plugin.clone(),
             handler.clone(),
+            provenance,
         );
         if let Err(e) = Box::pin(self.call_handler(
             HandlerCall::Register,
@@ -358,5 +382,52 @@ async fn notify_failure(connection: &mut PluginConnection, reason: &str) {
         .await;
     if let Err(e) = notified {
         debug!(error = %e, "could not tell the plugin it was not registered");
+    }
+}
+
+/// Puts a socket's provenance on the operation's span, named by OpenTelemetry's semantic
+/// conventions: `process.*`, `container.id` and `k8s.pod.uid` describe the server (the process
+/// the plugin is); the creator, which the conventions have no name for, is
+/// `plugin_agent.creator.*`.
+pub(super) fn record_provenance(span: &tracing::Span, provenance: &Provenance) {
+    if let Some(server) = provenance.server.as_deref() {
+        if let Some(pid) = server.pid {
+            span.record("process.pid", i64::from(pid));
+        }
+        if let Some(command) = &server.command {
+            span.record("process.executable.name", &**command);
+        }
+        if let Some(uid) = server.uid {
+            span.record("process.user.id", i64::from(uid));
+        }
+        if let Some(cgroup) = server.cgroup.as_deref() {
+            span.record("process.linux.cgroup", &*cgroup.path);
+            if let Some(id) = &cgroup.container_id {
+                span.record("container.id", &**id);
+            }
+            if let Some(uid) = &cgroup.pod_uid {
+                span.record("k8s.pod.uid", &**uid);
+            }
+        }
+    }
+    match provenance.creator.process() {
+        Some(creator) => {
+            if let Some(pid) = creator.pid {
+                span.record("plugin_agent.creator.pid", i64::from(pid));
+            }
+            if let Some(command) = &creator.command {
+                span.record("plugin_agent.creator.executable.name", &**command);
+            }
+            if let Some(uid) = creator.uid {
+                span.record("plugin_agent.creator.user.id", i64::from(uid));
+            }
+            if let Some(path) = creator.cgroup_path() {
+                span.record("plugin_agent.creator.linux.cgroup", path);
+            }
+        }
+        None => {
+            let why = provenance.creator.unknown_because().unwrap_or_default();
+            span.record("plugin_agent.creator.unknown", why);
+        }
     }
 }

@@ -6,6 +6,7 @@
 
 use super::SocketId;
 use crate::handler::{Plugin, PluginHandler};
+use crate::provenance::Provenance;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,8 @@ pub struct RegisteredPlugin {
     pub handler: Option<Arc<dyn PluginHandler>>,
     /// When the entry was added.
     pub registered_at: SystemTime,
+    /// Who created the socket and who served the registration.
+    pub provenance: Provenance,
 }
 
 impl std::fmt::Debug for RegisteredPlugin {
@@ -84,8 +87,16 @@ impl ActualState {
         socket: SocketId,
         plugin: Plugin,
         handler: Arc<dyn PluginHandler>,
+        provenance: Provenance,
     ) -> RegisteredPlugin {
-        self.insert(path.into(), generation, socket, plugin, Some(handler))
+        self.insert(
+            path.into(),
+            generation,
+            socket,
+            plugin,
+            Some(handler),
+            provenance,
+        )
     }
 
     /// Records a plugin the agent observes (observe mode: no handler, no Notify), replacing any
@@ -96,8 +107,9 @@ impl ActualState {
         generation: Uuid,
         socket: SocketId,
         plugin: Plugin,
+        provenance: Provenance,
     ) -> RegisteredPlugin {
-        self.insert(path.into(), generation, socket, plugin, None)
+        self.insert(path.into(), generation, socket, plugin, None, provenance)
     }
 
     fn insert(
@@ -107,28 +119,22 @@ impl ActualState {
         socket: SocketId,
         plugin: Plugin,
         handler: Option<Arc<dyn PluginHandler>>,
-    ) -> RegisteredPlugin {
-        self.restore(path, generation, socket, plugin, handler, SystemTime::now())
-    }
-
-    /// Records an entry as a previous agent left it (see `persist`): the same generation and
-    /// registration time, and the handler of today's registry that it was registered with.
-    pub fn restore(
-        &self,
-        path: Arc<Path>,
-        generation: Uuid,
-        socket: SocketId,
-        plugin: Plugin,
-        handler: Option<Arc<dyn PluginHandler>>,
-        registered_at: SystemTime,
+        provenance: Provenance,
     ) -> RegisteredPlugin {
         let entry = RegisteredPlugin {
             generation,
             socket,
             plugin,
             handler,
-            registered_at,
+            registered_at: SystemTime::now(),
+            provenance,
         };
+        self.restore(path, entry)
+    }
+
+    /// Records an entry as a previous agent left it (see `persist`): the same generation and
+    /// registration time, and the handler of today's registry that it was registered with.
+    pub fn restore(&self, path: Arc<Path>, entry: RegisteredPlugin) -> RegisteredPlugin {
         self.lock().insert(path, entry.clone());
         entry
     }
@@ -216,6 +222,7 @@ mod tests {
             id(1),
             plugin("a", "/r/a.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         assert!(state.is_registered(Path::new("/r/a.sock"), generation));
     }
@@ -229,6 +236,7 @@ mod tests {
             id(1),
             plugin("a", "/r/a.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         assert!(!state.is_registered(Path::new("/r/a.sock"), Uuid::new_v4()));
         assert!(!state.is_registered(Path::new("/r/other.sock"), Uuid::new_v4()));
@@ -244,6 +252,7 @@ mod tests {
             id(1),
             plugin("a", "/r/a.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         assert!(
             state
@@ -264,6 +273,7 @@ mod tests {
             id(1),
             plugin("foo", "/r/v1.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         let second = state.add(
             v2,
@@ -271,6 +281,7 @@ mod tests {
             id(2),
             plugin("foo", "/r/v2.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         // Removing the older one gives back its own endpoint and leaves the newer one registered.
         let removed = state.remove(v1, first.generation).expect("v1");
@@ -289,6 +300,7 @@ mod tests {
             id(1),
             plugin("foo", "/r/a.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         // Re-adding with another allocation of the same path keeps the first one.
         state.add(
@@ -297,6 +309,7 @@ mod tests {
             id(2),
             plugin("foo", "/r/a.sock"),
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         let plugins = state.lock();
         let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");

@@ -9,9 +9,11 @@
 //! [`QUICK_RETRY_DELAY`], at most [`QUICK_RETRIES`] times, before it is treated as broken.
 
 use super::SocketId;
+use crate::handler::Plugin;
+use crate::policy::Refusal;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -41,6 +43,14 @@ pub enum FailureKind {
         /// When it was learned (the server's exit, or the refused connect).
         since: Instant,
     },
+    /// The policy refuses the plugin (see `policy`): like an unserved socket, not retried
+    /// until the socket changes, or the policy does.
+    Rejected {
+        /// What refused it, and the server it saw.
+        refusal: Arc<Refusal>,
+        /// What the plugin said it is.
+        plugin: Arc<Plugin>,
+    },
     /// Anything else.
     Other,
 }
@@ -48,6 +58,15 @@ pub enum FailureKind {
 impl FailureKind {
     pub fn is_unserved(&self) -> bool {
         matches!(self, FailureKind::Unserved { .. })
+    }
+
+    pub fn is_rejected(&self) -> bool {
+        matches!(self, FailureKind::Rejected { .. })
+    }
+
+    /// Held until the socket changes (never retried by time): unserved or rejected.
+    pub fn is_held(&self) -> bool {
+        self.is_unserved() || self.is_rejected()
     }
 }
 
@@ -133,15 +152,16 @@ impl BackoffTable {
         }
     }
 
-    /// Records that nothing serves this socket: no retry until it changes. Replaces a backoff.
-    pub fn unserved(
+    /// Records that nothing serves this socket, or the policy refuses it (`kind`): no retry
+    /// until it changes. Replaces a backoff.
+    pub fn hold(
         &self,
         path: &Path,
         socket: SocketId,
         reason: String,
         kind: FailureKind,
     ) -> Backoff {
-        debug_assert!(kind.is_unserved());
+        debug_assert!(kind.is_held());
         let failures = self.get(path, socket).map_or(0, |b| b.failures) + 1;
         let backoff = Backoff {
             failures,
@@ -164,6 +184,19 @@ impl BackoffTable {
         entries.len() != before
     }
 
+    /// Lifts every policy refusal (the policy changed); returns their paths, to be tried again.
+    pub fn release_rejected(&self) -> Vec<PathBuf> {
+        let mut released = Vec::new();
+        self.lock().retain(|(path, _), backoff| {
+            let rejected = backoff.kind.is_rejected();
+            if rejected {
+                released.push(path.clone());
+            }
+            !rejected
+        });
+        released
+    }
+
     /// Every socket marked unserved now, with its path.
     pub fn unserved_sockets(&self) -> Vec<(PathBuf, SocketId)> {
         self.lock()
@@ -178,6 +211,13 @@ impl BackoffTable {
         self.lock()
             .get(&(path.to_path_buf(), socket))
             .is_some_and(|b| b.kind.is_unserved())
+    }
+
+    /// Whether this socket is held (unserved or rejected): a registration of it is ended.
+    pub fn is_held(&self, path: &Path, socket: SocketId) -> bool {
+        self.lock()
+            .get(&(path.to_path_buf(), socket))
+            .is_some_and(|b| b.kind.is_held())
     }
 
     /// Forgets the socket's failures (success, or the socket is gone).

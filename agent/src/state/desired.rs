@@ -5,6 +5,7 @@
 //! "a socket re-created at the same path" that must be registered again.
 
 use super::SocketId;
+use crate::provenance::{Creator, Process};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,8 @@ pub struct DesiredPlugin {
     pub kernel_ns: Option<u64>,
     /// Found through an event of the agent's source (else by a scan): the `event_source` label.
     pub by_event: bool,
+    /// Who created it (see `provenance`).
+    pub creator: Creator,
 }
 
 /// What [`DesiredState::add_or_update`] did.
@@ -63,26 +66,38 @@ impl DesiredState {
         socket: SocketId,
         kernel_ns: Option<u64>,
     ) -> Result<Change, DesiredStateError> {
-        self.add_observed(path, socket, kernel_ns, false)
+        self.add_observed(path, socket, kernel_ns, false, None)
     }
 
     /// [`Self::add_or_update`], saying whether an event of the source (`by_event`) or a scan
-    /// found the socket.
+    /// found the socket, and who the event says made it. An event naming the creator of a
+    /// socket a walk found first adds the creator without changing anything else.
     pub fn add_observed(
         &self,
         path: &Path,
         socket: SocketId,
         kernel_ns: Option<u64>,
         by_event: bool,
+        creator: Option<Arc<Process>>,
     ) -> Result<Change, DesiredStateError> {
         if path.as_os_str().is_empty() {
             return Err(DesiredStateError::EmptyPath);
         }
         let mut plugins = self.lock();
-        let (change, path) = match plugins.get(path) {
-            Some(existing) if existing.socket == socket => return Ok(Change::Unchanged),
+        let (change, path) = match plugins.get_mut(path) {
+            Some(existing) if existing.socket == socket => {
+                if let (Some(creator), None) = (creator, existing.creator.process()) {
+                    existing.creator = Creator::Known(creator);
+                }
+                return Ok(Change::Unchanged);
+            }
             Some(existing) => (Change::Replaced, existing.path.clone()),
             None => (Change::Added, Arc::from(path)),
+        };
+        let creator = match creator {
+            Some(process) => Creator::Known(process),
+            None if by_event => Creator::NotReported,
+            None => Creator::FoundByWalk,
         };
         let plugin = DesiredPlugin {
             path: path.clone(),
@@ -91,6 +106,7 @@ impl DesiredState {
             seen_at: SystemTime::now(),
             kernel_ns,
             by_event,
+            creator,
         };
         plugins.insert(path, plugin);
         Ok(change)
@@ -100,7 +116,7 @@ impl DesiredState {
     /// before this agent's first walk (see `persist`): the walk finding the same socket instance
     /// then changes nothing, so the plugin is neither re-registered nor deregistered; a walk that
     /// does not find it removes it, and one that finds another instance replaces it.
-    pub fn restore(&self, path: Arc<Path>, generation: Uuid, socket: SocketId) {
+    pub fn restore(&self, path: Arc<Path>, generation: Uuid, socket: SocketId, creator: Creator) {
         let plugin = DesiredPlugin {
             path: path.clone(),
             generation,
@@ -108,6 +124,7 @@ impl DesiredState {
             seen_at: SystemTime::now(),
             kernel_ns: None,
             by_event: false,
+            creator,
         };
         self.lock().insert(path, plugin);
     }
@@ -298,7 +315,7 @@ mod tests {
     fn entry_shares_its_key_and_remembers_how_it_was_found() {
         let state = DesiredState::default();
         state
-            .add_observed(Path::new("/r/a.sock"), id(1), None, true)
+            .add_observed(Path::new("/r/a.sock"), id(1), None, true, None)
             .expect("add");
         let first = state.get(Path::new("/r/a.sock")).expect("desired");
         assert_eq!(&*first.path, Path::new("/r/a.sock"));

@@ -9,18 +9,20 @@
 //!
 //! ```text
 //! desired  registered (same generation)  backoff (retry_at > now)  ->  state
-//!   yes      yes, with a handler                 not unserved        Registered
-//!   yes      yes, observed (no handler)          not unserved        Observed
+//!   yes      yes, with a handler                 not held            Registered
+//!   yes      yes, observed (no handler)          not held            Observed
 //!   any      yes (other generation, none,        -                   Deregistering
-//!            or its socket is unserved)
+//!            or its socket is unserved/rejected)
 //!   yes      no                                  unserved            Unserved
+//!   yes      no                                  rejected            Rejected
 //!   yes      no                                  yes                 BackingOff
 //!   yes      no                                  no (none, or due)   Pending
 //! ```
 
 use super::actual::{ActualState, RegisteredPlugin};
-use super::backoff::{Backoff, BackoffTable};
+use super::backoff::{Backoff, BackoffTable, FailureKind};
 use super::desired::{DesiredPlugin, DesiredState};
+use crate::provenance::Provenance;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -45,6 +47,9 @@ pub enum PluginState {
     /// Desired, and nothing serves it (its server exited, or it refuses connections): not
     /// registered, and not retried until the socket changes (see `liveness`).
     Unserved,
+    /// Desired, and the policy refuses it (see `policy`): not registered, and not retried until
+    /// the socket or the policy changes.
+    Rejected,
 }
 
 impl PluginState {
@@ -57,6 +62,7 @@ impl PluginState {
             PluginState::Observed => "observed",
             PluginState::Deregistering => "deregistering",
             PluginState::Unserved => "unserved",
+            PluginState::Rejected => "rejected",
         }
     }
 }
@@ -76,6 +82,25 @@ pub struct PluginStatus {
     pub state: PluginState,
 }
 
+impl PluginStatus {
+    /// Who created the socket and who serves it, as far as known: the registration's, else
+    /// what a refusal saw, else the creator alone.
+    pub fn provenance(&self) -> Option<Provenance> {
+        if let Some(registered) = &self.registered {
+            return Some(registered.provenance.clone());
+        }
+        let desired = self.desired.as_ref()?;
+        let server = self.backoff.as_ref().and_then(|b| match &b.kind {
+            FailureKind::Rejected { refusal, .. } => refusal.server.clone(),
+            _ => None,
+        });
+        Some(Provenance {
+            creator: desired.creator.clone(),
+            server,
+        })
+    }
+}
+
 /// The one derivation of a plugin's state; see the module docs for the table.
 pub fn derive(
     desired: Option<&DesiredPlugin>,
@@ -83,9 +108,9 @@ pub fn derive(
     backoff: Option<&Backoff>,
     now: Instant,
 ) -> PluginState {
-    let unserved = backoff.is_some_and(|b| b.kind.is_unserved());
+    let held = backoff.map(|b| &b.kind).filter(|kind| kind.is_held());
     match (desired, registered) {
-        (Some(d), Some(r)) if d.generation == r.generation && !unserved => {
+        (Some(d), Some(r)) if d.generation == r.generation && held.is_none() => {
             if r.handler.is_none() {
                 PluginState::Observed
             } else {
@@ -93,7 +118,8 @@ pub fn derive(
             }
         }
         (_, Some(_)) => PluginState::Deregistering,
-        _ if unserved => PluginState::Unserved,
+        _ if held.is_some_and(|kind| kind.is_unserved()) => PluginState::Unserved,
+        _ if held.is_some() => PluginState::Rejected,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
         _ => PluginState::Pending,
     }
@@ -205,6 +231,7 @@ mod tests {
             desired.socket,
             plugin,
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         let now = Instant::now();
         assert_eq!(view.status(path, now).state, PluginState::Registered);
@@ -234,6 +261,7 @@ mod tests {
             desired.socket,
             plugin,
             Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
         );
         let now = Instant::now();
         let kind = FailureKind::Unserved {
@@ -241,7 +269,7 @@ mod tests {
             since: now,
         };
         view.backoff
-            .unserved(path, socket(), "its server exited".into(), kind);
+            .hold(path, socket(), "its server exited".into(), kind);
         assert_eq!(view.status(path, now).state, PluginState::Deregistering);
         view.actual.remove(path, entry.generation);
         let years = now + Duration::from_secs(10 * 365 * 24 * 3600);

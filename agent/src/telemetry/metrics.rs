@@ -84,6 +84,14 @@ pub struct LivenessLabels {
     pub learned_by: &'static str,
 }
 
+/// The label set of policy refusals.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    /// The refusing rule's `id` (or `#N`, its place in the list): operators name their rules,
+    /// so the set is as small as their policy.
+    pub rule: String,
+}
+
 /// The label set of deregistration latency.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DeregistrationLabels {
@@ -150,6 +158,7 @@ pub struct Metrics {
     walk_errors: Family<WalkErrorLabels, Counter>,
     liveness_losses: Family<LivenessLabels, Counter>,
     unserved_deregistration: HistogramFamily<LivenessLabels>,
+    policy_rejections: Family<PolicyLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -164,6 +173,7 @@ impl Default for Metrics {
             rescans: Family::default(),
             walk_errors: Family::default(),
             liveness_losses: Family::default(),
+            policy_rejections: Family::default(),
             unserved_deregistration: Family::new_with_constructor(latency_histogram),
         }
     }
@@ -268,6 +278,15 @@ impl Metrics {
             .inc();
     }
 
+    /// The policy refused a plugin (at registration, or a registered one on reload).
+    pub fn policy_rejection(&self, rule: &str) {
+        self.policy_rejections
+            .get_or_create(&PolicyLabels {
+                rule: rule.to_string(),
+            })
+            .inc();
+    }
+
     /// An unserved plugin's DeRegister finished `took` after the agent learned its server was
     /// gone.
     pub fn unserved_deregistered(
@@ -330,6 +349,11 @@ impl Metrics {
             "liveness_losses",
             "Plugins found unserved (their server exited, or their socket refused connections), by how it was learned",
             self.liveness_losses.clone(),
+        );
+        agent.register(
+            "policy_rejections",
+            "Plugins the policy refused (not registered, or deregistered on a reload), by rule",
+            self.policy_rejections.clone(),
         );
         agent.register(
             "unserved_deregistration_seconds",
@@ -470,7 +494,7 @@ impl StateCollector {
 
     /// Plugins counted by (type, state). The type is known once registered (and then is a
     /// handler's type: bounded); before that it is `unknown`. Every handler's `registered`
-    /// series and the `unknown` pending, backing-off and unserved series exist at zero, so dashboards see
+    /// series and the `unknown` pending, backing-off, unserved and rejected series exist at zero, so dashboards see
     /// them before the first plugin.
     fn plugins_by_state(&self, plugins: &[PluginStatus]) -> BTreeMap<(String, &'static str), i64> {
         let mut by_state = BTreeMap::new();
@@ -480,6 +504,8 @@ impl StateCollector {
         by_state.insert(("unknown".into(), PluginState::Pending.label()), 0);
         by_state.insert(("unknown".into(), PluginState::BackingOff.label()), 0);
         by_state.insert(("unknown".into(), PluginState::Unserved.label()), 0);
+        // A refused plugin's type is what it claimed, not a handler's: it stays `unknown`.
+        by_state.insert(("unknown".into(), PluginState::Rejected.label()), 0);
         for plugin in plugins {
             let plugin_type = plugin
                 .registered
@@ -601,6 +627,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_handler_call_duration_seconds_sum",
     "plugin_agent_handler_call_duration_seconds_count",
     "plugin_agent_liveness_losses_total",
+    "plugin_agent_policy_rejections_total",
     "plugin_agent_unserved_deregistration_seconds_bucket",
     "plugin_agent_unserved_deregistration_seconds_sum",
     "plugin_agent_unserved_deregistration_seconds_count",
@@ -697,6 +724,7 @@ mod tests {
         m.rescan(&RescanReason::Start);
         m.walk_error("unreadable");
         m.liveness_loss("pidfd");
+        m.policy_rejection("csi-drivers");
         m.unserved_deregistered("pidfd", Duration::from_millis(3), None);
         let registry = m.registry(StateCollector {
             state: StateView {

@@ -17,6 +17,9 @@
 //! socket-activated service does) and exit without removing the socket: the listener outlives
 //! the process that created it, and the socket's credentials still name the exited parent.
 //!
+//! With `--listen-in-child` it binds the socket and has a copy of itself `listen()` on it and
+//! serve it, then exits: the socket's creator and its server are different processes.
+//!
 //! On SIGTERM or SIGINT it removes its socket (only if the path still holds the socket it bound, so
 //! a plugin that replaced it keeps its own) and exits 0, as real plugins do.
 
@@ -125,9 +128,18 @@ struct Args {
     /// while its process lives on); prints `{"event":"listener_closed"}`.
     #[arg(long)]
     close_listener_on_sigusr2: bool,
+    /// Bind the socket, then have a child process listen on it and serve it, and exit: the
+    /// socket's creator (this process) is not its server (the child), as with a launcher that
+    /// binds for a service it starts. Prints `handed_off` with the child's pid.
+    #[arg(long)]
+    listen_in_child: bool,
     /// Serve the listening socket inherited as this descriptor (the child of `--hand-off`).
     #[arg(long, hide = true)]
     serve_fd: Option<i32>,
+    /// The descriptor of `--serve-fd` is bound but not listening yet: call `listen()` on it (the
+    /// child of `--listen-in-child`).
+    #[arg(long, hide = true)]
+    listen_inherited: bool,
 }
 
 /// Prints one event line and flushes it, so the harness sees it at once. A closed stdout is not
@@ -289,9 +301,13 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
         emit(json!({"event": "waiting_for_sigusr2"}));
         usr2.recv().await;
     }
+    if args.listen_in_child {
+        let inheritable = nix::unistd::dup(&fd).context("dup the bound socket")?;
+        start_copy(inheritable, "--listen-in-child", &["--listen-inherited"]);
+    }
     // An inherited listener is served as it is: listen() again would make this process the one
     // the socket's credentials name.
-    if args.serve_fd.is_none() {
+    if args.serve_fd.is_none() || args.listen_inherited {
         let backlog = Backlog::new(128).context("backlog")?;
         listen(&fd, backlog).context("listen")?;
     }
@@ -456,24 +472,32 @@ fn hand_off_on_sigusr1(
     let mut usr1 = signal(SignalKind::user_defined1())?;
     Ok(async move {
         usr1.recv().await;
-        let exe = std::env::current_exe().unwrap_or_else(|_| "example-plugin".into());
-        let args = std::env::args()
-            .skip(1)
-            .filter(|a| a != "--hand-off")
-            .collect::<Vec<_>>();
-        let child = std::process::Command::new(exe)
-            .args(args)
-            .arg("--serve-fd")
-            .arg(listener.as_raw_fd().to_string())
-            .spawn();
-        match child {
-            Ok(child) => {
-                emit(json!({"event": "handed_off", "child": child.id()}));
-                std::process::exit(0);
-            }
-            Err(e) => eprintln!("example-plugin: cannot start the child to hand off to: {e}"),
-        }
+        start_copy(listener, "--hand-off", &[]);
     })
+}
+
+/// Starts a copy of this plugin (without `drop_flag`, with `extra`) serving `socket` (a
+/// descriptor without close-on-exec), says so, and exits this process without removing the
+/// socket.
+fn start_copy(socket: std::os::fd::OwnedFd, drop_flag: &str, extra: &[&str]) {
+    let exe = std::env::current_exe().unwrap_or_else(|_| "example-plugin".into());
+    let args = std::env::args()
+        .skip(1)
+        .filter(|a| a != drop_flag)
+        .collect::<Vec<_>>();
+    let child = std::process::Command::new(exe)
+        .args(args)
+        .args(extra)
+        .arg("--serve-fd")
+        .arg(socket.as_raw_fd().to_string())
+        .spawn();
+    match child {
+        Ok(child) => {
+            emit(json!({"event": "handed_off", "child": child.id()}));
+            std::process::exit(0);
+        }
+        Err(e) => eprintln!("example-plugin: cannot start the child to hand off to: {e}"),
+    }
 }
 
 /// Removes the socket if the path still holds the one this process bound.

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use agent_ebpf::{DirKey, Event, NAME_LEN, kind, scope};
 
 use crate::event_source::{FsEvent, Observed};
+use crate::provenance::{Actor, Comm};
 
 /// Reads an [`Event`] from a ring-buffer record, or `None` if the record is too short (an object
 /// and agent from different builds).
@@ -49,6 +50,13 @@ pub fn translate(
     let observed = Observed {
         kernel_ns: Some(event.ktime_ns),
         read_ns: None,
+        by: Some(Actor {
+            pid: event.tgid,
+            uid: Some(event.uid),
+            gid: Some(event.gid),
+            comm: Some(Comm(event.comm)),
+            cgroup_id: Some(event.cgroup_id),
+        }),
     };
     match event.scope {
         scope::EXACT => {
@@ -85,7 +93,11 @@ mod tests {
             scope,
             tgid: 42,
             name_len: name.len() as u32,
+            uid: 1000,
+            gid: 100,
             ktime_ns: 7,
+            cgroup_id: 9,
+            comm: *b"driver\0\0\0\0\0\0\0\0\0\0",
             parent: DirKey { dev: 1, ino: 2 },
             name: NameKey::new(name.as_bytes()).unwrap_or(NameKey {
                 bytes: [0; NAME_LEN],
@@ -101,9 +113,17 @@ mod tests {
         (*key == DirKey { dev: 1, ino: 2 }).then(|| PathBuf::from("/plugins"))
     }
 
+    /// When and by whom [`event`]'s records say the change was made.
     const AT_7: Observed = Observed {
         kernel_ns: Some(7),
         read_ns: None,
+        by: Some(Actor {
+            pid: 42,
+            uid: Some(1000),
+            gid: Some(100),
+            comm: Some(Comm(*b"driver\0\0\0\0\0\0\0\0\0\0")),
+            cgroup_id: Some(9),
+        }),
     };
 
     #[test]
@@ -198,7 +218,11 @@ mod tests {
                     scope,
                     tgid: 1,
                     name_len: name.len() as u32,
+                    uid: 0,
+                    gid: 0,
                     ktime_ns: 7,
+                    cgroup_id: 1,
+                    comm: [0; 16],
                     parent: DirKey {
                         dev: 1,
                         ino: if in_watched { 2 } else { ino | 4 },

@@ -3,6 +3,7 @@
 //! record that does not parse into a rescan).
 
 use super::*;
+use crate::provenance::Actor;
 
 /// The task that drains the group and feeds the watcher.
 pub(super) struct Reader {
@@ -108,7 +109,8 @@ impl Reader {
                 }
                 Some(name) if records::is_entry_name(name) => {
                     if !own {
-                        entry_events(event.mask, dir.path.join(OsStr::from_bytes(name)), out);
+                        let path = dir.path.join(OsStr::from_bytes(name));
+                        entry_events(event.mask, path, by_pid(event.pid), out);
                     }
                 }
                 Some(name) => {
@@ -132,24 +134,37 @@ impl Reader {
 /// The events for a change to the entry at `path`. A mask saying both "appeared" and "gone" is
 /// several events fanotify merged without keeping their order: `Removed` then `Created`, so a
 /// watcher that takes them literally still ends on what its stat of `path` finds.
-fn entry_events(mask: u64, path: PathBuf, out: &mut Vec<FsEvent>) {
+fn entry_events(mask: u64, path: PathBuf, by: Option<Actor>, out: &mut Vec<FsEvent>) {
     let appeared = mask & (libc::FAN_CREATE | libc::FAN_MOVED_TO) != 0;
     let gone = mask & (libc::FAN_DELETE | libc::FAN_MOVED_FROM) != 0;
     match (gone, appeared) {
         (true, true) => {
             out.push(removed(path.clone()));
-            out.push(created(path));
+            out.push(created(path, by));
         }
         (true, false) => out.push(removed(path)),
-        (false, true) => out.push(created(path)),
+        (false, true) => out.push(created(path, by)),
         (false, false) => {}
     }
 }
 
-fn created(path: PathBuf) -> FsEvent {
+/// fanotify's one fact about who made a change: the pid (0 when the kernel withholds it, for an
+/// unprivileged group, or the process is in no pid namespace the agent can see).
+fn by_pid(pid: i32) -> Option<Actor> {
+    let pid = u32::try_from(pid).ok().filter(|pid| *pid > 0)?;
+    Some(Actor {
+        pid,
+        ..Actor::default()
+    })
+}
+
+fn created(path: PathBuf, by: Option<Actor>) -> FsEvent {
     FsEvent::Created {
         path,
-        observed: Observed::default(),
+        observed: Observed {
+            by,
+            ..Observed::default()
+        },
     }
 }
 
@@ -174,13 +189,13 @@ mod tests {
 
     fn events_for(mask: u64) -> Vec<FsEvent> {
         let mut out = Vec::new();
-        entry_events(mask, PathBuf::from("/r/a.sock"), &mut out);
+        entry_events(mask, PathBuf::from("/r/a.sock"), None, &mut out);
         out
     }
 
     #[test]
     fn create_and_moved_to_are_created() {
-        let want = [created("/r/a.sock".into())];
+        let want = [created("/r/a.sock".into(), None)];
         assert_eq!(events_for(libc::FAN_CREATE), want);
         assert_eq!(events_for(libc::FAN_MOVED_TO), want);
         assert_eq!(events_for(libc::FAN_CREATE | libc::FAN_ONDIR), want);
@@ -195,7 +210,10 @@ mod tests {
 
     #[test]
     fn merged_create_and_delete_are_removed_then_created() {
-        let want = [removed("/r/a.sock".into()), created("/r/a.sock".into())];
+        let want = [
+            removed("/r/a.sock".into()),
+            created("/r/a.sock".into(), None),
+        ];
         assert_eq!(events_for(libc::FAN_CREATE | libc::FAN_DELETE), want);
         assert_eq!(events_for(libc::FAN_MOVED_FROM | libc::FAN_MOVED_TO), want);
     }

@@ -1,0 +1,504 @@
+//! Provenance: which process created a plugin socket and which one serves it.
+//!
+//! Any process that can write into the registration directory can create a socket that answers
+//! GetInfo with another driver's name; kubelet hands it to the CSI manager all the same. The kernel
+//! knows who did what, so every socket carries two [`Process`]es:
+//!
+//! ```text
+//! creator  the process that bound it (or made it, or moved it in), as the event source recorded
+//!          it at the time: eBPF records pid, uid, gid, command and cgroup id in the kernel;
+//!          fanotify gives the pid, the rest is read from /proc while the process lives;
+//!          inotify and the walks know nobody
+//! server   the process that listen()ed on it: SO_PEERCRED on the registration connection (pid,
+//!          uid, gid; every source), the rest from /proc
+//! ```
+//!
+//! Each process's cgroup v2 path comes with what it says about Kubernetes (pod UID, container ID:
+//! [`kubernetes`]), read from the path alone. A creator that exited before it could be looked up
+//! keeps what the kernel recorded. Nothing here talks to an API server or blocks for long: one or
+//! two small `/proc` reads per process, and cgroup paths are interned, so the thousand plugins of one
+//! pod share one.
+//!
+//! This room imports nothing: the event sources, the watcher, the executor, state and the policy
+//! all speak its types.
+
+pub mod kubernetes;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// What an event source recorded about the process that made a change, when it made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Actor {
+    /// Thread-group id in the agent's pid namespace (eBPF: the initial one); 0 when not known.
+    pub pid: u32,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// The command name (`task_struct.comm`, 15 bytes at most).
+    pub comm: Option<Comm>,
+    /// The cgroup v2 id (the cgroup directory's inode number).
+    pub cgroup_id: Option<u64>,
+}
+
+/// A command name as the kernel keeps it: NUL-padded, at most 15 bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Comm(pub [u8; 16]);
+
+impl Comm {
+    pub fn as_string(&self) -> String {
+        let len = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
+        String::from_utf8_lossy(&self.0[..len]).into_owned()
+    }
+}
+
+impl fmt::Debug for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_string())
+    }
+}
+
+/// A process, as far as it could be known.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Process {
+    /// In the agent's pid namespace; `None` when outside it or not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// The command name (`/proc/PID/comm`, or the kernel's record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Box<str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<Arc<Cgroup>>,
+}
+
+impl Process {
+    /// The cgroup path, for messages and globs.
+    pub fn cgroup_path(&self) -> Option<&str> {
+        self.cgroup.as_deref().map(|c| &*c.path)
+    }
+
+    /// Whether `self` and `other` are known to be in the same cgroup (by id where both have one,
+    /// else by path).
+    pub fn same_cgroup(&self, other: &Process) -> bool {
+        match (self.cgroup.as_deref(), other.cgroup.as_deref()) {
+            (Some(a), Some(b)) => match (a.id, b.id) {
+                (Some(x), Some(y)) => x == y,
+                _ => a.path == b.path,
+            },
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Process {
+    /// `pid 42 (csi-driver) uid 0 cgroup /kubepods.slice/...`: what a log line or a refusal says.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut sep = "";
+        if let Some(pid) = self.pid {
+            write!(f, "pid {pid}")?;
+            sep = " ";
+        }
+        if let Some(command) = &self.command {
+            write!(f, "{sep}({command})")?;
+            sep = " ";
+        }
+        if let Some(uid) = self.uid {
+            write!(f, "{sep}uid {uid}")?;
+            sep = " ";
+        }
+        if let Some(path) = self.cgroup_path() {
+            write!(f, "{sep}cgroup {path}")?;
+            sep = " ";
+        }
+        if sep.is_empty() {
+            f.write_str("an unknown process")?;
+        }
+        Ok(())
+    }
+}
+
+/// A cgroup v2 and what its path says about Kubernetes.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Cgroup {
+    /// The path below the cgroup v2 root, as `/proc/PID/cgroup` shows it.
+    pub path: Box<str>,
+    /// Its id (the directory's inode number); `None` when it could not be looked up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<Box<str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<Box<str>>,
+}
+
+/// Who created a socket: known, or why not.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Creator {
+    Known(Arc<Process>),
+    /// The event source reports no process (inotify).
+    NotReported,
+    /// A walk found the socket, not an event (at start, after a loss, or before the agent ran).
+    #[default]
+    FoundByWalk,
+}
+
+impl Creator {
+    pub fn process(&self) -> Option<&Process> {
+        match self {
+            Creator::Known(process) => Some(process),
+            _ => None,
+        }
+    }
+
+    /// Why the creator is not known, for the places that show it.
+    pub fn unknown_because(&self) -> Option<&'static str> {
+        match self {
+            Creator::Known(_) => None,
+            Creator::NotReported => Some("the event source does not report processes (inotify)"),
+            Creator::FoundByWalk => Some("found by a walk of the directory, not an event"),
+        }
+    }
+}
+
+/// Both ends of one socket: who created it and who serves it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Provenance {
+    pub creator: Creator,
+    /// Learned from the registration connection; `None` until one was made (observe mode with
+    /// contact off, a restored registration before its first connect).
+    pub server: Option<Arc<Process>>,
+}
+
+impl Provenance {
+    /// Whether the creator is known to be another process than the server (a socket bound by
+    /// one process and served by another: a hand-off, or an impostor serving a socket it did not
+    /// make). Unknown either side: `false`.
+    pub fn creator_is_not_server(&self) -> bool {
+        match (self.creator.process(), self.server.as_deref()) {
+            (Some(creator), Some(server)) => match (creator.pid, server.pid) {
+                (Some(a), Some(b)) => a != b,
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+/// Turns pids and kernel records into [`Process`]es; shared by the watcher and the executor.
+/// Cgroups are interned by path and by id, so looking one up twice costs a hash lookup.
+#[derive(Debug)]
+pub struct Resolver {
+    proc_root: PathBuf,
+    /// Where cgroup v2 is mounted (`None`: no cgroup v2 here; paths come from /proc alone).
+    cgroup_root: Option<PathBuf>,
+    cgroups: Mutex<Interned>,
+    /// Read nothing (see [`Self::kernel_only`]).
+    kernel_only: bool,
+}
+
+#[derive(Debug, Default)]
+struct Interned {
+    by_path: HashMap<Box<str>, Arc<Cgroup>>,
+    by_id: HashMap<u64, Arc<Cgroup>>,
+}
+
+/// Interned cgroups kept at most; past it the table starts again (a node has a few thousand).
+const MAX_INTERNED: usize = 65_536;
+
+impl Default for Resolver {
+    fn default() -> Self {
+        Resolver::new(Path::new("/proc"), cgroup2_mount())
+    }
+}
+
+impl Resolver {
+    pub fn new(proc_root: &Path, cgroup_root: Option<PathBuf>) -> Resolver {
+        Resolver {
+            proc_root: proc_root.to_path_buf(),
+            cgroup_root,
+            cgroups: Mutex::new(Interned::default()),
+            kernel_only: false,
+        }
+    }
+
+    /// A resolver that reads nothing: processes are what the kernel reported (credentials,
+    /// and with eBPF the command), cgroups unknown (`--provenance false`).
+    pub fn kernel_only() -> Resolver {
+        Resolver {
+            kernel_only: true,
+            ..Resolver::new(Path::new("/proc"), None)
+        }
+    }
+
+    /// The process `pid` as `/proc` shows it now, with the credentials the caller already knows
+    /// (`SO_PEERCRED`'s) taking precedence; a process gone or outside the pid namespace keeps
+    /// only those.
+    pub fn process(&self, pid: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Process {
+        let mut process = Process {
+            pid,
+            uid,
+            gid,
+            ..Process::default()
+        };
+        let Some(pid) = pid.filter(|_| !self.kernel_only) else {
+            return process;
+        };
+        let dir = self.proc_root.join(pid.to_string());
+        process.command = read_small(&dir.join("comm")).map(|c| c.trim_end().into());
+        if uid.is_none() || gid.is_none() {
+            let status = read_small(&dir.join("status")).unwrap_or_default();
+            process.uid = uid.or_else(|| status_id(&status, "Uid:"));
+            process.gid = gid.or_else(|| status_id(&status, "Gid:"));
+        }
+        process.cgroup = read_small(&dir.join("cgroup"))
+            .and_then(|text| unified_path(&text).map(str::to_owned))
+            .map(|path| self.cgroup_by_path(&path));
+        process
+    }
+
+    /// What the kernel recorded about `actor`, completed from `/proc` only where the record
+    /// lacks it and the process still lives (fanotify records only the pid).
+    pub fn actor(&self, actor: &Actor) -> Process {
+        let pid = (actor.pid != 0).then_some(actor.pid);
+        let recorded_by_kernel = actor.comm.is_some() || actor.cgroup_id.is_some();
+        if !recorded_by_kernel {
+            return self.process(pid, actor.uid, actor.gid);
+        }
+        let cgroup = actor
+            .cgroup_id
+            .filter(|_| !self.kernel_only)
+            .and_then(|id| self.cgroup_by_id(id, pid));
+        Process {
+            pid,
+            uid: actor.uid,
+            gid: actor.gid,
+            command: actor.comm.map(|c| c.as_string().into()),
+            cgroup,
+        }
+    }
+
+    /// The interned cgroup at `path`, its id from the directory's inode where cgroup v2 is here.
+    fn cgroup_by_path(&self, path: &str) -> Arc<Cgroup> {
+        if let Some(found) = self.interned().by_path.get(path) {
+            return found.clone();
+        }
+        let id = self
+            .cgroup_root
+            .as_ref()
+            .and_then(|root| std::fs::metadata(root.join(path.trim_start_matches('/'))).ok())
+            .map(|meta| meta.ino());
+        self.intern(path, id)
+    }
+
+    /// The cgroup with id `id`: interned, or the one `/proc/PID/cgroup` names when its id
+    /// matches, or found by walking the cgroup v2 tree (a creator that exited, in a cgroup not
+    /// seen before).
+    fn cgroup_by_id(&self, id: u64, pid: Option<u32>) -> Option<Arc<Cgroup>> {
+        if let Some(found) = self.interned().by_id.get(&id) {
+            return Some(found.clone());
+        }
+        if let Some(pid) = pid {
+            let text = read_small(&self.proc_root.join(pid.to_string()).join("cgroup"));
+            if let Some(path) = text.as_deref().and_then(unified_path) {
+                let cgroup = self.cgroup_by_path(path);
+                if cgroup.id == Some(id) {
+                    return Some(cgroup);
+                }
+            }
+        }
+        let root = self.cgroup_root.as_ref()?;
+        let path = find_cgroup(root, id)?;
+        Some(self.intern(&path, Some(id)))
+    }
+
+    fn intern(&self, path: &str, id: Option<u64>) -> Arc<Cgroup> {
+        let pod = kubernetes::parse(path);
+        let cgroup = Arc::new(Cgroup {
+            path: path.into(),
+            id,
+            pod_uid: pod.pod_uid,
+            container_id: pod.container_id,
+        });
+        let mut interned = self.interned();
+        if interned.by_path.len() >= MAX_INTERNED {
+            *interned = Interned::default();
+        }
+        interned.by_path.insert(path.into(), cgroup.clone());
+        if let Some(id) = id {
+            interned.by_id.insert(id, cgroup.clone());
+        }
+        cgroup
+    }
+
+    fn interned(&self) -> std::sync::MutexGuard<'_, Interned> {
+        self.cgroups.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A `/proc` file of a few hundred bytes; `None` when the process is gone or it is unreadable.
+fn read_small(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path).ok()
+}
+
+/// The real id on a `Uid:`/`Gid:` line of `/proc/PID/status`.
+fn status_id(status: &str, key: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(key))
+        .and_then(|ids| ids.split_whitespace().next())
+        .and_then(|id| id.parse().ok())
+}
+
+/// The cgroup v2 line (`0::/path`) of `/proc/PID/cgroup`.
+fn unified_path(text: &str) -> Option<&str> {
+    text.lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .map(str::trim_end)
+}
+
+/// Where cgroup v2 is mounted in the agent's mount namespace (`/sys/fs/cgroup` on a unified
+/// host, `/sys/fs/cgroup/unified` on a hybrid one), from `/proc/self/mountinfo`.
+pub fn cgroup2_mount() -> Option<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mountinfo.lines().find_map(|line| {
+        let (fields, rest) = line.split_once(" - ")?;
+        let fstype = rest.split_whitespace().next()?;
+        let root = fields.split_whitespace().nth(3)?;
+        let mount_point = fields.split_whitespace().nth(4)?;
+        (fstype == "cgroup2" && root == "/").then(|| PathBuf::from(mount_point))
+    })
+}
+
+/// Directories visited at most when looking for a cgroup by id.
+const MAX_WALK: usize = 100_000;
+
+/// The path (below `root`, with a leading `/`) of the cgroup directory whose inode is `id`.
+fn find_cgroup(root: &Path, id: u64) -> Option<String> {
+    if std::fs::metadata(root).ok()?.ino() == id {
+        return Some("/".to_string());
+    }
+    let mut stack = vec![root.to_path_buf()];
+    let mut visited = 0;
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if !kind.is_dir() {
+                continue;
+            }
+            visited += 1;
+            if visited > MAX_WALK {
+                return None;
+            }
+            let path = entry.path();
+            if entry.metadata().is_ok_and(|m| m.ino() == id) {
+                let below = path.strip_prefix(root).ok()?;
+                return Some(format!("/{}", below.display()));
+            }
+            stack.push(path);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_process_is_read_from_proc_with_the_given_credentials_first() {
+        let resolver = Resolver::default();
+        let me = std::process::id();
+        let found = resolver.process(Some(me), None, Some(4242));
+        assert_eq!(found.pid, Some(me));
+        assert_eq!(found.uid, Some(nix::unistd::getuid().as_raw()));
+        assert_eq!(found.gid, Some(4242), "the caller's gid wins over /proc");
+        let comm = std::fs::read_to_string("/proc/self/comm").expect("comm");
+        assert_eq!(found.command.as_deref(), Some(comm.trim_end()));
+        let own = std::fs::read_to_string("/proc/self/cgroup").expect("cgroup");
+        assert_eq!(found.cgroup_path(), unified_path(&own));
+    }
+
+    #[test]
+    fn a_gone_process_keeps_what_was_given_and_what_the_kernel_recorded() {
+        let resolver = Resolver::new(Path::new("/nonexistent-proc"), None);
+        let found = resolver.process(Some(7), Some(1000), None);
+        assert_eq!(
+            found,
+            Process {
+                pid: Some(7),
+                uid: Some(1000),
+                ..Process::default()
+            }
+        );
+        let mut comm = [0; 16];
+        comm[..6].copy_from_slice(b"driver");
+        let recorded = resolver.actor(&Actor {
+            pid: 7,
+            uid: Some(0),
+            gid: Some(0),
+            comm: Some(Comm(comm)),
+            cgroup_id: Some(99),
+        });
+        assert_eq!(recorded.command.as_deref(), Some("driver"));
+        assert_eq!(recorded.uid, Some(0));
+        assert_eq!(recorded.cgroup, None, "no cgroup v2 to look id 99 up in");
+    }
+
+    #[test]
+    fn a_cgroup_is_found_by_id_in_a_tree_and_interned() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let pod = "kubepods/besteffort/pod5c1d8a3e-2f4b-4c6d-9e8f-0a1b2c3d4e5f";
+        std::fs::create_dir_all(root.path().join(pod)).expect("mkdir");
+        let id = std::fs::metadata(root.path().join(pod))
+            .expect("stat")
+            .ino();
+        let resolver = Resolver::new(Path::new("/nonexistent-proc"), Some(root.path().into()));
+        let actor = Actor {
+            pid: 7,
+            cgroup_id: Some(id),
+            ..Actor::default()
+        };
+        let found = resolver.actor(&actor).cgroup.expect("found by walking");
+        assert_eq!(&*found.path, format!("/{pod}"));
+        assert_eq!(
+            found.pod_uid.as_deref(),
+            Some("5c1d8a3e-2f4b-4c6d-9e8f-0a1b2c3d4e5f")
+        );
+        std::fs::remove_dir_all(root.path().join("kubepods")).expect("rm");
+        let again = resolver.actor(&actor).cgroup.expect("interned");
+        assert!(Arc::ptr_eq(&found, &again));
+    }
+
+    #[test]
+    fn status_and_cgroup_files_are_parsed() {
+        let status = "Name:\tx\nUid:\t1000\t1000\t1000\t1000\nGid:\t20\t20\t20\t20\n";
+        assert_eq!(status_id(status, "Uid:"), Some(1000));
+        assert_eq!(status_id(status, "Gid:"), Some(20));
+        assert_eq!(status_id("", "Uid:"), None);
+        assert_eq!(unified_path("4:memory:/x\n0::/a/b\n"), Some("/a/b"));
+        assert_eq!(unified_path("4:memory:/x\n"), None);
+    }
+
+    #[test]
+    fn display_says_what_is_known() {
+        let process = Process {
+            pid: Some(42),
+            uid: Some(0),
+            command: Some("driver".into()),
+            ..Process::default()
+        };
+        assert_eq!(process.to_string(), "pid 42 (driver) uid 0");
+        assert_eq!(Process::default().to_string(), "an unknown process");
+    }
+}
