@@ -585,6 +585,57 @@ mod tests {
     }
 
     #[test]
+    fn who_created_and_who_served_a_socket_survive_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let cgroup = Arc::new(crate::provenance::Cgroup {
+            path: "/kubepods/pod5c1d8a3e-2f4b-4c6d-9e8f-0a1b2c3d4e5f/x".into(),
+            id: Some(42),
+            pod_uid: Some("5c1d8a3e-2f4b-4c6d-9e8f-0a1b2c3d4e5f".into()),
+            container_id: None,
+        });
+        let process = |pid| Process {
+            pid: Some(pid),
+            uid: Some(0),
+            gid: Some(0),
+            command: Some("driver".into()),
+            cgroup: Some(cgroup.clone()),
+        };
+        let provenance = Provenance {
+            creator: Creator::Known(Arc::new(process(7))),
+            server: Some(Arc::new(process(8))),
+        };
+        let path = PathBuf::from("/plugins/a.sock");
+        let entry = ActualState::default().add(
+            path.clone(),
+            Uuid::new_v4(),
+            socket(10),
+            plugin("/plugins/a.sock", "a"),
+            Arc::new(AcceptAll),
+            provenance.clone(),
+        );
+        journal.registered(&path, &entry);
+        drop(journal);
+        let restored = reopen(&snapshot);
+        assert_eq!(restored.len(), 1);
+        assert_eq!(restored[0].provenance, provenance);
+        let (desired, actual, handlers) =
+            (DesiredState::default(), ActualState::default(), registry());
+        Restore {
+            desired: &desired,
+            actual: &actual,
+            handlers: &handlers,
+            observing: false,
+        }
+        .apply(restored);
+        assert_eq!(
+            desired.get(&path).map(|d| d.creator),
+            Some(provenance.creator.clone())
+        );
+        assert_eq!(actual.get(&path).map(|r| r.provenance), Some(provenance));
+    }
+
+    #[test]
     fn a_registration_not_finished_is_not_restored_and_a_deregistration_not_finished_is() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (journal, snapshot) = journal(dir.path());

@@ -528,6 +528,56 @@ async fn binds_into_the_watched_directory_are_reported_and_nothing_else() {
     );
 }
 
+/// Every record names its caller as the kernel saw it at the call, for the socket's provenance:
+/// the process (tgid), its uid and gid, the calling thread's name (libtest runs the helper on a
+/// thread named after its test: `comm` is that name's first 15 bytes), and its cgroup v2 id (the
+/// helper's cgroup directory's inode: the test's own cgroup, which the helper inherits).
+#[tokio::test]
+async fn a_bind_names_its_caller_as_the_kernel_recorded_it() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("caller", EbpfOptions::default(), 1024);
+    let socket = f.in_watched("made.sock");
+    let mut helper = Command::new(std::env::current_exe().expect("test executable"))
+        .args(["--exact", "helper_process_performs_actions", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(SCRIPT_ENV, Action::Bind(socket.clone()).encode())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn helper process");
+    let helper_pid = helper.id();
+    assert!(helper.wait().expect("wait").success(), "helper failed");
+    let by = loop {
+        let event = tokio::time::timeout(STEP_TIMEOUT, f.events.recv())
+            .await
+            .expect("the bind is reported")
+            .expect("source closed its channel");
+        if let FsEvent::Created { path, observed } = event
+            && path == socket
+        {
+            break observed.by.expect("an eBPF record names its caller");
+        }
+    };
+    assert_eq!(by.pid, helper_pid);
+    assert_eq!(by.uid, Some(nix::unistd::getuid().as_raw()));
+    assert_eq!(by.gid, Some(nix::unistd::getgid().as_raw()));
+    assert_eq!(
+        by.comm.map(|c| c.as_string()).as_deref(),
+        Some(&"helper_process_performs_actions"[..15])
+    );
+    let own = std::fs::read_to_string("/proc/self/cgroup").expect("own cgroup");
+    let own = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .expect("a cgroup v2 line");
+    let root = plugin_agent::provenance::cgroup2_mount().expect("cgroup v2 is mounted");
+    let dir = root.join(own.trim_start_matches('/'));
+    use std::os::unix::fs::MetadataExt;
+    let id = std::fs::metadata(&dir).expect("stat own cgroup").ino();
+    assert_eq!(by.cgroup_id, Some(id), "the cgroup of {}", dir.display());
+}
+
 #[tokio::test]
 async fn removals_are_exact_from_the_directory_and_by_name_from_anywhere_else() {
     if !can_run() {

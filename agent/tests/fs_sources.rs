@@ -111,7 +111,12 @@ fn made_by(event: FsEvent, helper: u32) -> FsEvent {
     match event {
         FsEvent::Created { path, observed } => {
             if let Some(by) = observed.by {
-                assert_eq!(by.pid, helper, "{} was created by the helper", path.display());
+                assert_eq!(
+                    by.pid,
+                    helper,
+                    "{} was created by the helper",
+                    path.display()
+                );
             }
             FsEvent::Created {
                 path,

@@ -27,6 +27,8 @@ mkdir -p /mnt/dev/shm
 mount -t tmpfs tmpfs /mnt/dev/shm
 mount -t bpf bpf /mnt/sys/fs/bpf
 mount -t tracefs tracefs /mnt/sys/kernel/tracing
+# cgroup v2, as on a node: the eBPF records name their caller's cgroup by its directory's inode.
+mount -t cgroup2 cgroup2 /mnt/sys/fs/cgroup || echo "vm-test: cannot mount cgroup2"
 script=$(sed -n 's/.* vmtest=\([^ ]*\).*/\1/p' /proc/cmdline)
 mount -t securityfs securityfs /mnt/sys/kernel/security
 echo "vm-test: kernel $(uname -r), $(nproc) CPUs, LSMs $(cat /mnt/sys/kernel/security/lsm), running $script"

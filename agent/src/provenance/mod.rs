@@ -37,7 +37,8 @@ pub struct Actor {
     pub pid: u32,
     pub uid: Option<u32>,
     pub gid: Option<u32>,
-    /// The command name (`task_struct.comm`, 15 bytes at most).
+    /// The calling thread's name (`task_struct.comm`, 15 bytes at most): the process's command
+    /// unless the thread was named (see [`Resolver::actor`]).
     pub comm: Option<Comm>,
     /// The cgroup v2 id (the cgroup directory's inode number).
     pub cgroup_id: Option<u64>,
@@ -250,7 +251,7 @@ impl Resolver {
             return process;
         };
         let dir = self.proc_root.join(pid.to_string());
-        process.command = read_small(&dir.join("comm")).map(|c| c.trim_end().into());
+        process.command = self.live_command(Some(pid));
         if uid.is_none() || gid.is_none() {
             let status = read_small(&dir.join("status")).unwrap_or_default();
             process.uid = uid.or_else(|| status_id(&status, "Uid:"));
@@ -262,8 +263,9 @@ impl Resolver {
         process
     }
 
-    /// What the kernel recorded about `actor`, completed from `/proc` only where the record
-    /// lacks it and the process still lives (fanotify records only the pid).
+    /// What the kernel recorded about `actor`, completed from `/proc` where the record lacks it
+    /// and the process still lives (fanotify records only the pid); the command is the process's
+    /// from `/proc` while it lives, else the thread name the kernel recorded.
     pub fn actor(&self, actor: &Actor) -> Process {
         let pid = (actor.pid != 0).then_some(actor.pid);
         let recorded_by_kernel = actor.comm.is_some() || actor.cgroup_id.is_some();
@@ -274,13 +276,24 @@ impl Resolver {
             .cgroup_id
             .filter(|_| !self.kernel_only)
             .and_then(|id| self.cgroup_by_id(id, pid));
+        // The kernel names the calling thread (a Go or tokio plugin's threads have their own
+        // names); the process's command is its main thread's, while it lives.
+        let command = self
+            .live_command(pid)
+            .or_else(|| actor.comm.map(|c| c.as_string().into()));
         Process {
             pid,
             uid: actor.uid,
             gid: actor.gid,
-            command: actor.comm.map(|c| c.as_string().into()),
+            command,
             cgroup,
         }
+    }
+
+    /// `/proc/PID/comm`: the process's (main thread's) command name, while it lives.
+    fn live_command(&self, pid: Option<u32>) -> Option<Box<str>> {
+        let pid = pid.filter(|_| !self.kernel_only)?;
+        read_small(&self.proc_root.join(pid.to_string()).join("comm")).map(|c| c.trim_end().into())
     }
 
     /// The interned cgroup at `path`, its id from the directory's inode where cgroup v2 is here.

@@ -281,4 +281,59 @@ mod tests {
             .expect("desired");
         assert_eq!(view.status(path, now).state, PluginState::Pending);
     }
+
+    #[test]
+    fn a_rejected_socket_is_deregistering_while_registered_then_rejected_until_the_policy_changes()
+    {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let desired = view.desired.get(path).expect("desired");
+        let plugin = Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: "a".into(),
+            endpoint: String::new(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: path.display().to_string(),
+        };
+        let server = Arc::new(crate::provenance::Process {
+            uid: Some(1000),
+            ..crate::provenance::Process::default()
+        });
+        let entry = view.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin.clone(),
+            Arc::new(AcceptAll),
+            Provenance {
+                server: Some(server.clone()),
+                ..Provenance::default()
+            },
+        );
+        let now = Instant::now();
+        let refusal = crate::policy::Refusal {
+            rule: "root-only".into(),
+            reason: "uid 1000 not in allow_uids [0]".into(),
+            server: Some(server.clone()),
+        };
+        let kind = FailureKind::Rejected {
+            refusal: Arc::new(refusal),
+            plugin: Arc::new(plugin),
+        };
+        view.backoff.hold(path, socket(), "refused".into(), kind);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
+        view.actual.remove(path, entry.generation);
+        let status = view.status(path, now + Duration::from_secs(10 * 365 * 24 * 3600));
+        assert_eq!(status.state, PluginState::Rejected);
+        assert_eq!(
+            status.provenance().and_then(|p| p.server),
+            Some(server),
+            "a refused socket shows the server the policy saw"
+        );
+        assert_eq!(view.backoff.release_rejected(), vec![path.to_path_buf()]);
+        assert_eq!(view.status(path, now).state, PluginState::Pending);
+    }
 }
