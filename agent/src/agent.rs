@@ -355,8 +355,7 @@ impl Stages {
             notifications.clone(),
             telemetry.clone(),
         )
-        .with_liveness(executor.liveness())
-        .with_provenance(provenance.clone());
+        .with_liveness(executor.liveness());
         let reconciler = Reconciler::new(
             desired.clone(),
             actual.clone(),

@@ -80,6 +80,20 @@ impl Server {
     pub fn watchable(&self) -> bool {
         self.pidfd.is_some()
     }
+
+    /// The process's identity for as long as the machine runs: its pidfd's inode on pidfs
+    /// (Linux 6.9+: one inode per process, never reused). `None` on older kernels (pidfds are
+    /// anonymous inodes there, all alike) or without a pidfd.
+    pub fn identity(&self) -> Option<u64> {
+        /// `PID_FS_MAGIC`.
+        const PIDFS_MAGIC: i64 = 0x5049_4446;
+        let pidfd = self.pidfd.as_ref()?;
+        let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
+        if fs.filesystem_type().0 as i64 != PIDFS_MAGIC {
+            return None;
+        }
+        nix::sys::stat::fstat(pidfd).ok().map(|stat| stat.st_ino)
+    }
 }
 
 impl std::fmt::Display for Server {

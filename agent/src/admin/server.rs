@@ -6,7 +6,7 @@ use super::MAX_MESSAGE_BYTES;
 use crate::agent::{PolicyReloader, RunningAgent};
 use crate::handler::{self, HandlerRegistry, Plugin};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::provenance::{Process, Provenance};
+use crate::provenance::{Actor, Creator, Process, Provenance};
 use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
@@ -190,8 +190,13 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
 
 /// The wire form of a socket's provenance.
 pub fn provenance_to_api(provenance: &Provenance) -> api::Provenance {
+    let creator = match &provenance.creator {
+        Creator::Known(process) => Some(process_to_api(process)),
+        Creator::Recorded(actor) => Some(actor_to_api(actor)),
+        Creator::NotReported | Creator::FoundByWalk => None,
+    };
     api::Provenance {
-        creator: provenance.creator.process().map(process_to_api),
+        creator,
         creator_unknown: provenance
             .creator
             .unknown_because()
@@ -199,6 +204,18 @@ pub fn provenance_to_api(provenance: &Provenance) -> api::Provenance {
             .to_string(),
         server: provenance.server.as_deref().map(process_to_api),
         creator_is_not_server: provenance.creator_is_not_server(),
+    }
+}
+
+/// A creator as the event source recorded it, before the registration completed it.
+fn actor_to_api(actor: &Actor) -> api::Process {
+    api::Process {
+        pid: actor.pid,
+        uid: actor.uid,
+        gid: actor.gid,
+        command: actor.comm.map(|c| c.as_string()).unwrap_or_default(),
+        cgroup_id: actor.cgroup_id.unwrap_or_default(),
+        ..api::Process::default()
     }
 }
 

@@ -193,7 +193,7 @@ impl RunArgs {
         admin_socket: Option<PathBuf>,
     ) -> anyhow::Result<RunSettings> {
         let executor = self.executor_config(&file);
-        let flag_rule = self.flag_rule();
+        let policy = self.policy_source(self.flag_rule())?;
         let plugin_dir = self
             .plugin_dir
             .or(file.plugin_dir)
@@ -274,20 +274,25 @@ impl RunArgs {
         agent.reregister_on_restart =
             self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
         agent.provenance = self.provenance.or(file.provenance).unwrap_or(true);
-        agent.policy = PolicySource {
-            // Absolute: a reload reads it again whatever the directory is then.
+        agent.policy = policy;
+        Ok(RunSettings {
+            agent,
+            handlers,
+            admin_socket,
+            keep_capabilities: self.keep_capabilities,
+        })
+    }
+
+    /// Where the policy is read from, at start and on every reload: the configuration file
+    /// (absolute, so a reload finds it whatever the directory is then), then `flag_rule`.
+    fn policy_source(&self, flag_rule: Option<RuleFile>) -> anyhow::Result<PolicySource> {
+        Ok(PolicySource {
             file: self
                 .config
                 .as_deref()
                 .map(std::path::absolute)
                 .transpose()?,
             flag_rule,
-        };
-        Ok(RunSettings {
-            agent,
-            handlers,
-            admin_socket,
-            keep_capabilities: self.keep_capabilities,
         })
     }
 

@@ -13,12 +13,14 @@
 //! ```
 
 use super::OperationExecutor;
+use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::notifications::{AgentEvent, EventKind};
 use crate::policy::{Policy, Refusal, Subject};
-use crate::provenance::{Process, Provenance, Resolver};
+use crate::provenance::{Creator, Process, Provenance, Resolver};
 use crate::state::SocketId;
 use crate::state::backoff::FailureKind;
+use crate::state::desired::DesiredPlugin;
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use tracing::{info, warn};
@@ -28,6 +30,14 @@ use tracing::{info, warn};
 pub(super) struct Admission {
     provenance: RwLock<Arc<Resolver>>,
     policy: RwLock<Arc<Policy>>,
+}
+
+/// A plugin the policy refused, with what it said it is and who made and serves its socket.
+#[derive(Debug)]
+pub(super) struct Rejection {
+    pub(super) refusal: Refusal,
+    pub(super) plugin: Plugin,
+    pub(super) provenance: Provenance,
 }
 
 /// What a policy reload changed.
@@ -56,10 +66,24 @@ impl OperationExecutor {
     /// The process serving a connection, completed from `/proc`.
     pub(super) fn server_process(&self, server: Option<&Server>) -> Option<Arc<Process>> {
         let server = server?;
-        let process = self
-            .resolver()
-            .process(server.pid, Some(server.uid), Some(server.gid));
-        Some(Arc::new(process))
+        let resolver = self.resolver();
+        Some(resolver.server(server.identity(), server.pid, server.uid, server.gid))
+    }
+
+    /// `desired`'s provenance once its server is known: a recorded creator completed (from the
+    /// server when it is the same process).
+    pub(super) fn provenance_of(
+        &self,
+        desired: &DesiredPlugin,
+        server: Option<Arc<Process>>,
+    ) -> Provenance {
+        let creator = match &desired.creator {
+            Creator::Recorded(actor) => {
+                Creator::Known(self.resolver().creator(actor, server.as_ref()))
+            }
+            known_or_not => known_or_not.clone(),
+        };
+        Provenance { creator, server }
     }
 
     /// The policy's verdict on a described plugin.
@@ -78,15 +102,33 @@ impl OperationExecutor {
         })
     }
 
-    /// The policy refuses the plugin at `path`: held until the socket or the policy changes.
-    pub(super) fn record_rejected(
+    /// The provenance of the socket `desired` whose plugin a connection to `server` described
+    /// (put on the operation's span), and whether the policy lets the plugin register.
+    pub(super) fn admit_described(
         &self,
-        path: &Path,
-        socket: SocketId,
-        plugin: crate::handler::Plugin,
-        provenance: Provenance,
-        refusal: Refusal,
-    ) {
+        desired: &DesiredPlugin,
+        server: Option<&Server>,
+        plugin: &Plugin,
+    ) -> Result<Provenance, Box<Rejection>> {
+        let provenance = self.provenance_of(desired, self.server_process(server));
+        super::operation::record_provenance(&tracing::Span::current(), &provenance);
+        match self.admit(&plugin.plugin_type, &plugin.name, &provenance) {
+            Ok(()) => Ok(provenance),
+            Err(refusal) => Err(Box::new(Rejection {
+                refusal,
+                plugin: plugin.clone(),
+                provenance,
+            })),
+        }
+    }
+
+    /// The policy refuses the plugin at `path`: held until the socket or the policy changes.
+    pub(super) fn record_rejected(&self, path: &Path, socket: SocketId, rejected: Rejection) {
+        let Rejection {
+            refusal,
+            plugin,
+            provenance,
+        } = rejected;
         let said = refusal.to_string();
         self.telemetry.metrics.policy_rejection(&refusal.rule);
         warn!(rule = %refusal.rule, reason = %refusal.reason, server = %refusal.server.as_deref().map(ToString::to_string).unwrap_or_default(), "plugin rejected by policy: not registered until its socket or the policy changes");
@@ -127,7 +169,12 @@ impl OperationExecutor {
             );
             if let Err(refusal) = verdict {
                 reload.refused += 1;
-                self.record_rejected(&path, entry.socket, entry.plugin, entry.provenance, refusal);
+                let rejected = Rejection {
+                    refusal,
+                    plugin: entry.plugin,
+                    provenance: entry.provenance,
+                };
+                self.record_rejected(&path, entry.socket, rejected);
                 self.queue.mark(path);
             }
         }

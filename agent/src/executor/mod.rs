@@ -326,15 +326,8 @@ impl OperationExecutor {
                     } else {
                         (EventKind::Registered, "plugin registered")
                     };
-                    let entry = this
-                        .actual
-                        .get(&path)
-                        .filter(|e| e.generation == desired.generation);
                     // Recorded before it is reported: a kill after the report loses nothing.
-                    if let (Some(journal), Some(entry)) = (this.journal.get(), &entry) {
-                        journal.registered(&path, entry);
-                    }
-                    let provenance = entry.map(|e| e.provenance);
+                    let provenance = this.journal_registered(&path, &desired);
                     let (served_by, created_by) = describe(provenance.as_ref());
                     if let Some(server) = server {
                         debug!(%server, "the plugin's server, watched for its exit");
@@ -356,6 +349,23 @@ impl OperationExecutor {
         }
         .instrument(span)
         .await
+    }
+
+    /// A registration of `desired` finished: journalled (if a journal is kept); returns who
+    /// made and serves the socket, for its report.
+    fn journal_registered(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+    ) -> Option<crate::provenance::Provenance> {
+        let entry = self
+            .actual
+            .get(path)
+            .filter(|e| e.generation == desired.generation)?;
+        if let Some(journal) = self.journal.get() {
+            journal.registered(path, &entry);
+        }
+        Some(entry.provenance)
     }
 
     /// Records finished operations in `journal` from now on (see `persist`).
@@ -522,14 +532,8 @@ impl OperationExecutor {
     }
 
     fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) {
-        if let RegisterFailure::Rejected {
-            refusal,
-            plugin,
-            provenance,
-        } = error
-        {
-            self.record_rejected(path, desired.socket, plugin, provenance, refusal);
-            return;
+        if let RegisterFailure::Rejected(rejected) = error {
+            return self.record_rejected(path, desired.socket, *rejected);
         }
         if let RegisterFailure::Plugin(PluginCallError::NotListening { .. }) = &error {
             let since = Instant::now();

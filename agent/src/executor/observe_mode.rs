@@ -2,12 +2,11 @@
 //! one. Scheduling, claims, backoff of a failed GetInfo and telemetry are the register path's.
 
 use super::OperationExecutor;
-use super::operation::{RegisterFailure, plugin_of, record_provenance};
+use super::operation::{RegisterFailure, plugin_of};
 use super::slots::Slot;
 use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::Contact;
-use crate::provenance::Provenance;
 use crate::registration::{OnInvalid, PluginConnection};
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
@@ -52,21 +51,14 @@ impl OperationExecutor {
         let span = tracing::Span::current();
         span.record("plugin_name", plugin.name.as_str());
         span.record("plugin_type", plugin.plugin_type.as_str());
-        let provenance = Provenance {
-            creator: desired.creator.clone(),
-            server: self.server_process(server.as_ref()),
+        // Observing tells nobody anything, so a refusal is only recorded (and shown). Without
+        // contact there is no server and no name to judge: what is known is shown.
+        let provenance = match contact {
+            Contact::GetInfo => self
+                .admit_described(desired, server.as_ref(), &plugin)
+                .map_err(RegisterFailure::Rejected)?,
+            Contact::Never => self.provenance_of(desired, None),
         };
-        record_provenance(&span, &provenance);
-        // Observing tells nobody anything, so a refusal is only recorded (and shown).
-        if contact == Contact::GetInfo
-            && let Err(refusal) = self.admit(&plugin.plugin_type, &plugin.name, &provenance)
-        {
-            return Err(RegisterFailure::Rejected {
-                refusal,
-                plugin,
-                provenance,
-            });
-        }
         self.actual.add_observed(
             desired.path.clone(),
             desired.generation,

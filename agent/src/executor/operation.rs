@@ -3,11 +3,11 @@
 //! an operation may run) is the room's `mod.rs`; recording outcomes is `observe.rs`.
 
 use super::OperationExecutor;
+use super::admission::Rejection;
 use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
 use crate::liveness::Server;
 use crate::notifications::{AgentEvent, EventKind};
-use crate::policy::Refusal;
 use crate::provenance::Provenance;
 use crate::registration::{OnInvalid, PluginCallError, PluginConnection};
 use crate::state::actual::RegisteredPlugin;
@@ -30,12 +30,8 @@ pub(super) enum RegisterFailure {
     #[error("the agent is shutting down")]
     ShuttingDown,
     /// The policy refuses the plugin (see `policy`).
-    #[error("{refusal}")]
-    Rejected {
-        refusal: Refusal,
-        plugin: Plugin,
-        provenance: Provenance,
-    },
+    #[error("{}", .0.refusal)]
+    Rejected(Box<Rejection>),
     #[error("{message}")]
     Handler {
         message: String,
@@ -60,7 +56,7 @@ impl RegisterFailure {
             RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
             RegisterFailure::NoHandler { .. } => "no_handler",
             RegisterFailure::ShuttingDown => "shutting_down",
-            RegisterFailure::Rejected { .. } => "rejected_by_policy",
+            RegisterFailure::Rejected(_) => "rejected_by_policy",
             RegisterFailure::Handler { outcome, .. } => outcome,
         }
     }
@@ -141,19 +137,17 @@ impl OperationExecutor {
         span.record("plugin_name", plugin.name.as_str());
         span.record("plugin_type", plugin.plugin_type.as_str());
         debug!(plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, "GetInfo answered");
-        let provenance = Provenance {
-            creator: desired.creator.clone(),
-            server: self.server_process(connection.server()),
+        let provenance = match self.admit_described(desired, connection.server(), &plugin) {
+            Ok(provenance) => provenance,
+            Err(rejected) => {
+                Box::pin(notify_failure(
+                    &mut connection,
+                    &rejected.refusal.to_string(),
+                ))
+                .await;
+                return Err(RegisterFailure::Rejected(rejected));
+            }
         };
-        record_provenance(&span, &provenance);
-        if let Err(refusal) = self.admit(&plugin.plugin_type, &plugin.name, &provenance) {
-            Box::pin(notify_failure(&mut connection, &refusal.to_string())).await;
-            return Err(RegisterFailure::Rejected {
-                refusal,
-                plugin,
-                provenance,
-            });
-        }
 
         let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
             let error = RegisterFailure::NoHandler {

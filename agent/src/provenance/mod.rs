@@ -142,6 +142,10 @@ pub struct Cgroup {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Creator {
     Known(Arc<Process>),
+    /// What the event source recorded, not yet completed from `/proc` (the watcher reads
+    /// nothing; the executor completes it at registration, from the server when it is the same
+    /// process).
+    Recorded(Actor),
     /// The event source reports no process (inotify).
     NotReported,
     /// A walk found the socket, not an event (at start, after a loss, or before the agent ran).
@@ -157,10 +161,19 @@ impl Creator {
         }
     }
 
+    /// The creator's pid, when known.
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            Creator::Known(process) => process.pid,
+            Creator::Recorded(actor) => (actor.pid != 0).then_some(actor.pid),
+            _ => None,
+        }
+    }
+
     /// Why the creator is not known, for the places that show it.
     pub fn unknown_because(&self) -> Option<&'static str> {
         match self {
-            Creator::Known(_) => None,
+            Creator::Known(_) | Creator::Recorded(_) => None,
             Creator::NotReported => Some("the event source does not report processes (inotify)"),
             Creator::FoundByWalk => Some("found by a walk of the directory, not an event"),
         }
@@ -181,11 +194,11 @@ impl Provenance {
     /// one process and served by another: a hand-off, or an impostor serving a socket it did not
     /// make). Unknown either side: `false`.
     pub fn creator_is_not_server(&self) -> bool {
-        match (self.creator.process(), self.server.as_deref()) {
-            (Some(creator), Some(server)) => match (creator.pid, server.pid) {
-                (Some(a), Some(b)) => a != b,
-                _ => false,
-            },
+        match (
+            self.creator.pid(),
+            self.server.as_deref().and_then(|s| s.pid),
+        ) {
+            (Some(creator), Some(server)) => creator != server,
             _ => false,
         }
     }
@@ -199,9 +212,15 @@ pub struct Resolver {
     /// Where cgroup v2 is mounted (`None`: no cgroup v2 here; paths come from /proc alone).
     cgroup_root: Option<PathBuf>,
     cgroups: Mutex<Interned>,
+    /// Servers by process identity (see [`Self::server`]), with when they were read.
+    servers: Mutex<HashMap<u64, (std::time::Instant, Arc<Process>)>>,
     /// Read nothing (see [`Self::kernel_only`]).
     kernel_only: bool,
 }
+
+/// How long what `/proc` said of a server stands for its next socket: long enough for a burst
+/// of one process's sockets, short enough that a process moved to another cgroup is seen anew.
+const SERVER_TTL: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug, Default)]
 struct Interned {
@@ -224,6 +243,7 @@ impl Resolver {
             proc_root: proc_root.to_path_buf(),
             cgroup_root,
             cgroups: Mutex::new(Interned::default()),
+            servers: Mutex::new(HashMap::new()),
             kernel_only: false,
         }
     }
@@ -263,9 +283,29 @@ impl Resolver {
         process
     }
 
+    /// The creator `actor` recorded, completed: from `server` when it is the same process (the
+    /// usual case: a plugin binds the socket it serves; nothing is read), else from `/proc`
+    /// where the record lacks it and the process still lives (fanotify records only the pid).
+    /// The command is the process's (its main thread's): the kernel names the calling thread,
+    /// and a Go or tokio plugin's threads have names of their own; once the process is gone,
+    /// the thread name the kernel recorded.
+    pub fn creator(&self, actor: &Actor, server: Option<&Arc<Process>>) -> Arc<Process> {
+        let pid = (actor.pid != 0).then_some(actor.pid);
+        if let Some(server) = server.filter(|s| pid.is_some() && s.pid == pid) {
+            let same_cgroup = match (actor.cgroup_id, server.cgroup.as_deref()) {
+                (None, _) => true,
+                (Some(id), Some(cgroup)) => cgroup.id == Some(id),
+                (Some(_), None) => false,
+            };
+            if same_cgroup && actor.uid.is_none_or(|uid| server.uid == Some(uid)) {
+                return server.clone();
+            }
+        }
+        Arc::new(self.actor(actor))
+    }
+
     /// What the kernel recorded about `actor`, completed from `/proc` where the record lacks it
-    /// and the process still lives (fanotify records only the pid); the command is the process's
-    /// from `/proc` while it lives, else the thread name the kernel recorded.
+    /// and the process still lives (see [`Self::creator`]).
     pub fn actor(&self, actor: &Actor) -> Process {
         let pid = (actor.pid != 0).then_some(actor.pid);
         let recorded_by_kernel = actor.comm.is_some() || actor.cgroup_id.is_some();
@@ -276,8 +316,6 @@ impl Resolver {
             .cgroup_id
             .filter(|_| !self.kernel_only)
             .and_then(|id| self.cgroup_by_id(id, pid));
-        // The kernel names the calling thread (a Go or tokio plugin's threads have their own
-        // names); the process's command is its main thread's, while it lives.
         let command = self
             .live_command(pid)
             .or_else(|| actor.comm.map(|c| c.as_string().into()));
@@ -288,6 +326,43 @@ impl Resolver {
             command,
             cgroup,
         }
+    }
+
+    /// The process `pid` serving a connection whose pidfd is the pidfs inode `identity` (unique
+    /// per process for as long as the machine runs, so never another process's): looked up once
+    /// per second per process, so a process serving many sockets costs two `/proc` reads, not
+    /// two per socket. Without an identity (no pidfs: Linux before 6.9), read every time.
+    pub fn server(
+        &self,
+        identity: Option<u64>,
+        pid: Option<u32>,
+        uid: u32,
+        gid: u32,
+    ) -> Arc<Process> {
+        let now = std::time::Instant::now();
+        if let Some(key) = identity
+            && let Some((at, process)) = self.servers().get(&key)
+            && now.duration_since(*at) < SERVER_TTL
+            && process.uid == Some(uid)
+            && process.gid == Some(gid)
+        {
+            return process.clone();
+        }
+        let process = Arc::new(self.process(pid, Some(uid), Some(gid)));
+        if let Some(key) = identity {
+            let mut servers = self.servers();
+            if servers.len() >= MAX_INTERNED {
+                servers.retain(|_, (at, _)| now.duration_since(*at) < SERVER_TTL);
+            }
+            servers.insert(key, (now, process.clone()));
+        }
+        process
+    }
+
+    fn servers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, (std::time::Instant, Arc<Process>)>> {
+        self.servers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// `/proc/PID/comm`: the process's (main thread's) command name, while it lives.
@@ -513,5 +588,71 @@ mod tests {
         };
         assert_eq!(process.to_string(), "pid 42 (driver) uid 0");
         assert_eq!(Process::default().to_string(), "an unknown process");
+    }
+
+    #[test]
+    fn a_creator_that_is_the_server_is_the_server_and_another_is_read_on_its_own() {
+        let resolver = Resolver::new(Path::new("/nonexistent-proc"), None);
+        let server = Arc::new(Process {
+            pid: Some(42),
+            uid: Some(0),
+            gid: Some(0),
+            command: Some("driver".into()),
+            cgroup: None,
+        });
+        let fanotify = Actor {
+            pid: 42,
+            ..Actor::default()
+        };
+        assert!(Arc::ptr_eq(
+            &resolver.creator(&fanotify, Some(&server)),
+            &server
+        ));
+        let launcher = Actor {
+            pid: 41,
+            uid: Some(0),
+            comm: Some(Comm(*b"launcher\0\0\0\0\0\0\0\0")),
+            ..Actor::default()
+        };
+        let other = resolver.creator(&launcher, Some(&server));
+        assert_eq!(other.pid, Some(41));
+        assert_eq!(
+            other.command.as_deref(),
+            Some("launcher"),
+            "gone: the kernel's record"
+        );
+        let elsewhere = Actor {
+            pid: 42,
+            cgroup_id: Some(7),
+            ..Actor::default()
+        };
+        assert!(
+            !Arc::ptr_eq(&resolver.creator(&elsewhere, Some(&server)), &server),
+            "the same pid in another cgroup than the server's is not taken on trust"
+        );
+    }
+
+    #[test]
+    fn a_server_is_read_once_per_identity_and_again_for_other_credentials() {
+        let resolver = Resolver::default();
+        let me = std::process::id();
+        let (uid, gid) = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
+        let first = resolver.server(Some(9), Some(me), uid, gid);
+        assert!(Arc::ptr_eq(
+            &first,
+            &resolver.server(Some(9), Some(me), uid, gid)
+        ));
+        assert!(!Arc::ptr_eq(
+            &first,
+            &resolver.server(Some(9), Some(me), uid + 1, gid)
+        ));
+        assert!(!Arc::ptr_eq(
+            &first,
+            &resolver.server(None, Some(me), uid, gid)
+        ));
+        assert_eq!(first.pid, Some(me));
     }
 }

@@ -5,7 +5,7 @@
 //! "a socket re-created at the same path" that must be registered again.
 
 use super::SocketId;
-use crate::provenance::{Creator, Process};
+use crate::provenance::{Actor, Creator};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -78,7 +78,7 @@ impl DesiredState {
         socket: SocketId,
         kernel_ns: Option<u64>,
         by_event: bool,
-        creator: Option<Arc<Process>>,
+        creator: Option<Actor>,
     ) -> Result<Change, DesiredStateError> {
         if path.as_os_str().is_empty() {
             return Err(DesiredStateError::EmptyPath);
@@ -86,8 +86,8 @@ impl DesiredState {
         let mut plugins = self.lock();
         let (change, path) = match plugins.get_mut(path) {
             Some(existing) if existing.socket == socket => {
-                if let (Some(creator), None) = (creator, existing.creator.process()) {
-                    existing.creator = Creator::Known(creator);
+                if let (Some(creator), None) = (creator, existing.creator.pid()) {
+                    existing.creator = Creator::Recorded(creator);
                 }
                 return Ok(Change::Unchanged);
             }
@@ -95,7 +95,7 @@ impl DesiredState {
             None => (Change::Added, Arc::from(path)),
         };
         let creator = match creator {
-            Some(process) => Creator::Known(process),
+            Some(actor) => Creator::Recorded(actor),
             None if by_event => Creator::NotReported,
             None => Creator::FoundByWalk,
         };

@@ -28,7 +28,6 @@ use crate::event_source::{
     EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
 };
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::provenance::Resolver;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
@@ -76,8 +75,6 @@ pub struct Watcher {
     names_observed: Observed,
     /// Where the source's hints about who serves a socket go (`FsEvent::Serving`).
     liveness: Option<Arc<crate::liveness::Liveness>>,
-    /// Turns the source's record of who made a socket into its creator.
-    provenance: Arc<Resolver>,
 }
 
 impl Watcher {
@@ -108,14 +105,7 @@ impl Watcher {
             telemetry,
             names_observed: Observed::default(),
             liveness: None,
-            provenance: Arc::default(),
         }
-    }
-
-    /// Shares the agent's provenance resolver (and so its interned cgroups).
-    pub fn with_provenance(mut self, provenance: Arc<Resolver>) -> Self {
-        self.provenance = provenance;
-        self
     }
 
     /// Hands the source's serving hints (a socket's `listen`, its listener's `close`) to
@@ -272,13 +262,12 @@ impl Watcher {
                 }
             }
         }
-        let creator = observed.by.map(|by| Arc::new(self.provenance.actor(&by)));
         match self.desired.add_observed(
             path,
             socket,
             observed.kernel_ns,
             via == Via::Event,
-            creator,
+            observed.by,
         ) {
             Ok(Change::Unchanged) => {}
             Ok(change) => {
