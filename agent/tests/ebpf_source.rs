@@ -276,21 +276,30 @@ fn helper_process_performs_actions() {
 
 /// Runs `actions` in a helper process, waits for it to finish successfully, returns its stdout.
 fn run_helper(actions: &[Action]) -> String {
+    run_helper_with_pid(actions).1
+}
+
+/// [`run_helper`], also returning the helper's pid (the caller every record should name).
+fn run_helper_with_pid(actions: &[Action]) -> (u32, String) {
     let script: Vec<String> = actions.iter().map(Action::encode).collect();
     let exe = std::env::current_exe().expect("test executable");
-    let output = Command::new(exe)
+    let helper = Command::new(exe)
         .args(["--exact", "helper_process_performs_actions", "--nocapture"])
         .args(["--test-threads", "1"])
         .env(SCRIPT_ENV, script.join("\n"))
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("spawn helper process");
+    let pid = helper.id();
+    let output = helper.wait_with_output().expect("wait for the helper");
     assert!(
         output.status.success(),
         "helper failed: {}\n{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    (pid, String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
 /// An event without its timestamp, for comparing lists.
@@ -539,15 +548,7 @@ async fn a_bind_names_its_caller_as_the_kernel_recorded_it() {
     }
     let mut f = Fixture::open("caller", EbpfOptions::default(), 1024);
     let socket = f.in_watched("made.sock");
-    let mut helper = Command::new(std::env::current_exe().expect("test executable"))
-        .args(["--exact", "helper_process_performs_actions", "--nocapture"])
-        .args(["--test-threads", "1"])
-        .env(SCRIPT_ENV, Action::Bind(socket.clone()).encode())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn helper process");
-    let helper_pid = helper.id();
-    assert!(helper.wait().expect("wait").success(), "helper failed");
+    let (helper_pid, _) = run_helper_with_pid(&[Action::Bind(socket.clone())]);
     let by = loop {
         let event = tokio::time::timeout(STEP_TIMEOUT, f.events.recv())
             .await

@@ -439,6 +439,14 @@ async fn traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_ste
             "{step} under register"
         );
     }
+    // The server by OpenTelemetry's semantic conventions; inotify names no creator, and says so.
+    let pid = plugin.pid().expect("the plugin runs").to_string();
+    let own_uid = nix::unistd::getuid().as_raw().to_string();
+    let own_cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("its cgroup");
+    let own_cgroup = own_cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_default();
     for (key, value) in [
         ("socket_path", socket_text.as_str()),
         ("plugin_name", "traced.example.com"),
@@ -446,6 +454,14 @@ async fn traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_ste
         ("event_source", "inotify"),
         ("attempt", "1"),
         ("outcome", "success"),
+        ("process.pid", pid.as_str()),
+        ("process.executable.name", "example-plugin"),
+        ("process.user.id", own_uid.as_str()),
+        ("process.linux.cgroup", own_cgroup),
+        (
+            "plugin_agent.creator.unknown",
+            "the event source does not report processes (inotify)",
+        ),
     ] {
         assert_eq!(
             attribute(register, key).as_deref(),

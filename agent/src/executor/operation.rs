@@ -385,17 +385,8 @@ async fn notify_failure(connection: &mut PluginConnection, reason: &str) {
 /// `plugin_agent.creator.*`.
 pub(super) fn record_provenance(span: &tracing::Span, provenance: &Provenance) {
     if let Some(server) = provenance.server.as_deref() {
-        if let Some(pid) = server.pid {
-            span.record("process.pid", i64::from(pid));
-        }
-        if let Some(command) = &server.command {
-            span.record("process.executable.name", &**command);
-        }
-        if let Some(uid) = server.uid {
-            span.record("process.user.id", i64::from(uid));
-        }
+        record_process(span, &SERVER_KEYS, server);
         if let Some(cgroup) = server.cgroup.as_deref() {
-            span.record("process.linux.cgroup", &*cgroup.path);
             if let Some(id) = &cgroup.container_id {
                 span.record("container.id", &**id);
             }
@@ -405,23 +396,47 @@ pub(super) fn record_provenance(span: &tracing::Span, provenance: &Provenance) {
         }
     }
     match provenance.creator.process() {
-        Some(creator) => {
-            if let Some(pid) = creator.pid {
-                span.record("plugin_agent.creator.pid", i64::from(pid));
-            }
-            if let Some(command) = &creator.command {
-                span.record("plugin_agent.creator.executable.name", &**command);
-            }
-            if let Some(uid) = creator.uid {
-                span.record("plugin_agent.creator.user.id", i64::from(uid));
-            }
-            if let Some(path) = creator.cgroup_path() {
-                span.record("plugin_agent.creator.linux.cgroup", path);
-            }
-        }
+        Some(creator) => record_process(span, &CREATOR_KEYS, creator),
         None => {
             let why = provenance.creator.unknown_because().unwrap_or_default();
             span.record("plugin_agent.creator.unknown", why);
         }
+    }
+}
+
+/// The span fields one process is recorded under.
+struct ProcessKeys {
+    pid: &'static str,
+    command: &'static str,
+    uid: &'static str,
+    cgroup: &'static str,
+}
+
+const SERVER_KEYS: ProcessKeys = ProcessKeys {
+    pid: "process.pid",
+    command: "process.executable.name",
+    uid: "process.user.id",
+    cgroup: "process.linux.cgroup",
+};
+
+const CREATOR_KEYS: ProcessKeys = ProcessKeys {
+    pid: "plugin_agent.creator.pid",
+    command: "plugin_agent.creator.executable.name",
+    uid: "plugin_agent.creator.user.id",
+    cgroup: "plugin_agent.creator.linux.cgroup",
+};
+
+fn record_process(span: &tracing::Span, keys: &ProcessKeys, process: &crate::provenance::Process) {
+    if let Some(pid) = process.pid {
+        span.record(keys.pid, i64::from(pid));
+    }
+    if let Some(command) = &process.command {
+        span.record(keys.command, &**command);
+    }
+    if let Some(uid) = process.uid {
+        span.record(keys.uid, i64::from(uid));
+    }
+    if let Some(path) = process.cgroup_path() {
+        span.record(keys.cgroup, path);
     }
 }
