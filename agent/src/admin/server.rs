@@ -143,7 +143,9 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         PluginState::Rejected => api::PluginState::Rejected,
     };
     let refusal = status.backoff.as_ref().and_then(|b| match &b.kind {
-        FailureKind::Rejected { refusal, plugin } => Some((refusal, plugin)),
+        FailureKind::Rejected {
+            refusal, plugin, ..
+        } => Some((refusal, plugin)),
         _ => None,
     });
     let (desired, registered, backoff) = (&status.desired, &status.registered, &status.backoff);

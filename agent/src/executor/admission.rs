@@ -52,8 +52,8 @@ pub struct PolicyReload {
 }
 
 impl OperationExecutor {
-    /// Uses `provenance` (shared with the watcher, so cgroups are interned once) and `policy`;
-    /// set before the first operation.
+    /// Uses `provenance` (the agent's resolver: interned cgroups, servers read once per second
+    /// per process) and `policy`; set before the first operation.
     pub fn with_admission(&self, provenance: Arc<Resolver>, policy: Policy) {
         *write(&self.admission.provenance) = provenance;
         *write(&self.admission.policy) = Arc::new(policy);
@@ -135,6 +135,7 @@ impl OperationExecutor {
         let kind = FailureKind::Rejected {
             refusal: Arc::new(refusal),
             plugin: Arc::new(plugin.clone()),
+            provenance: provenance.clone(),
         };
         self.backoff.hold(path, socket, said.clone(), kind);
         if let Some(timer) = self.lock_retry_timers().remove(path) {

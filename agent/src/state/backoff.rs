@@ -11,6 +11,7 @@
 use super::SocketId;
 use crate::handler::Plugin;
 use crate::policy::Refusal;
+use crate::provenance::Provenance;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -46,10 +47,12 @@ pub enum FailureKind {
     /// The policy refuses the plugin (see `policy`): like an unserved socket, not retried
     /// until the socket changes, or the policy does.
     Rejected {
-        /// What refused it, and the server it saw.
+        /// What refused it.
         refusal: Arc<Refusal>,
         /// What the plugin said it is.
         plugin: Arc<Plugin>,
+        /// Who made and serves the socket, as the policy saw them.
+        provenance: Provenance,
     },
     /// Anything else.
     Other,

@@ -89,14 +89,15 @@ impl PluginStatus {
         if let Some(registered) = &self.registered {
             return Some(registered.provenance.clone());
         }
+        if let Some(FailureKind::Rejected { provenance, .. }) =
+            self.backoff.as_ref().map(|b| &b.kind)
+        {
+            return Some(provenance.clone());
+        }
         let desired = self.desired.as_ref()?;
-        let server = self.backoff.as_ref().and_then(|b| match &b.kind {
-            FailureKind::Rejected { refusal, .. } => refusal.server.clone(),
-            _ => None,
-        });
         Some(Provenance {
             creator: desired.creator.clone(),
-            server,
+            server: None,
         })
     }
 }
@@ -322,6 +323,10 @@ mod tests {
         let kind = FailureKind::Rejected {
             refusal: Arc::new(refusal),
             plugin: Arc::new(plugin),
+            provenance: Provenance {
+                server: Some(server.clone()),
+                ..Provenance::default()
+            },
         };
         view.backoff.hold(path, socket(), "refused".into(), kind);
         assert_eq!(view.status(path, now).state, PluginState::Deregistering);
