@@ -204,7 +204,8 @@ impl Provenance {
     }
 }
 
-/// Turns pids and kernel records into [`Process`]es; shared by the watcher and the executor.
+/// Turns pids and kernel records into [`Process`]es, at registration (the executor's; the
+/// watcher only keeps the record).
 /// Cgroups are interned by path and by id, so looking one up twice costs a hash lookup.
 #[derive(Debug)]
 pub struct Resolver {
