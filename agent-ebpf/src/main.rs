@@ -289,6 +289,15 @@ mod programs {
     /// `batch_ns` after every drain that found work, which bounds its latency. An idle agent gets
     /// no wake-ups at all.
     fn wake_flags() -> u64 {
+        wake_flags_when(false)
+    }
+
+    /// A `listen` is the moment a plugin can be registered, and rare (a socket bound and unlinked
+    /// again, the churn of a storm, never listens): it wakes the reader at once unless it was
+    /// woken `batch_ns / 16` ago or less, however much is queued, so a plugin started in a flood
+    /// of other records waits a fraction of the batch delay (its bind rides along with it), and
+    /// a burst of listens still wakes the reader at most 16 times per batch delay.
+    fn wake_flags_when(serving: bool) -> u64 {
         let now = now_ns();
         let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
             return 0;
@@ -298,7 +307,7 @@ mod programs {
         // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
         let elapsed = now.wrapping_sub(unsafe { *last });
         let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
-        let caught_up = queued <= RECORD_BYTES && elapsed >= batch_ns / 16;
+        let caught_up = (serving || queued <= RECORD_BYTES) && elapsed >= batch_ns / 16;
         if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
             // SAFETY: as above.
             unsafe { *last = now };
@@ -432,7 +441,7 @@ mod programs {
             (*event).parent = parent;
             core::ptr::copy_nonoverlapping(key, addr_of_mut!((*event).name), 1);
         }
-        entry.submit(wake_flags());
+        entry.submit(wake_flags_when(what == kind::LISTEN));
         Some(())
     }
 

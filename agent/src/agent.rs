@@ -162,7 +162,7 @@ impl RunningAgent {
         let journal = config
             .state_file
             .as_ref()
-            .map(|file| carry_on(&config, file, &stages, &handlers));
+            .map(|file| carry_on(&config, file, &stages, &handlers, ready.clone()));
         let (reconciler, watcher) = (stages.reconciler, stages.watcher);
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
@@ -245,6 +245,7 @@ fn carry_on(
     file: &std::path::Path,
     stages: &Stages,
     handlers: &HandlerRegistry,
+    mut walked: watch::Receiver<bool>,
 ) -> Arc<crate::persist::Journal> {
     if config.reregister_on_restart {
         info!(state_file = %file.display(), "--reregister-on-restart: registering every plugin found again");
@@ -269,8 +270,16 @@ fn carry_on(
     }
     let journal = Arc::new(journal);
     stages.executor.keep_journal(journal.clone());
-    // Restored registrations have no registration connection to learn their servers from.
-    stages.executor.watch_restored();
+    // Restored registrations have no registration connection to learn their servers from: one
+    // connect each learns them, after the first walk. Before it, those connects (and the
+    // plugins' accepts) would compete with the walk that decides what changed while no agent
+    // ran. A server that exits before its connect is found by that connect (refused).
+    let executor = stages.executor.clone();
+    tokio::spawn(async move {
+        if walked.wait_for(|walked| *walked).await.is_ok() {
+            executor.watch_restored();
+        }
+    });
     journal
 }
 

@@ -22,7 +22,9 @@
 //! appended to the journal with a single `write(2)`, before the operation reports itself done: a
 //! SIGKILL right after loses nothing (the page cache has it). The journal is folded into the
 //! snapshot, written whole to a temporary file and renamed over the old one, every 1,024 lines (or
-//! the number of plugins, if more), at start and at exit. Anything unreadable (corrupt, another
+//! the number of plugins, if more), and at exit. A start that read both files whole rewrites
+//! nothing (what it did not restore is appended as removed); after a torn or unreadable file it
+//! writes them afresh. Anything unreadable (corrupt, another
 //! format, another tree) is a warning and today's behaviour: everything found is registered again;
 //! a torn last journal line (a kill mid-write) is skipped.
 
@@ -140,6 +142,10 @@ pub struct Journal {
 
 struct Inner {
     entries: HashMap<String, Entry>,
+    /// What the files say, by path (the generation), when they were read whole: the snapshot
+    /// parsed and every journal line with it. Then the start needs no compaction: what was not
+    /// restored is appended as removed. None: compact at start.
+    on_disk: Option<OnDisk>,
     /// Open for appending; none after a failure to open or write (the next compaction retries).
     log: Option<std::fs::File>,
     lines: usize,
@@ -158,6 +164,7 @@ impl Journal {
             root: root.display().to_string(),
             inner: Mutex::new(Inner {
                 entries: HashMap::new(),
+                on_disk: None,
                 log: None,
                 lines: 0,
                 failing: false,
@@ -166,7 +173,9 @@ impl Journal {
         let entries = if ignore {
             Vec::new()
         } else {
-            journal.read(root)
+            let (entries, on_disk) = journal.read(root);
+            journal.lock().on_disk = on_disk;
+            entries
         };
         let restored = entries
             .iter()
@@ -181,37 +190,46 @@ impl Journal {
         (journal, restored)
     }
 
-    fn read(&self, root: &Path) -> Vec<Entry> {
+    fn read(&self, root: &Path) -> (Vec<Entry>, Option<OnDisk>) {
         let bytes = match std::fs::read(&self.snapshot) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 tracing::info!(state_file = %self.snapshot.display(), "no state file: registering every plugin found");
-                return Vec::new();
+                return (Vec::new(), None);
             }
             Err(e) => {
                 tracing::warn!(state_file = %self.snapshot.display(), error = %e, "cannot read the state file: registering every plugin found");
-                return Vec::new();
+                return (Vec::new(), None);
             }
         };
         let mut entries: HashMap<String, Entry> = match parse(&bytes, root) {
             Ok(entries) => entries.into_iter().map(|e| (e.path.clone(), e)).collect(),
             Err(e) => {
                 tracing::warn!(state_file = %self.snapshot.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
-                return Vec::new();
+                return (Vec::new(), None);
             }
         };
-        let torn = replay(
-            &std::fs::read(&self.journal).unwrap_or_default(),
-            &mut entries,
-        );
-        if torn > 0 {
-            tracing::warn!(journal = %self.journal.display(), lines = torn, "skipped unreadable journal lines (a kill mid-write?): their plugins are registered again");
+        let log = std::fs::read(&self.journal).unwrap_or_default();
+        let replayed = replay(&log, &mut entries);
+        if replayed.torn > 0 {
+            tracing::warn!(journal = %self.journal.display(), lines = replayed.torn, "skipped unreadable journal lines (a kill mid-write?): their plugins are registered again");
         }
-        entries.into_values().collect()
+        // A torn line, or a last line without its newline, would run into the next one appended.
+        let whole = replayed.torn == 0 && log.last().is_none_or(|b| *b == b'\n');
+        let on_disk = whole.then(|| OnDisk {
+            generations: entries
+                .values()
+                .map(|e| (e.path.clone(), e.generation.clone()))
+                .collect(),
+            lines: replayed.lines,
+        });
+        (entries.into_values().collect(), on_disk)
     }
 
-    /// Starts from exactly what was restored (entries of a changed handler are dropped), as a
-    /// fresh snapshot and an empty journal.
+    /// Starts from exactly what was restored (entries of a changed handler are dropped). When the
+    /// files were read whole, what was not restored is appended to the journal as removed (a
+    /// few lines, not a rewrite of every plugin on the start's path); otherwise they are written
+    /// afresh: a snapshot and an empty journal.
     pub fn restored(&self, actual: &ActualState) {
         let mut inner = self.lock();
         inner.entries = actual
@@ -220,7 +238,34 @@ impl Journal {
             .filter_map(|(path, entry)| Entry::of(path, entry))
             .map(|e| (e.path.clone(), e))
             .collect();
-        self.compact(&mut inner);
+        let Some(on_disk) = inner.on_disk.take() else {
+            self.compact(&mut inner);
+            return;
+        };
+        match std::fs::OpenOptions::new().append(true).open(&self.journal) {
+            Ok(log) => {
+                inner.log = Some(log);
+                inner.lines = on_disk.lines;
+            }
+            Err(_) => {
+                self.compact(&mut inner);
+                return;
+            }
+        }
+        let dropped: Vec<Op> = on_disk
+            .generations
+            .into_iter()
+            .filter(|(path, generation)| {
+                inner
+                    .entries
+                    .get(path)
+                    .is_none_or(|e| e.generation != *generation)
+            })
+            .map(|(path, generation)| Op::Remove { path, generation })
+            .collect();
+        for op in &dropped {
+            self.append(&mut inner, op);
+        }
     }
 
     /// A registration of `path` finished: recorded before it reports itself done.
@@ -328,9 +373,22 @@ impl Journal {
     }
 }
 
-/// Applies journal lines to `entries`; returns how many could not be read.
-fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> usize {
-    let mut torn = 0;
+/// What the files held when they were read whole (see [`Inner::on_disk`]).
+struct OnDisk {
+    generations: HashMap<String, String>,
+    /// Journal lines already written (they count towards the next compaction).
+    lines: usize,
+}
+
+/// How many journal lines were applied, and how many could not be read.
+struct Replayed {
+    lines: usize,
+    torn: usize,
+}
+
+/// Applies journal lines to `entries`.
+fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> Replayed {
+    let mut replayed = Replayed { lines: 0, torn: 0 };
     for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
         match serde_json::from_slice::<Op>(line) {
             Ok(Op::Add(entry)) => {
@@ -344,10 +402,14 @@ fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> usize {
                     entries.remove(&path);
                 }
             }
-            Err(_) => torn += 1,
+            Err(_) => {
+                replayed.torn += 1;
+                continue;
+            }
         }
+        replayed.lines += 1;
     }
-    torn
+    replayed
 }
 
 fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry>> {
@@ -703,6 +765,104 @@ mod tests {
         log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
             .expect("torn");
         assert_eq!(reopen(&snapshot).len(), 1);
+    }
+
+    /// Restores what `snapshot` holds with the CSI handler, as a start does; returns the journal
+    /// the start carries on with and the restored plugins' names.
+    fn start(snapshot: &Path) -> (Journal, ActualState, Vec<String>) {
+        let (journal, entries) = Journal::open(snapshot, Path::new("/plugins"), false);
+        let (desired, actual) = (DesiredState::default(), ActualState::default());
+        Restore {
+            desired: &desired,
+            actual: &actual,
+            handlers: &registry(),
+            observing: false,
+        }
+        .apply(entries);
+        journal.restored(&actual);
+        let mut names: Vec<String> = actual
+            .snapshot()
+            .into_iter()
+            .map(|(_, e)| e.plugin.name)
+            .collect();
+        names.sort();
+        (journal, actual, names)
+    }
+
+    #[test]
+    fn a_start_that_read_the_files_whole_rewrites_nothing_and_appends_what_it_dropped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        register(&actual, &journal, "a", 10);
+        journal.flush();
+        register(&actual, &journal, "b", 11);
+        // A plugin whose type has no handler at the next start: not restored.
+        let path = PathBuf::from("/plugins/dra.sock");
+        let mut dra = plugin("/plugins/dra.sock", "dra");
+        dra.plugin_type = "DRAPlugin".into();
+        let entry = actual.add(
+            path.clone(),
+            Uuid::new_v4(),
+            socket(12),
+            dra,
+            Arc::new(AcceptAll),
+            Provenance::default(),
+        );
+        journal.registered(&path, &entry);
+        drop(journal);
+        let before = std::fs::read(&snapshot).expect("snapshot");
+        let journal_lines = |snapshot: &Path| -> Vec<String> {
+            std::fs::read_to_string(snapshot.with_extension("journal"))
+                .expect("journal")
+                .lines()
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(journal_lines(&snapshot).len(), 2);
+
+        let (journal, actual, names) = start(&snapshot);
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(
+            std::fs::read(&snapshot).expect("snapshot"),
+            before,
+            "not rewritten"
+        );
+        let lines = journal_lines(&snapshot);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(
+            lines[2].starts_with("{\"remove\":{\"path\":\"/plugins/dra.sock\""),
+            "{lines:?}"
+        );
+        // What finishes next is appended after it, and the one after reads them all.
+        register(&actual, &journal, "c", 13);
+        drop(journal);
+        assert_eq!(start(&snapshot).2, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_start_after_a_torn_journal_line_writes_the_files_afresh() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        register(&ActualState::default(), &journal, "a", 10);
+        drop(journal);
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(snapshot.with_extension("journal"))
+            .expect("journal");
+        log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
+            .expect("torn");
+        let (journal, actual, names) = start(&snapshot);
+        assert_eq!(names, ["a"]);
+        assert_eq!(
+            std::fs::read(snapshot.with_extension("journal")).expect("journal"),
+            b"",
+            "compacted: the torn line is gone"
+        );
+        // Appended after it, the next line would have run into the torn one.
+        register(&actual, &journal, "c", 13);
+        drop(journal);
+        assert_eq!(start(&snapshot).2, ["a", "c"]);
     }
 
     #[test]

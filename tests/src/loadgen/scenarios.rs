@@ -162,7 +162,10 @@ async fn handoff(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
         ctx.progress.set("handoff", n as u64 + 1, p.count);
     }
     tokio::time::sleep(HANDOFF_WATCH).await;
-    // Over: the children go, and their sockets with them.
+    // Over: the children go, and their sockets with them. Every plugin stops serving at the
+    // first kill (an agent that sees a child's exit at once deregisters its plugin before the
+    // loop has reached the last kill, and that is not early).
+    let stopped_ns = now_ns();
     for pid in children.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
     }
@@ -170,7 +173,7 @@ async fn handoff(p: &Params, ctx: &mut Ctx<'_>) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(socket);
         ctx.ledger.report(crate::plugins::Report::Stopped {
             id: *id,
-            at_ns: now_ns(),
+            at_ns: stopped_ns,
         });
     }
     Ok(())
