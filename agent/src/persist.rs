@@ -607,6 +607,16 @@ mod tests {
         entry
     }
 
+    /// Leaves half a line at the journal's end, as a kill in the middle of a write would.
+    fn tear_journal(snapshot: &Path) {
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(snapshot.with_extension("journal"))
+            .expect("journal");
+        log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
+            .expect("torn");
+    }
+
     fn reopen(snapshot: &Path) -> Vec<Restored> {
         Journal::open(snapshot, Path::new("/plugins"), false).1
     }
@@ -758,12 +768,7 @@ mod tests {
         let actual = ActualState::default();
         register(&actual, &journal, "a", 10);
         drop(journal);
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(snapshot.with_extension("journal"))
-            .expect("journal");
-        log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
-            .expect("torn");
+        tear_journal(&snapshot);
         assert_eq!(reopen(&snapshot).len(), 1);
     }
 
@@ -846,12 +851,7 @@ mod tests {
         let (journal, snapshot) = journal(dir.path());
         register(&ActualState::default(), &journal, "a", 10);
         drop(journal);
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(snapshot.with_extension("journal"))
-            .expect("journal");
-        log.write_all(b"{\"add\":{\"path\":\"/plugins/b.so")
-            .expect("torn");
+        tear_journal(&snapshot);
         let (journal, actual, names) = start(&snapshot);
         assert_eq!(names, ["a"]);
         assert_eq!(
