@@ -280,24 +280,21 @@ mod programs {
 
     /// Ring-buffer wake-up policy, called with this record reserved: wake the reader at once when
     /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
-    /// - or it has consumed everything but this record (it is idle or about to be) and was last
-    ///   woken at least `batch_ns / 16` ago (so a steady trickle under load is not held back a whole
-    ///   batch delay, while wake-ups stay at most 16 per batch delay);
+    /// - or it was last woken at least `batch_ns / 16` ago and either it has consumed everything
+    ///   but this record (it is idle or about to be: a steady trickle under load is not held back
+    ///   a whole batch delay) or the record is `prompt`, whatever is queued;
     /// - or `wakeup_bytes` are queued (a burst: drain before the ring fills);
     ///
     /// otherwise let the record ride along with the previous wake-up: the reader drains once more
-    /// `batch_ns` after every drain that found work, which bounds its latency. An idle agent gets
-    /// no wake-ups at all.
-    fn wake_flags() -> u64 {
-        wake_flags_when(false)
-    }
-
-    /// A `listen` is the moment a plugin can be registered, and rare (a socket bound and unlinked
-    /// again, the churn of a storm, never listens): it wakes the reader at once unless it was
-    /// woken `batch_ns / 16` ago or less, however much is queued, so a plugin started in a flood
-    /// of other records waits a fraction of the batch delay (its bind rides along with it), and
-    /// a burst of listens still wakes the reader at most 16 times per batch delay.
-    fn wake_flags_when(serving: bool) -> u64 {
+    /// `batch_ns` after every drain that found work, which bounds its latency. Wake-ups stay at
+    /// most 16 per batch delay, and an idle agent gets none.
+    ///
+    /// Prompt records are those the agent acts on at once and which are rare (a storm's sockets,
+    /// bound and unlinked again, cause none): a `listen` (a plugin can be registered), a
+    /// listener's release (its plugin may have to be deregistered) and the removal of a name the
+    /// agent knows (an entry it has seen, not noise). Behind a flood of other records they wait
+    /// `batch_ns / 16` at most, not a whole batch delay, and what they follow rides along.
+    fn wake_flags_when(prompt: bool) -> u64 {
         let now = now_ns();
         let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
             return 0;
@@ -307,7 +304,7 @@ mod programs {
         // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
         let elapsed = now.wrapping_sub(unsafe { *last });
         let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
-        let caught_up = (serving || queued <= RECORD_BYTES) && elapsed >= batch_ns / 16;
+        let caught_up = (prompt || queued <= RECORD_BYTES) && elapsed >= batch_ns / 16;
         if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
             // SAFETY: as above.
             unsafe { *last = now };
@@ -441,7 +438,9 @@ mod programs {
             (*event).parent = parent;
             core::ptr::copy_nonoverlapping(key, addr_of_mut!((*event).name), 1);
         }
-        entry.submit(wake_flags_when(what == kind::LISTEN));
+        entry.submit(wake_flags_when(
+            what == kind::LISTEN || what == kind::RELEASE,
+        ));
         Some(())
     }
 
@@ -897,6 +896,8 @@ mod programs {
         // SAFETY: `pending` is a live map value of this thread; its name is a whole key.
         let by_name = unsafe { (*pending).scope } == scope::NAME_IF_KNOWN;
         let concerns_tree = !by_name || unsafe { NAMES.get(&(*pending).name) }.is_some();
+        // A known name's removal, or a listener's release (see `wake_flags_when`).
+        let prompt = by_name || unsafe { (*pending).kind } == kind::RELEASE;
         if succeeded && concerns_tree {
             match EVENTS.reserve::<Event>(0) {
                 Some(mut entry) => {
@@ -910,7 +911,7 @@ mod programs {
                             (*event).scope = scope::NAME_ONLY;
                         }
                     }
-                    entry.submit(wake_flags());
+                    entry.submit(wake_flags_when(prompt));
                 }
                 None => count_loss(loss::RING_FULL),
             }
