@@ -142,10 +142,10 @@ pub struct Journal {
 
 struct Inner {
     entries: HashMap<String, Entry>,
-    /// What the files say, by path (the generation), when they were read whole: the snapshot
-    /// parsed and every journal line with it. Then the start needs no compaction: what was not
-    /// restored is appended as removed. None: compact at start.
-    on_disk: Option<OnDisk>,
+    /// Journal lines on disk when both files were read whole (the snapshot parsed, every journal
+    /// line with it): `entries` is then what they say until the start has restored, and what it
+    /// did not restore is appended as removed. None: compact at start.
+    read_whole: Option<usize>,
     /// Open for appending; none after a failure to open or write (the next compaction retries).
     log: Option<std::fs::File>,
     lines: usize,
@@ -164,21 +164,22 @@ impl Journal {
             root: root.display().to_string(),
             inner: Mutex::new(Inner {
                 entries: HashMap::new(),
-                on_disk: None,
+                read_whole: None,
                 log: None,
                 lines: 0,
                 failing: false,
             }),
         };
-        let entries = if ignore {
-            Vec::new()
-        } else {
-            let (entries, on_disk) = journal.read(root);
-            journal.lock().on_disk = on_disk;
-            entries
-        };
-        let restored = entries
-            .iter()
+        if !ignore {
+            let (entries, read_whole) = journal.read(root);
+            let mut inner = journal.lock();
+            inner.entries = entries;
+            inner.read_whole = read_whole;
+        }
+        let restored = journal
+            .lock()
+            .entries
+            .values()
             .filter_map(|entry| match restored(entry.clone(), root) {
                 Ok(restored) => Some(restored),
                 Err(e) => {
@@ -190,23 +191,25 @@ impl Journal {
         (journal, restored)
     }
 
-    fn read(&self, root: &Path) -> (Vec<Entry>, Option<OnDisk>) {
+    /// The entries the files hold, by path, and the journal's line count when both were read
+    /// whole.
+    fn read(&self, root: &Path) -> (HashMap<String, Entry>, Option<usize>) {
         let bytes = match std::fs::read(&self.snapshot) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 tracing::info!(state_file = %self.snapshot.display(), "no state file: registering every plugin found");
-                return (Vec::new(), None);
+                return (HashMap::new(), None);
             }
             Err(e) => {
                 tracing::warn!(state_file = %self.snapshot.display(), error = %e, "cannot read the state file: registering every plugin found");
-                return (Vec::new(), None);
+                return (HashMap::new(), None);
             }
         };
         let mut entries: HashMap<String, Entry> = match parse(&bytes, root) {
             Ok(entries) => entries.into_iter().map(|e| (e.path.clone(), e)).collect(),
             Err(e) => {
                 tracing::warn!(state_file = %self.snapshot.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
-                return (Vec::new(), None);
+                return (HashMap::new(), None);
             }
         };
         let log = std::fs::read(&self.journal).unwrap_or_default();
@@ -216,14 +219,7 @@ impl Journal {
         }
         // A torn line, or a last line without its newline, would run into the next one appended.
         let whole = replayed.torn == 0 && log.last().is_none_or(|b| *b == b'\n');
-        let on_disk = whole.then(|| OnDisk {
-            generations: entries
-                .values()
-                .map(|e| (e.path.clone(), e.generation.clone()))
-                .collect(),
-            lines: replayed.lines,
-        });
-        (entries.into_values().collect(), on_disk)
+        (entries, whole.then_some(replayed.lines))
     }
 
     /// Starts from exactly what was restored (entries of a changed handler are dropped). When the
@@ -232,20 +228,23 @@ impl Journal {
     /// afresh: a snapshot and an empty journal.
     pub fn restored(&self, actual: &ActualState) {
         let mut inner = self.lock();
-        inner.entries = actual
-            .snapshot()
-            .iter()
-            .filter_map(|(path, entry)| Entry::of(path, entry))
-            .map(|e| (e.path.clone(), e))
-            .collect();
-        let Some(on_disk) = inner.on_disk.take() else {
+        let on_disk = std::mem::replace(
+            &mut inner.entries,
+            actual
+                .snapshot()
+                .iter()
+                .filter_map(|(path, entry)| Entry::of(path, entry))
+                .map(|e| (e.path.clone(), e))
+                .collect(),
+        );
+        let Some(lines) = inner.read_whole.take() else {
             self.compact(&mut inner);
             return;
         };
         match std::fs::OpenOptions::new().append(true).open(&self.journal) {
             Ok(log) => {
                 inner.log = Some(log);
-                inner.lines = on_disk.lines;
+                inner.lines = lines;
             }
             Err(_) => {
                 self.compact(&mut inner);
@@ -253,15 +252,17 @@ impl Journal {
             }
         }
         let dropped: Vec<Op> = on_disk
-            .generations
-            .into_iter()
-            .filter(|(path, generation)| {
+            .into_values()
+            .filter(|read| {
                 inner
                     .entries
-                    .get(path)
-                    .is_none_or(|e| e.generation != *generation)
+                    .get(&read.path)
+                    .is_none_or(|e| e.generation != read.generation)
             })
-            .map(|(path, generation)| Op::Remove { path, generation })
+            .map(|read| Op::Remove {
+                path: read.path,
+                generation: read.generation,
+            })
             .collect();
         for op in &dropped {
             self.append(&mut inner, op);
@@ -371,13 +372,6 @@ impl Journal {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
-}
-
-/// What the files held when they were read whole (see [`Inner::on_disk`]).
-struct OnDisk {
-    generations: HashMap<String, String>,
-    /// Journal lines already written (they count towards the next compaction).
-    lines: usize,
 }
 
 /// How many journal lines were applied, and how many could not be read.
