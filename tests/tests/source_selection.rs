@@ -61,6 +61,17 @@ async fn auto_picks_ebpf_where_the_kernel_and_build_allow_it() {
                 && attached.contains("tracepoint syscalls/sys_exit_bind")),
         "{test}: the open line does not say which hooks are attached and why: {attached}"
     );
+    // A policy that refuses fentry (EPERM) refuses the layout child's probe too: the agent then
+    // loads no program of that family (docs/operations.md, "Memory").
+    if attached.contains("(passed over fentry/fexit: ") && attached.contains("EPERM") {
+        assert!(
+            attached.contains(
+                "passed over fentry/fexit: a probe (a trivial fentry program on bpf_fentry_test1) \
+                 refused by the kernel (EPERM"
+            ),
+            "{test}: fentry refused by policy, yet not by the probe: {attached}"
+        );
+    }
     let chosen = log.matching_since(Mark(0), |l| {
         l.message() == "event source chosen automatically"
     });

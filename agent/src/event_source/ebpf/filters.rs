@@ -15,11 +15,12 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_ebpf::{DirKey, NameKey};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, MapData};
+use smallvec::{SmallVec, smallvec};
 use tokio::sync::Notify;
 
 use crate::event_source::WatchedDir;
@@ -41,16 +42,18 @@ use crate::event_source::WatchedDir;
 /// (16,384 map deletions while events waited) and asked for a full rescan: the storm's tail.
 struct Names {
     map: BpfHashMap<MapData, NameKey, u32>,
-    by_name: HashMap<OsString, NameEntry>,
-    by_id: HashMap<u32, OsString>,
+    /// Each name's one allocation is shared by both directions: a burst of 10,000 plugins keeps
+    /// 10,000 names here for as long as their sockets exist.
+    by_name: HashMap<Arc<OsStr>, NameEntry>,
+    by_id: HashMap<u32, Arc<OsStr>>,
     next_id: u32,
 }
 
 /// A name in the table: its id, and the watched directories holding an entry so named (almost
-/// always one; `csi.sock` in every driver's directory is the common exception).
+/// always one, kept inline; `csi.sock` in every driver's directory is the common exception).
 struct NameEntry {
     id: u32,
-    dirs: Vec<DirKey>,
+    dirs: SmallVec<[DirKey; 1]>,
 }
 
 /// The name table is full: the reader clears it and asks for a rescan, which refills it.
@@ -150,14 +153,15 @@ impl Filters {
         // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
         if names.map.insert(key, id, 0).is_ok() {
             names.next_id = id.wrapping_add(1).max(1);
+            let name: Arc<OsStr> = Arc::from(name);
             names.by_name.insert(
-                name.to_os_string(),
+                Arc::clone(&name),
                 NameEntry {
                     id,
-                    dirs: vec![dir],
+                    dirs: smallvec![dir],
                 },
             );
-            names.by_id.insert(id, name.to_os_string());
+            names.by_id.insert(id, name);
             return Ok(true);
         }
         self.names_overflowed.store(true, Ordering::Release);
@@ -193,7 +197,10 @@ impl Filters {
     /// The name the kernel's id `id` stands for (see [`Names`]).
     pub fn name_of(&self, id: u64) -> Option<OsString> {
         let id = u32::try_from(id).ok().filter(|id| *id != 0)?;
-        lock(&self.names).by_id.get(&id).cloned()
+        lock(&self.names)
+            .by_id
+            .get(&id)
+            .map(|name| name.to_os_string())
     }
 
     /// Resolves when `remember_name` found the map full (the reader waits on this).

@@ -138,20 +138,25 @@ pub fn select(
     )
 }
 
+/// What a kernel that refuses fentry/fexit by policy answers, said for operators.
+pub const POLICY_REFUSAL: &str = "EPERM: fentry/fexit disallowed by policy on this node";
+
+/// The errno behind a failed program load, if the kernel gave one.
+pub fn errno(err: &aya::programs::ProgramError) -> Option<i32> {
+    std::error::Error::source(err)
+        .and_then(|cause| cause.downcast_ref::<std::io::Error>())
+        .and_then(std::io::Error::raw_os_error)
+}
+
 /// Says what the kernel's refusal to load a BTF-typed (fentry/fexit) program means.
 pub fn btf_program_error(
     program: &str,
     function: &str,
     err: aya::programs::ProgramError,
 ) -> anyhow::Error {
-    let errno = std::error::Error::source(&err)
-        .and_then(|cause| cause.downcast_ref::<std::io::Error>())
-        .and_then(std::io::Error::raw_os_error);
     let what = format!("{program} on {function}");
-    match errno {
-        Some(libc::EPERM) => anyhow::anyhow!(
-            "{what} refused by the kernel (EPERM: fentry/fexit disallowed by policy on this node)"
-        ),
+    match errno(&err) {
+        Some(libc::EPERM) => anyhow::anyhow!("{what} refused by the kernel ({POLICY_REFUSAL})"),
         _ => anyhow::Error::new(err).context(format!("{what} cannot be loaded")),
     }
 }

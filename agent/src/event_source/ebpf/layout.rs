@@ -9,9 +9,16 @@
 //! tag. If the child cannot run at all (no `/proc`, a seccomp profile without `execve`), the agent
 //! parses in its own process, as before.
 //!
+//! The child also asks the kernel, when the loader chooses the family, whether it loads and
+//! attaches a tracing program at all (aya's probe: a trivial fentry on `bpf_fentry_test1`). Loading
+//! the real fentry programs needs aya's own view of vmlinux's BTF, another 19 MiB for a moment in
+//! the agent; a kernel that refuses fentry by policy (EPERM, as on the build machine) is now
+//! known before that, and the agent goes straight to the tracepoints without the peak. A kernel that
+//! allows the probe still decides with the real programs.
+//!
 //! ```text
-//! agent --spawn /proc/self/exe __plugin-agent-kernel-layout--> child: parse BTF, resolve
-//!       <--stdout: "OK" offsets (vfs-tag vfs-args | vfs-tag error) | "ER" error----------
+//! agent --spawn /proc/self/exe __plugin-agent-kernel-layout [probe-fentry]--> child: parse BTF, resolve, probe
+//!       <--stdout: "OK" offsets (0 | 1 len reason) (vfs-tag vfs-args | vfs-tag error) | "ER" error--
 //! ```
 
 use std::io::Write;
@@ -21,9 +28,14 @@ use agent_ebpf::{KernelOffsets, VfsArgs};
 use anyhow::{Context, bail};
 
 use super::btf::{KernelBtf, resolve_offsets, resolve_vfs_args};
+use super::hooks;
 
 /// The argument `main` recognises before anything else and hands to [`child_main`].
 pub const CHILD_ARG: &str = "__plugin-agent-kernel-layout";
+
+/// The child's second argument when the loader chooses the hook family (`auto`): probe whether
+/// fentry/fexit can be used. (An operator who asks for fentry only gets the real programs' error.)
+const PROBE_FENTRY_ARG: &str = "probe-fentry";
 
 /// What the load needs from the kernel's BTF.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,14 +45,18 @@ pub struct KernelLayout {
     /// Argument positions for the fentry/fexit family, or why they are not the ones the
     /// programs know (the tracepoints are then used).
     pub vfs: Result<VfsArgs, String>,
+    /// Why this kernel loads no fentry/fexit program, when the child's probe found out (`None`:
+    /// not probed, or the probe passed; the real programs decide).
+    pub fentry_refused: Option<String>,
 }
 
 const OK: &[u8; 2] = b"OK";
 const ERROR: &[u8; 2] = b"ER";
 
-/// Resolves the layout of the running kernel, in a child process if one can run.
-pub fn resolve() -> anyhow::Result<KernelLayout> {
-    match in_child() {
+/// Resolves the layout of the running kernel, in a child process if one can run; with
+/// `probe_fentry`, the child also probes whether fentry/fexit programs load here.
+pub fn resolve(probe_fentry: bool) -> anyhow::Result<KernelLayout> {
+    match in_child(probe_fentry) {
         Ok(Answer::Layout(layout)) => Ok(layout),
         Ok(Answer::Error(message)) => bail!("{message}"),
         Err(err) => {
@@ -57,12 +73,40 @@ pub fn in_process() -> anyhow::Result<KernelLayout> {
     // Only the fentry/fexit family needs these; a kernel where they cannot be found still gets
     // the tracepoints.
     let vfs = resolve_vfs_args(&btf).map_err(|err| format!("{err:#}"));
-    Ok(KernelLayout { offsets, vfs })
+    Ok(KernelLayout {
+        offsets,
+        vfs,
+        fentry_refused: None,
+    })
 }
 
-/// The child's whole life: resolve, write the answer to stdout, exit.
+/// Whether the kernel loads and attaches a tracing (fentry) program: `Some(why not)` when it does
+/// not, `None` when it does or the probe could not tell (the real programs then decide).
+fn probe_fentry() -> Option<String> {
+    use aya::programs::ProgramType;
+    match aya::sys::is_program_supported(ProgramType::Tracing) {
+        Ok(true) => None,
+        Ok(false) => Some("the kernel has no fentry/fexit (BPF_PROG_TYPE_TRACING)".into()),
+        Err(err) => (hooks::errno(&err) == Some(libc::EPERM)).then(|| {
+            format!(
+                "a probe (a trivial fentry program on bpf_fentry_test1) refused by the kernel \
+                 ({})",
+                hooks::POLICY_REFUSAL
+            )
+        }),
+    }
+}
+
+/// The child's whole life: resolve (and probe, when asked), write the answer to stdout, exit.
 pub fn child_main() -> std::process::ExitCode {
-    let bytes = encode(&in_process().map_err(|err| format!("{err:#}")));
+    let probe = std::env::args_os().nth(2).as_deref() == Some(PROBE_FENTRY_ARG.as_ref());
+    let layout = in_process().map(|mut layout| {
+        if probe && layout.vfs.is_ok() {
+            layout.fentry_refused = probe_fentry();
+        }
+        layout
+    });
+    let bytes = encode(&layout.map_err(|err| format!("{err:#}")));
     match std::io::stdout().lock().write_all(&bytes) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(_) => std::process::ExitCode::FAILURE,
@@ -75,9 +119,10 @@ enum Answer {
     Error(String),
 }
 
-fn in_child() -> anyhow::Result<Answer> {
+fn in_child(probe_fentry: bool) -> anyhow::Result<Answer> {
     let output = Command::new("/proc/self/exe")
         .arg(CHILD_ARG)
+        .args(probe_fentry.then_some(PROBE_FENTRY_ARG))
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()
@@ -94,6 +139,15 @@ fn encode(answer: &Result<KernelLayout, String>) -> Vec<u8> {
         Ok(layout) => {
             bytes.extend_from_slice(OK);
             bytes.extend_from_slice(pod_bytes(&layout.offsets));
+            match &layout.fentry_refused {
+                None => bytes.push(0),
+                Some(reason) => {
+                    bytes.push(1);
+                    let len = u32::try_from(reason.len()).unwrap_or(u32::MAX);
+                    bytes.extend_from_slice(&len.to_le_bytes());
+                    bytes.extend_from_slice(&reason.as_bytes()[..len as usize]);
+                }
+            }
             match &layout.vfs {
                 Ok(vfs) => {
                     bytes.push(1);
@@ -125,12 +179,28 @@ fn decode(bytes: &[u8]) -> anyhow::Result<Answer> {
         .split_at_checked(size_of::<KernelOffsets>())
         .context("short answer")?;
     let offsets = read_pod::<KernelOffsets>(offsets);
+    let (fentry_refused, rest) = match rest.split_first() {
+        Some((0, rest)) => (None, rest),
+        Some((1, rest)) => {
+            let (len, rest) = rest.split_at_checked(4).context("short answer")?;
+            let len = u32::from_le_bytes(len.try_into().context("short answer")?);
+            let (reason, rest) = rest
+                .split_at_checked(usize::try_from(len).context("long answer")?)
+                .context("short answer")?;
+            (Some(String::from_utf8_lossy(reason).into_owned()), rest)
+        }
+        _ => bail!("malformed answer"),
+    };
     let vfs = match rest.split_first() {
         Some((1, vfs)) if vfs.len() == size_of::<VfsArgs>() => Ok(read_pod::<VfsArgs>(vfs)),
         Some((0, reason)) => Err(String::from_utf8_lossy(reason).into_owned()),
         _ => bail!("malformed answer"),
     };
-    Ok(Answer::Layout(KernelLayout { offsets, vfs }))
+    Ok(Answer::Layout(KernelLayout {
+        offsets,
+        vfs,
+        fentry_refused,
+    }))
 }
 
 /// The bytes of a `#[repr(C)]` struct of `u32`s only (no padding: every byte is initialised).
@@ -158,7 +228,11 @@ mod tests {
             dentry_name: 40,
             ..KernelOffsets::default()
         };
-        KernelLayout { offsets, vfs }
+        KernelLayout {
+            offsets,
+            vfs,
+            fentry_refused: None,
+        }
     }
 
     #[test]
@@ -167,7 +241,11 @@ mod tests {
             rename_data: 2,
             ..VfsArgs::default()
         };
-        for original in [layout(Ok(vfs)), layout(Err("no vfs_mkdir".into()))] {
+        let refused = KernelLayout {
+            fentry_refused: Some("refused by the kernel (EPERM)".into()),
+            ..layout(Ok(vfs))
+        };
+        for original in [layout(Ok(vfs)), layout(Err("no vfs_mkdir".into())), refused] {
             match decode(&encode(&Ok(original.clone()))).expect("decodes") {
                 Answer::Layout(decoded) => assert_eq!(decoded, original),
                 Answer::Error(e) => panic!("decoded as an error: {e}"),
@@ -196,6 +274,6 @@ mod tests {
     /// refused and [`resolve`] would parse in process instead.
     #[test]
     fn a_child_that_does_not_answer_is_an_error_not_a_layout() {
-        assert!(in_child().is_err());
+        assert!(in_child(false).is_err());
     }
 }

@@ -313,7 +313,11 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     let mut timings = LoadTimings::default();
     let started = Instant::now();
-    let KernelLayout { offsets, vfs } = layout::resolve()?;
+    let KernelLayout {
+        offsets,
+        vfs,
+        fentry_refused,
+    } = layout::resolve(params.hooks == HookChoice::Auto)?;
     timings.btf = started.elapsed();
     let started = Instant::now();
     let config = Config {
@@ -324,9 +328,10 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         vfs: vfs.clone().unwrap_or_default(),
         ..Config::UNSET
     };
-    // No kernel BTF for aya: the object has no CO-RE relocations (offsets come from the layout
-    // above, into CONFIG), and aya's default parses all of vmlinux's BTF again (+20 MiB peak, 70 ms)
-    // only to relocate nothing. The fentry/fexit loads parse their own when that family is tried.
+    // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
+    // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
+    // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
+    // dropped here. The fentry/fexit loads parse their own when that family is tried.
     let mut ebpf = EbpfLoader::new()
         .btf(None)
         .override_global(names::CONFIG, &config, true)
@@ -343,7 +348,10 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         &mut ebpf,
         params.hooks,
         |ebpf, family| match family {
-            HookFamily::Fentry => attach_functions(ebpf, &vfs, &mut timings, &mut links),
+            HookFamily::Fentry => match &fentry_refused {
+                Some(reason) => bail!("{reason}"),
+                None => attach_functions(ebpf, &vfs, &mut timings, &mut links),
+            },
             HookFamily::Tracepoints => {
                 mounted_tracefs = tracefs::ensure_mounted()?;
                 attach_tracepoints(ebpf, TRACEPOINT_HOOKS, &mut timings, &mut links)
@@ -643,6 +651,33 @@ mod tests {
         }
         for tracepoint in ["sys_enter_bind", "sys_exit_unlinkat", "sys_enter_renameat2"] {
             assert!(arch_has_tracepoint(tracepoint), "{tracepoint}");
+        }
+    }
+
+    /// `cargo xtask build-ebpf` removes the DWARF bpf-linker made the BTF from; the BTF stays
+    /// (the verifier's function and line info). Section names are in the object's string tables.
+    #[test]
+    fn the_embedded_object_keeps_its_btf_and_carries_no_dwarf() {
+        let Some(object) = object() else {
+            eprintln!("built without the eBPF object: nothing to check");
+            return;
+        };
+        let has = |name: &[u8]| object.windows(name.len()).any(|w| w == name);
+        assert!(
+            has(b".BTF.ext\0") && has(b".BTF\0"),
+            "the object lost its BTF"
+        );
+        for dwarf in [
+            &b".debug_info"[..],
+            b".debug_loc",
+            b".debug_line",
+            b".debug_str",
+        ] {
+            assert!(
+                !has(dwarf),
+                "{} is embedded",
+                String::from_utf8_lossy(dwarf)
+            );
         }
     }
 }
