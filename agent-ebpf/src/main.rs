@@ -601,9 +601,15 @@ mod programs {
         } else {
             // "dir/name" or "/abs/name": only names can be checked.
             match op {
-                // Decided when the syscall returns (see `scope::NAME_IF_KNOWN`).
-                PathOp::Remove => {}
-                PathOp::CreateSocket | PathOp::MoveTo => {}
+                // Reported or not when the syscall returns (see `scope::NAME_IF_KNOWN`); the
+                // parent component's id, when NAMES has it, is not a filter but where userspace
+                // looks: one `stat` in the watched directories so named instead of a read of
+                // every watched directory (a churn's removals by absolute path, in batches).
+                PathOp::Remove | PathOp::CreateSocket => {
+                    let _ = parent_known(scratch);
+                }
+                // `rename_target_enter` looks the parent up itself when it needs to.
+                PathOp::MoveTo => {}
                 PathOp::CreateDir => {
                     if !parent_known(scratch) {
                         return None;
