@@ -74,6 +74,11 @@ pub mod kind {
     /// `unix_release`), or one of its descriptors closed (`close` returned 0: the listener is gone
     /// unless another descriptor still holds it). The agent checks with a connect either way.
     pub const RELEASE: u32 = 5;
+    /// A process other than the agent connected to a path-bound `AF_UNIX` socket of a watched
+    /// directory (`connect` returned 0): reported once per socket instance, for its first
+    /// contact (kubelet's first `GetInfo`, when the agent observes beside it). The caller is
+    /// the process that connected, not the socket's creator.
+    pub const CONNECT: u32 = 6;
 }
 
 /// How precisely the event locates the entry, in [`Event::scope`].
@@ -191,6 +196,10 @@ pub struct KernelOffsets {
     pub sock_family: u32,
     /// `sock.__sk_common.skc_state` (`unsigned char`; `TCP_LISTEN` for a listening socket).
     pub sock_state: u32,
+    /// `unix_sock.peer` (`struct sock *`): after a `connect`, the server's end of the connection
+    /// (stream: the not-yet-accepted socket, which shares the listener's path; datagram: the
+    /// bound socket itself).
+    pub unix_sock_peer: u32,
     /// `inode.i_mode` (`umode_t`, `u16`).
     pub inode_mode: u32,
     /// `unix_sock.path.dentry`: the dentry a bound `AF_UNIX` socket lives at.
@@ -209,6 +218,9 @@ pub struct KernelOffsets {
     pub dentry_sb: u32,
     /// `inode.i_ino` (`unsigned long`).
     pub inode_ino: u32,
+    /// `inode.i_generation` (`u32`): with the number, tells a socket bound again at a name from
+    /// the one before it (filesystems draw it at random per inode).
+    pub inode_generation: u32,
     /// `super_block.s_dev` (`dev_t`, `u32`).
     pub sb_dev: u32,
 }
@@ -226,6 +238,7 @@ impl KernelOffsets {
         socket_sk: 0,
         sock_family: 0,
         sock_state: 0,
+        unix_sock_peer: 0,
         inode_mode: 0,
         unix_sock_dentry: 0,
         fs_pwd_dentry: 0,
@@ -235,6 +248,7 @@ impl KernelOffsets {
         dentry_inode: 0,
         dentry_sb: 0,
         inode_ino: 0,
+        inode_generation: 0,
         sb_dev: 0,
     };
 }
@@ -398,12 +412,12 @@ mod tests {
             core::mem::size_of::<Event>(),
             6 * 4 + 8 + 8 + COMM_LEN + 16 + NAME_LEN
         );
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 20 * 4);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 22 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
         assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);
         assert_eq!(
             core::mem::size_of::<Config>(),
-            20 * 4 + 8 + 16 + 10 * 4 + 10 * 4
+            22 * 4 + 8 + 16 + 10 * 4 + 10 * 4
         );
     }
 

@@ -47,7 +47,7 @@ mod programs {
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     };
     use aya_ebpf::macros::{fentry, fexit, map, tracepoint};
-    use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
+    use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf};
     use aya_ebpf::programs::{FEntryContext, FExitContext, TracePointContext};
 
     /// Kernels refuse `bpf_probe_read_kernel` to programs without a GPL-compatible license.
@@ -124,6 +124,7 @@ mod programs {
     }
 
     const BPF_F_NO_PREALLOC: u32 = 1;
+    const BPF_NOEXIST: u64 = 1;
     const BPF_RB_NO_WAKEUP: u64 = 1;
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
     const BPF_RB_AVAIL_DATA: u64 = 0;
@@ -327,18 +328,8 @@ mod programs {
         if is_agent() {
             return None;
         }
-        // SAFETY: offsets within the sys_enter_bind record.
-        let fd = unsafe { ctx.read_at::<u64>(arg(0)) }.ok()?;
-        let addr = unsafe { ctx.read_at::<u64>(arg(1)) }.ok()?;
-        let addrlen = unsafe { ctx.read_at::<u64>(arg(2)) }.ok()?;
-        // sa_family (2 bytes) and at least the first byte of sun_path.
-        if addrlen < 3 {
-            return None;
-        }
-        // SAFETY: bpf_probe_read_user fails instead of faulting on a bad address.
-        let head = unsafe { bpf_probe_read_user(addr as *const [u8; 3]) }.ok()?;
-        // sun_path[0] == 0 is an abstract socket: no filesystem entry.
-        if u16::from_ne_bytes([head[0], head[1]]) != AF_UNIX || head[2] == 0 {
+        let fd = arg_u64(ctx, 0)?;
+        if !unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?) {
             return None;
         }
         if PENDING_BINDS
@@ -348,6 +339,22 @@ mod programs {
             count_loss(loss::PENDING_FULL);
         }
         Some(())
+    }
+
+    /// Whether the `struct sockaddr *` of a `bind` or `connect` (user memory, `addrlen` bytes)
+    /// names a filesystem `AF_UNIX` address.
+    #[inline(always)]
+    fn unix_path_address(addr: u64, addrlen: u64) -> bool {
+        // sa_family (2 bytes) and at least the first byte of sun_path.
+        if addrlen < 3 {
+            return false;
+        }
+        // SAFETY: bpf_probe_read_user fails instead of faulting on a bad address.
+        let Ok(head) = (unsafe { bpf_probe_read_user(addr as *const [u8; 3]) }) else {
+            return false;
+        };
+        // sun_path[0] == 0 is an abstract socket: no filesystem entry.
+        u16::from_ne_bytes([head[0], head[1]]) == AF_UNIX && head[2] != 0
     }
 
     #[tracepoint]
@@ -1013,6 +1020,89 @@ mod programs {
         // SAFETY: presence check only.
         unsafe { WATCHED.get(&parent) }?;
         report_dentry(dentry, parent, kind::LISTEN)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // connect: who first contacts a plugin socket (kubelet's first GetInfo, when the agent
+    // observes beside it)
+
+    /// One socket instance: its file's dentry and inode, and the inode's number and generation.
+    /// A socket unlinked and bound again at the same name can get the same dentry (kept negative
+    /// in between), the same inode memory and even the same number (ext4 reuses them at once),
+    /// never the same generation too (filesystems draw it at random for every new inode).
+    #[repr(C)]
+    struct ContactKey {
+        dentry: u64,
+        inode: u64,
+        ino: u64,
+        generation: u64,
+    }
+
+    /// The socket instances whose first contact was reported, so that a process that connects
+    /// again and again (a client of the plugin, a hostile loop) costs one record per instance.
+    /// LRU: bounded, and an instance evicted by 16,384 newer ones is at worst reported again.
+    #[map]
+    static CONTACTED: LruHashMap<ContactKey, u8> = LruHashMap::with_max_entries(16384, 0);
+
+    #[tracepoint]
+    pub fn connect_enter(ctx: TracePointContext) -> u32 {
+        let _ = try_connect_enter(&ctx);
+        0
+    }
+
+    fn try_connect_enter(ctx: &TracePointContext) -> Option<()> {
+        if is_agent() {
+            return None;
+        }
+        let fd = arg_u64(ctx, 0)?;
+        if !unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?) {
+            return None;
+        }
+        // A thread runs one syscall at a time: bind's table carries connect's descriptor too. A
+        // full table loses a contact, which describes a plugin and is not tree state: no rescan.
+        PENDING_BINDS
+            .insert(bpf_get_current_pid_tgid(), fd as u32, 0)
+            .ok()
+    }
+
+    #[tracepoint]
+    pub fn connect_exit(ctx: TracePointContext) -> u32 {
+        let _ = try_connect_exit(&ctx);
+        0
+    }
+
+    fn try_connect_exit(ctx: &TracePointContext) -> Option<()> {
+        let thread = bpf_get_current_pid_tgid();
+        // SAFETY: the value is copied out before the entry is removed.
+        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
+        let _ = PENDING_BINDS.remove(&thread);
+        // SAFETY: offset within the sys_exit_connect record.
+        if unsafe { ctx.read_at::<i64>(RET) }.ok()? != 0 {
+            return None;
+        }
+        let file = fd_file(u64::from(fd))?;
+        let socket = kptr(file, offset!(file_private_data))?;
+        let sk = kptr(socket, offset!(socket_sk))?;
+        if kread::<u16>(sk, offset!(sock_family))? != AF_UNIX {
+            return None;
+        }
+        // The server's end carries the path the caller reached: the listener's, for a stream.
+        let peer = kptr(sk, offset!(unix_sock_peer))?;
+        let dentry = kptr(peer, offset!(unix_sock_dentry))?;
+        // As for `listen`: entries of watched directories only.
+        let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
+        // SAFETY: presence check only.
+        unsafe { WATCHED.get(&parent) }?;
+        let inode = kptr(dentry, offset!(dentry_inode))?;
+        let key = ContactKey {
+            dentry: dentry as u64,
+            inode: inode as u64,
+            ino: kread::<u64>(inode, offset!(inode_ino))?,
+            generation: u64::from(kread::<u32>(inode, offset!(inode_generation))?),
+        };
+        // Only the first contact of an instance inserts its key.
+        CONTACTED.insert(&key, &1, BPF_NOEXIST).ok()?;
+        report_dentry(dentry, parent, kind::CONNECT)
     }
 
     /// A listening socket's descriptor closes: parked until `close` returns, then reported if it

@@ -7,7 +7,7 @@
 //! loses the oldest events and is told how many (`Lagged`).
 
 use crate::handler::Plugin;
-use crate::provenance::Provenance;
+use crate::provenance::{Contact, Provenance};
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 use tokio::sync::broadcast;
@@ -38,6 +38,9 @@ pub enum EventKind {
     Rejected,
     /// The watcher walked the whole tree; `detail` says why.
     Rescan,
+    /// (eBPF) A process other than the agent connected to the socket for the first time:
+    /// `contact` says who and when, `latency` how long after the socket's creation.
+    FirstContact,
 }
 
 /// One event.
@@ -59,6 +62,8 @@ pub struct AgentEvent {
     pub detail: Option<String>,
     /// For registrations, observations and refusals: who created the socket and who serves it.
     pub provenance: Option<Provenance>,
+    /// For first contacts: who connected, and when.
+    pub contact: Option<Contact>,
 }
 
 impl AgentEvent {
@@ -73,6 +78,7 @@ impl AgentEvent {
             latency: None,
             detail: None,
             provenance: None,
+            contact: None,
         }
     }
 }

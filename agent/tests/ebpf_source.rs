@@ -13,7 +13,7 @@
 
 use std::ffi::OsString;
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener};
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -67,6 +67,8 @@ enum Action {
     Bind(PathBuf),
     /// `bind` and `listen`, and keep the listener until the helper exits (no `close`).
     BindKept(PathBuf),
+    /// `connect` to a listening socket, then close the connection.
+    Connect(PathBuf),
     /// `bind` expecting `EADDRINUSE`.
     BindFails(PathBuf),
     /// `bind` an abstract socket (no filesystem entry).
@@ -115,6 +117,7 @@ impl Action {
         match self {
             Action::Bind(path) => format!("bind\t{}", p(path)),
             Action::BindKept(path) => format!("bind_kept\t{}", p(path)),
+            Action::Connect(path) => format!("connect\t{}", p(path)),
             Action::BindFails(path) => format!("bind_fails\t{}", p(path)),
             Action::BindAbstract(name) => format!("bind_abstract\t{name}"),
             Action::Chdir(path) => format!("chdir\t{}", p(path)),
@@ -159,6 +162,7 @@ impl Action {
         match fields[..] {
             ["bind", path] => drop(UnixListener::bind(path).expect(path)),
             ["bind_kept", path] => std::mem::forget(UnixListener::bind(path).expect(path)),
+            ["connect", path] => drop(UnixStream::connect(path).expect(path)),
             ["bind_fails", path] => {
                 let err = UnixListener::bind(path).expect_err(path);
                 assert_eq!(err.raw_os_error(), Some(libc::EADDRINUSE), "{path}");
@@ -310,6 +314,8 @@ enum Seen {
     NameChanged(OsString),
     Rescan,
     Serving(PathBuf, bool),
+    /// A first contact, and the pid of the process that connected.
+    Contacted(PathBuf, u32),
 }
 
 impl From<FsEvent> for Seen {
@@ -328,6 +334,13 @@ impl From<FsEvent> for Seen {
             FsEvent::Serving {
                 path, listening, ..
             } => Seen::Serving(path, listening),
+            FsEvent::Contacted { path, observed } => {
+                assert!(
+                    observed.kernel_ns.is_some(),
+                    "eBPF events carry kernel time"
+                );
+                Seen::Contacted(path, observed.by.map_or(0, |by| by.pid))
+            }
         }
     }
 }
@@ -497,6 +510,49 @@ async fn a_listener_released_by_its_process_exit_is_reported_where_fentry_runs()
         expected.push(Seen::Serving(kept, false));
     }
     assert_eq!(seen, expected);
+}
+
+/// The first process other than the agent to connect to a socket in the tree is reported, once
+/// per socket instance and naming that process (kubelet's first contact, when the agent observes
+/// beside it); a second connect to the same instance, and connects outside the tree, are not. The
+/// same name bound again after an unlink is a new instance (it may get the old dentry, inode
+/// memory and inode number back; never the same inode generation) and is reported again.
+#[tokio::test]
+async fn the_first_connect_to_each_socket_instance_in_the_tree_names_its_caller() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("contact", EbpfOptions::default(), 1024);
+    let socket = f.in_watched("served.sock");
+    let outside = f.in_elsewhere("outside.sock");
+    let (first, _) = run_helper_with_pid(&[
+        Action::BindKept(socket.clone()),
+        Action::BindKept(outside.clone()),
+        Action::Connect(socket.clone()),
+        Action::Connect(socket.clone()),
+        Action::Connect(outside.clone()),
+    ]);
+    let (second, _) = run_helper_with_pid(&[
+        Action::Unlink(socket.clone()),
+        Action::BindKept(socket.clone()),
+        Action::Connect(socket.clone()),
+        Action::Connect(socket.clone()),
+    ]);
+    let sentinel = f.in_watched("sentinel.sock");
+    run_helper(&[Action::Bind(sentinel.clone())]);
+    let contacts: Vec<Seen> = f
+        .collect_until(&Seen::Created(sentinel))
+        .await
+        .into_iter()
+        .filter(|seen| matches!(seen, Seen::Contacted(..)))
+        .collect();
+    assert_eq!(
+        contacts,
+        vec![
+            Seen::Contacted(socket.clone(), first),
+            Seen::Contacted(socket, second)
+        ]
+    );
 }
 
 /// Every `Action::Bind` is a listener (bind, listen, close): in the tree, its `listen` and its
@@ -957,6 +1013,7 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "fexit vfs_rename",
             "fentry unix_release",
             "sys_exit_listen",
+            "sys_exit_connect",
         ]
     } else {
         &[
@@ -968,6 +1025,7 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "sys_exit_rmdir",
             "sys_enter_renameat2",
             "sys_exit_listen",
+            "sys_exit_connect",
             "sys_enter_close",
         ]
     };

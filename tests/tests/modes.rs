@@ -143,3 +143,155 @@ async fn register_mode_on_a_directory_a_running_kubelet_watches_warns() {
     let _ = fake.kill();
     let _ = fake.wait();
 }
+
+/// Kubelet's place taken by a register-mode agent (inotify, `CSIPlugin` handled, `DRAPlugin`
+/// not), and beside it the agent as the shipped DaemonSet runs it: observing the same directory,
+/// no handler, eBPF. Every plugin hears from the stand-in only: the CSI plugin exactly one
+/// `Notify(true)`, the DRA plugin (a type nobody handles) the stand-in's `Notify(false)`s and
+/// nothing from the observer. The observer lists both with what GetInfo said, who created and
+/// serves each socket, and who first contacted it and when (the stand-in, after the socket's
+/// creation); it follows a plugin's death as `unserved` without telling anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_beside_a_registering_agent_never_notifies_and_reports_the_first_contact() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(Source::Ebpf, &dir.root()).handlers(&[]);
+    options.admin_socket = dir.root().with_file_name("observer.sock");
+    let Some(observer) = AgentProcess::start(test, options.clone()).await else {
+        return;
+    };
+    let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root());
+    // Its own runtime directory: each agent locks the directory of its admin socket.
+    let runtime = dir.outside("kubelet-run");
+    std::fs::create_dir_all(&runtime).expect("mkdir runtime");
+    kubelet.admin_socket = runtime.join("admin.sock");
+    let kubelet_admin = kubelet.admin_socket.clone();
+    kubelet.extra = vec!["--mode".into(), "register".into()];
+    let kubelet = AgentProcess::start(&format!("{test}-kubelet"), kubelet)
+        .await
+        .expect("inotify needs no privileges");
+    let kubelet_pid = kubelet.pid().expect("the stand-in runs");
+    let observer_pid = observer.pid().expect("the observer runs");
+
+    let csi = plugin!(dir.path("csi.sock"))
+        .name("csi.example.com")
+        .spawn();
+    let dra = plugin!(dir.path("dra.sock"))
+        .plugin_type("DRAPlugin")
+        .name("dra.example.com")
+        .spawn();
+    csi.wait_for_notify(true, EVENT_TIMEOUT).await;
+    dra.wait_for_notify(false, EVENT_TIMEOUT).await;
+    for plugin in [&csi, &dra] {
+        let socket = plugin.socket().to_string_lossy().into_owned();
+        observer
+            .wait_for_log("the observation", EVENT_TIMEOUT, |l| {
+                l.message() == "plugin observed" && l.field_is("socket_path", &socket)
+            })
+            .await;
+        observer
+            .wait_for_log("the first contact", EVENT_TIMEOUT, |l| {
+                l.message() == "plugin socket first contacted" && l.field_is("socket_path", &socket)
+            })
+            .await;
+    }
+
+    // The observer asked GetInfo of each and told nobody anything; the stand-in told the CSI
+    // plugin once.
+    for plugin in [&csi, &dra] {
+        let callers = |event: &str| -> Vec<i64> {
+            plugin
+                .events_since(Mark(0), event)
+                .iter()
+                .filter_map(|l| l.field("peer_pid").and_then(|p| p.parse().ok()))
+                .collect()
+        };
+        assert!(
+            callers("get_info").contains(&i64::from(observer_pid)),
+            "{test}: the observer never asked {:?} GetInfo",
+            plugin.socket()
+        );
+        let notifiers = callers("notify");
+        assert!(
+            !notifiers.is_empty() && notifiers.iter().all(|pid| *pid == i64::from(kubelet_pid)),
+            "{test}: {:?} was notified by {notifiers:?}; only the stand-in ({kubelet_pid}) may",
+            plugin.socket()
+        );
+    }
+    let csi_notifications = csi.notifications();
+    assert_eq!(
+        csi_notifications.len(),
+        1,
+        "{test}: the CSI plugin heard {csi_notifications:?}"
+    );
+
+    let listed = admin::list_json(&options.admin_socket);
+    for (plugin, plugin_type, name) in [
+        (&csi, "CSIPlugin", "csi.example.com"),
+        (&dra, "DRAPlugin", "dra.example.com"),
+    ] {
+        let entry = &listed[plugin.socket()];
+        let pid = i64::from(plugin.pid().expect("running"));
+        assert_eq!(entry["state"], "observed", "{test}: {entry}");
+        assert_eq!(
+            (entry["type"].as_str(), entry["name"].as_str()),
+            (Some(plugin_type), Some(name)),
+            "{test}: {entry}"
+        );
+        assert_eq!(
+            entry["provenance"]["server"]["pid"].as_i64(),
+            Some(pid),
+            "{test}: {entry}"
+        );
+        assert_eq!(
+            entry["provenance"]["creator"]["pid"].as_i64(),
+            Some(pid),
+            "{test}: {entry}"
+        );
+        let contact = &entry["first_contact"];
+        assert_eq!(
+            contact["process"]["pid"].as_i64(),
+            Some(i64::from(kubelet_pid)),
+            "{test}: the first contact is the stand-in's: {entry}"
+        );
+        assert!(
+            contact["process"]["command"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty()),
+            "{test}: {entry}"
+        );
+        assert!(
+            contact["after_creation_ms"]
+                .as_f64()
+                .is_some_and(|ms| ms > 0.0),
+            "{test}: the contact is timed from the socket's creation: {entry}"
+        );
+    }
+    // The stand-in lists what it registered; it saw no contact (inotify) and says why.
+    let stand_in = admin::list_json(&kubelet_admin);
+    let entry = &stand_in[csi.socket()];
+    assert_eq!(entry["state"], "registered", "{test}: {entry}");
+    assert_eq!(
+        entry["first_contact_unknown"], "the inotify source does not see connections (eBPF only)",
+        "{test}: {entry}"
+    );
+
+    // Liveness in observe mode: the CSI plugin dies (its socket stays); the observer says so.
+    let csi_socket = csi.socket().to_path_buf();
+    let mark = observer.mark();
+    csi.kill().await;
+    observer
+        .wait_for_log_after(mark, "the plugin's death", EVENT_TIMEOUT, |l| {
+            l.message().starts_with("plugin unserved")
+        })
+        .await;
+    let listed = admin::list_json(&options.admin_socket);
+    assert_eq!(listed[&csi_socket]["state"], "unserved", "{test}");
+    let _ = std::fs::remove_file(&csi_socket);
+    assert!(
+        dra.events_since(Mark(0), "notify")
+            .iter()
+            .all(|l| l.field("peer_pid") != Some(observer_pid.to_string())),
+        "{test}: the observer notified the DRA plugin"
+    );
+}

@@ -6,7 +6,7 @@ use super::MAX_MESSAGE_BYTES;
 use crate::agent::{PolicyReloader, RunningAgent};
 use crate::handler::{self, HandlerRegistry, Plugin};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::provenance::{Actor, Creator, Process, Provenance};
+use crate::provenance::{Actor, Contact, Creator, Process, Provenance};
 use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
@@ -43,6 +43,9 @@ pub struct AdminService {
 #[derive(Clone)]
 struct StaticStatus {
     source: String,
+    /// Whether the event source reports connections (eBPF): what `list` says of an unknown
+    /// first contact.
+    sees_contacts: bool,
     source_description: String,
     plugin_dir: String,
     reconcile_mode: String,
@@ -60,6 +63,7 @@ impl AdminService {
             stats: agent.telemetry.watcher.clone(),
             status: StaticStatus {
                 source: agent.source.to_string(),
+                sees_contacts: agent.source.reports_contacts(),
                 source_description: agent.source_description.clone(),
                 plugin_dir: agent.config.plugin_dir.display().to_string(),
                 reconcile_mode: format!("{:?}", agent.config.reconcile_mode).to_lowercase(),
@@ -93,7 +97,32 @@ impl AdminService {
     /// Every known socket, desired and registered, sorted by path.
     pub fn list(&self) -> Vec<api::PluginEntry> {
         let now = tokio::time::Instant::now();
-        self.state.all(now).iter().map(to_api_entry).collect()
+        self.state
+            .all(now)
+            .iter()
+            .map(|status| {
+                let mut entry = to_api_entry(status);
+                if entry.first_contact.is_none() {
+                    entry.first_contact_unknown = self.first_contact_unknown(status).to_string();
+                }
+                entry
+            })
+            .collect()
+    }
+
+    /// Why `list` shows no first contact for a socket.
+    fn first_contact_unknown(&self, status: &PluginStatus) -> String {
+        match &status.desired {
+            _ if !self.status.sees_contacts => format!(
+                "the {} source does not see connections (eBPF only)",
+                self.status.source
+            ),
+            None => "the socket is gone".into(),
+            Some(desired) if desired.by_event => {
+                "no process other than the agent has connected yet".into()
+            }
+            Some(_) => "no process other than the agent has connected since it started (the socket is older)".into(),
+        }
     }
 
     /// The status report.
@@ -187,6 +216,24 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
         provenance: status.provenance().as_ref().map(provenance_to_api),
         rejected_by_rule: refusal.map(|(r, _)| r.rule.to_string()).unwrap_or_default(),
+        first_contact: desired.as_ref().and_then(|d| {
+            d.first_contact
+                .as_ref()
+                .map(|contact| contact_to_api(contact, d.kernel_ns))
+        }),
+        first_contact_unknown: String::new(),
+    }
+}
+
+/// The wire form of a first contact; `created_ns` is the socket's creation, when timed.
+fn contact_to_api(contact: &Contact, created_ns: Option<u64>) -> api::Contact {
+    api::Contact {
+        process: Some(actor_to_api(&contact.by)),
+        at_unix_nanos: unix_nanos(contact.at),
+        after_creation_us: contact
+            .after_creation(created_ns)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or_default(),
     }
 }
 
@@ -278,6 +325,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::Unserved => api::EventKind::Unserved,
         EventKind::Rejected => api::EventKind::Rejected,
         EventKind::Rescan => api::EventKind::Rescan,
+        EventKind::FirstContact => api::EventKind::FirstContact,
     };
     api::AgentEvent {
         time_unix_nanos: unix_nanos(event.at),
@@ -291,6 +339,14 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .unwrap_or_default(),
         detail: event.detail.clone().unwrap_or_default(),
         provenance: event.provenance.as_ref().map(provenance_to_api),
+        contact: event.contact.as_ref().map(|contact| api::Contact {
+            process: Some(actor_to_api(&contact.by)),
+            at_unix_nanos: unix_nanos(contact.at),
+            after_creation_us: event
+                .latency
+                .map(|d| d.as_micros() as u64)
+                .unwrap_or_default(),
+        }),
     }
 }
 

@@ -1,7 +1,7 @@
 //! `plugin-agent list`: every socket the agent knows, with its state, as a table, JSON or YAML.
 
 use super::Output;
-use super::render::{ProvenanceRow, print_structured, print_table, timestamp};
+use super::render::{ContactRow, ProvenanceRow, print_structured, print_table, timestamp};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 
@@ -25,6 +25,10 @@ struct PluginRow {
     provenance: Option<ProvenanceRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     rejected_by_rule: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_contact: Option<ContactRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_contact_unknown: Option<String>,
 }
 
 impl From<api::PluginEntry> for PluginRow {
@@ -49,6 +53,9 @@ impl From<api::PluginEntry> for PluginRow {
             failures: e.failures,
             provenance: e.provenance.map(ProvenanceRow::from),
             rejected_by_rule: (!e.rejected_by_rule.is_empty()).then_some(e.rejected_by_rule),
+            first_contact: e.first_contact.map(ContactRow::from),
+            first_contact_unknown: (!e.first_contact_unknown.is_empty())
+                .then_some(e.first_contact_unknown),
         }
     }
 }
@@ -71,10 +78,18 @@ pub(super) async fn list(
         return print_structured(&rows, output);
     }
     if wide {
-        let table: Vec<[String; 8]> = rows.iter().map(wide_row).collect();
+        let table: Vec<[String; 9]> = rows.iter().map(wide_row).collect();
         print_table(
             &[
-                "SOCKET", "STATE", "TYPE", "NAME", "SERVER", "CREATOR", "WHERE", "NOTE",
+                "SOCKET",
+                "STATE",
+                "TYPE",
+                "NAME",
+                "SERVER",
+                "CREATOR",
+                "FIRST CONTACT",
+                "WHERE",
+                "NOTE",
             ],
             &table,
         );
@@ -113,9 +128,9 @@ fn note(r: &PluginRow) -> String {
     }
 }
 
-/// `--wide`: who serves and who created each socket, and where the server runs (its pod and
-/// container, else its cgroup).
-fn wide_row(r: &PluginRow) -> [String; 8] {
+/// `--wide`: who serves and who created each socket, who first contacted it, and where the
+/// server runs (its pod and container, else its cgroup).
+fn wide_row(r: &PluginRow) -> [String; 9] {
     let (server, creator, place) = match &r.provenance {
         Some(p) => (
             p.server_summary(),
@@ -131,6 +146,9 @@ fn wide_row(r: &PluginRow) -> [String; 8] {
         r.name.clone(),
         server,
         creator,
+        r.first_contact
+            .as_ref()
+            .map_or_else(|| "-".into(), ContactRow::summary),
         place,
         note(r),
     ]

@@ -153,3 +153,41 @@ impl ProvenanceRow {
         }
     }
 }
+
+/// A socket's first contact as `list` and `watch` print it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(super) struct ContactRow {
+    pub process: Option<ProcessRow>,
+    pub at: String,
+    /// Milliseconds from the socket's creation to the contact, when timed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_creation_ms: Option<f64>,
+}
+
+impl From<api::Contact> for ContactRow {
+    fn from(c: api::Contact) -> Self {
+        ContactRow {
+            process: c.process.map(ProcessRow::from),
+            at: humantime::format_rfc3339_micros(
+                UNIX_EPOCH + Duration::from_nanos(c.at_unix_nanos.max(0) as u64),
+            )
+            .to_string(),
+            after_creation_ms: (c.after_creation_us > 0)
+                .then(|| c.after_creation_us as f64 / 1000.0),
+        }
+    }
+}
+
+impl ContactRow {
+    /// `4242/kubelet uid=0 +812.4ms`, for a table cell.
+    pub fn summary(&self) -> String {
+        let who = self
+            .process
+            .as_ref()
+            .map_or_else(|| "?".into(), ProcessRow::summary);
+        match self.after_creation_ms {
+            Some(ms) => format!("{who} +{ms:.1}ms"),
+            None => format!("{who} at {}", self.at),
+        }
+    }
+}

@@ -1,7 +1,7 @@
 //! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
 
 use super::Output;
-use super::render::ProvenanceRow;
+use super::render::{ContactRow, ProvenanceRow};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
@@ -22,6 +22,8 @@ struct EventRow {
     detail: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     provenance: Option<ProvenanceRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    contact: Option<ContactRow>,
 }
 
 pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
@@ -50,6 +52,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             latency_us: (event.latency_us > 0).then_some(event.latency_us),
             detail: (!event.detail.is_empty()).then_some(event.detail),
             provenance: event.provenance.map(ProvenanceRow::from),
+            contact: event.contact.map(ContactRow::from),
         };
         match output {
             Output::Json => println!("{}", serde_json::to_string(&row)?),
@@ -65,6 +68,9 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                         p.server_summary(),
                         p.creator_summary()
                     );
+                }
+                if let Some(c) = &row.contact {
+                    line += &format!(" by={:?}", c.summary());
                 }
                 if let Some(l) = row.latency_us {
                     line += &format!(" latency={:.3}ms", l as f64 / 1000.0);

@@ -35,6 +35,12 @@ impl SourceKind {
     pub const PREFERENCE: [SourceKind; 3] =
         [SourceKind::Ebpf, SourceKind::Fanotify, SourceKind::Inotify];
 
+    /// Whether the source reports who first connects to a socket ([`FsEvent::Contacted`]): only
+    /// the kernel's programs see a `connect`.
+    pub fn reports_contacts(self) -> bool {
+        self == SourceKind::Ebpf
+    }
+
     /// The lowercase name used on the command line, in logs and in metrics labels.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -104,6 +110,11 @@ pub enum FsEvent {
         listening: bool,
         observed: Observed,
     },
+    /// (eBPF only) A process other than the agent connected to the socket at `path`, for the
+    /// first time since it was bound (the kernel reports each socket instance once): the plugin's
+    /// first contact, kubelet's first `GetInfo` when the agent observes beside it. `observed.by`
+    /// is the process that connected, `observed.kernel_ns` when its `connect` returned.
+    Contacted { path: PathBuf, observed: Observed },
 }
 
 /// Why the watcher walks the whole tree. Counted by class in metrics and status (loss apart from

@@ -11,6 +11,8 @@
 //!          inotify and the walks know nobody
 //! server   the process that listen()ed on it: SO_PEERCRED on the registration connection (pid,
 //!          uid, gid; every source), the rest from /proc
+//! contact  the first process other than the agent that connected to it (kubelet's first
+//!          GetInfo, beside it), and when: eBPF only, recorded by the kernel at the connect
 //! ```
 //!
 //! Each process's cgroup v2 path comes with what it says about Kubernetes (pod UID, container ID:
@@ -201,6 +203,27 @@ impl Provenance {
             (Some(creator), Some(server)) => creator != server,
             _ => false,
         }
+    }
+}
+
+/// The first process other than the agent to connect to a socket instance, as the kernel
+/// recorded it when its `connect` returned (eBPF only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contact {
+    pub by: Actor,
+    /// `CLOCK_MONOTONIC` nanoseconds of the connect.
+    pub kernel_ns: u64,
+    /// The same moment on the wall clock, as the agent reckoned it on receipt.
+    pub at: std::time::SystemTime,
+}
+
+impl Contact {
+    /// How long after the socket's creation (`created_ns`, the kernel's timestamp of its bind,
+    /// when an event recorded one) the contact came.
+    pub fn after_creation(&self, created_ns: Option<u64>) -> Option<std::time::Duration> {
+        created_ns
+            .and_then(|created| self.kernel_ns.checked_sub(created))
+            .map(std::time::Duration::from_nanos)
     }
 }
 

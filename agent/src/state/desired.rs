@@ -5,7 +5,7 @@
 //! "a socket re-created at the same path" that must be registered again.
 
 use super::SocketId;
-use crate::provenance::{Actor, Creator};
+use crate::provenance::{Actor, Contact, Creator};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -30,6 +30,8 @@ pub struct DesiredPlugin {
     pub by_event: bool,
     /// Who created it (see `provenance`).
     pub creator: Creator,
+    /// The first process other than the agent to connect to it (eBPF only), once one has.
+    pub first_contact: Option<Contact>,
 }
 
 /// What [`DesiredState::add_or_update`] did.
@@ -107,9 +109,23 @@ impl DesiredState {
             kernel_ns,
             by_event,
             creator,
+            first_contact: None,
         };
         plugins.insert(path, plugin);
         Ok(change)
+    }
+
+    /// Records the first contact of the socket desired at `path`; returns the entry as it is
+    /// now, or `None` when no socket is desired there or its first contact is known already (the
+    /// kernel reports each instance once; a second report would be of an older instance).
+    pub fn record_contact(&self, path: &Path, contact: Contact) -> Option<DesiredPlugin> {
+        let mut plugins = self.lock();
+        let plugin = plugins.get_mut(path)?;
+        if plugin.first_contact.is_some() {
+            return None;
+        }
+        plugin.first_contact = Some(contact);
+        Some(plugin.clone())
     }
 
     /// Records the socket a previous agent registered at `path`, with that agent's generation,
@@ -125,6 +141,9 @@ impl DesiredState {
             kernel_ns: None,
             by_event: false,
             creator,
+            // Not carried across restarts: the programs report each instance's first contact
+            // once, to whichever agent reads the ring then.
+            first_contact: None,
         };
         self.lock().insert(path, plugin);
     }

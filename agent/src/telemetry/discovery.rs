@@ -10,13 +10,17 @@
 //! The `discovery` span covers the time from the kernel event (eBPF timestamps it) or from the
 //! watcher's receipt (fanotify, inotify, scans) until the watcher verified the entry by `stat`;
 //! it ends at once, and the `register` or `deregister` spans of the operations it caused are its
-//! children, so one trace tells the whole story of a socket instance, retries included.
+//! children, so one trace tells the whole story of a socket instance, retries included. With
+//! eBPF, a `first_contact` span runs from the socket's creation to the first connect by another
+//! process (kubelet's first GetInfo, beside it), as another child.
 //!
 //! One entry per desired path, replaced on every discovery, and only while traces are exported:
 //! the table is as bounded as the desired state, and empty otherwise (the `event_source` label
 //! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
+use super::metrics::TraceExemplar;
 use crate::event_source::{SourceKind, monotonic_now_ns};
+use crate::provenance::Contact;
 use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
 use opentelemetry::{Context, KeyValue};
 use std::collections::HashMap;
@@ -120,6 +124,43 @@ impl Discoveries {
             Context::new().with_remote_span_context(span.span_context().clone())
         };
         self.lock().insert(path.to_path_buf(), Record { context });
+    }
+
+    /// A `first_contact` span in the trace of the socket at `path` (a child of its discovery):
+    /// from the socket's creation (`created_ns`, when an event timed it; else the contact alone)
+    /// to the first connect by another process, which the span names. Returns the span as an
+    /// exemplar for the first-contact histogram, when traces are on.
+    pub fn first_contact(
+        &self,
+        path: &Path,
+        contact: &Contact,
+        created_ns: Option<u64>,
+    ) -> Option<TraceExemplar> {
+        let tracer = self.tracer.as_ref()?;
+        let parent = self.parent_of(path).unwrap_or_default();
+        let contacted = contact.at;
+        let started = contact
+            .after_creation(created_ns)
+            .and_then(|after| contacted.checked_sub(after))
+            .unwrap_or(contacted);
+        let by = &contact.by;
+        let mut attributes = vec![
+            KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+            KeyValue::new("process.pid", i64::from(by.pid)),
+        ];
+        if let Some(comm) = by.comm {
+            attributes.push(KeyValue::new("process.executable.name", comm.as_string()));
+        }
+        if let Some(uid) = by.uid {
+            attributes.push(KeyValue::new("process.user.id", i64::from(uid)));
+        }
+        let mut span = tracer
+            .span_builder("first_contact")
+            .with_start_time(started)
+            .with_attributes(attributes)
+            .start_with_context(tracer, &parent);
+        span.end_with_timestamp(contacted);
+        TraceExemplar::of(span.span_context())
     }
 
     /// The context operations at `path` are children of, when traces are on.

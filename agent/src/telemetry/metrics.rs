@@ -159,6 +159,7 @@ pub struct Metrics {
     liveness_losses: Family<LivenessLabels, Counter>,
     unserved_deregistration: HistogramFamily<LivenessLabels>,
     policy_rejections: Family<PolicyLabels, Counter>,
+    first_contact: ExemplarHistogram,
 }
 
 impl Default for Metrics {
@@ -175,6 +176,7 @@ impl Default for Metrics {
             liveness_losses: Family::default(),
             policy_rejections: Family::default(),
             unserved_deregistration: Family::new_with_constructor(latency_histogram),
+            first_contact: latency_histogram(),
         }
     }
 }
@@ -304,6 +306,12 @@ impl Metrics {
         );
     }
 
+    /// A plugin socket was first contacted by another process `after` its creation (eBPF);
+    /// `exemplar`: its `first_contact` span, when traces are exported.
+    pub fn first_contact(&self, after: Duration, exemplar: Option<TraceExemplar>) {
+        observe(&self.first_contact, after, exemplar);
+    }
+
     /// Registers these metrics and the scrape-time `state` ones in a registry for exposition.
     pub fn registry(&self, state: StateCollector) -> Registry {
         let mut registry = self.registry_without_state();
@@ -359,6 +367,11 @@ impl Metrics {
             "unserved_deregistration_seconds",
             "Time from learning a plugin's server was gone to the end of its handler's DeRegister, by how it was learned",
             self.unserved_deregistration.clone(),
+        );
+        agent.register(
+            "first_contact_seconds",
+            "Time from a plugin socket's creation (its kernel event) to the first connect by another process than the agent (kubelet's first GetInfo, beside it); eBPF only",
+            self.first_contact.clone(),
         );
         agent.register(
             "rescans",
@@ -631,6 +644,9 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_unserved_deregistration_seconds_bucket",
     "plugin_agent_unserved_deregistration_seconds_sum",
     "plugin_agent_unserved_deregistration_seconds_count",
+    "plugin_agent_first_contact_seconds_bucket",
+    "plugin_agent_first_contact_seconds_sum",
+    "plugin_agent_first_contact_seconds_count",
     "plugin_agent_rescans_total",
     "plugin_agent_walk_errors_total",
     "plugin_agent_plugins",
@@ -726,6 +742,7 @@ mod tests {
         m.liveness_loss("pidfd");
         m.policy_rejection("csi-drivers");
         m.unserved_deregistered("pidfd", Duration::from_millis(3), None);
+        m.first_contact(Duration::from_millis(900), None);
         let registry = m.registry(StateCollector {
             state: StateView {
                 desired,

@@ -31,6 +31,8 @@ pub mod otlp;
 pub mod sampling;
 
 use crate::event_source::{RescanReason, SourceKind};
+use crate::provenance::Contact;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -70,6 +72,16 @@ impl Telemetry {
             discovery: discovery::Discoveries::new(source, otlp::enabled()),
             watcher: Arc::default(),
         })
+    }
+
+    /// The socket at `path` was first contacted by another process (see
+    /// `provenance::Contact`): its span in the socket's trace, and the time since the socket's
+    /// creation (`created_ns`) when an event timed that.
+    pub fn first_contact(&self, path: &Path, contact: &Contact, created_ns: Option<u64>) {
+        let exemplar = self.discovery.first_contact(path, contact, created_ns);
+        if let Some(after) = contact.after_creation(created_ns) {
+            self.metrics.first_contact(after, exemplar);
+        }
     }
 
     /// The watcher walked the whole tree for `reason`: counted in status (all rescans, and those

@@ -28,11 +28,12 @@ use crate::event_source::{
     EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
 };
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
+use crate::provenance::Contact;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
-use crate::telemetry::discovery::{Found, Via};
+use crate::telemetry::discovery::{Found, Via, wall_time_of};
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::os::unix::ffi::OsStrExt;
@@ -42,7 +43,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 mod names;
 mod walk;
@@ -157,9 +158,11 @@ impl Watcher {
                 _ => None,
             });
             if rescan.is_some() {
-                batch.clear();
+                // Contacts describe sockets the walk will find: they are kept for after it.
+                batch.retain(|event| matches!(event, FsEvent::Contacted { .. }));
             }
             let mut names = NameHints::default();
+            let mut contacts = Vec::new();
             for event in batch.drain(..) {
                 match event {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
@@ -195,6 +198,7 @@ impl Watcher {
                             liveness.kernel_hint(&path, listening);
                         }
                     }
+                    FsEvent::Contacted { path, observed } => contacts.push((path, observed)),
                 }
             }
             if !names.is_empty() {
@@ -203,7 +207,40 @@ impl Watcher {
             if let Some(reason) = rescan {
                 self.rescan(reason);
             }
+            // After every entry of the batch and any walk: the socket contacted is desired by now
+            // if it is in the tree at all (its bind came before its first contact).
+            for (path, observed) in contacts {
+                self.first_contact(&path, observed);
+            }
         }
+    }
+
+    /// Records who first connected to the socket at `path` (eBPF's `Contacted`, once per socket
+    /// instance): `list` shows it, the event bus and telemetry time it from the socket's creation.
+    fn first_contact(&self, path: &Path, observed: Observed) {
+        let (Some(by), Some(kernel_ns)) = (observed.by, observed.kernel_ns) else {
+            return;
+        };
+        let at = wall_time_of(kernel_ns, monotonic_now_ns(), std::time::SystemTime::now());
+        let contact = Contact { by, kernel_ns, at };
+        let Some(desired) = self.desired.record_contact(path, contact) else {
+            return;
+        };
+        let after_creation = contact.after_creation(desired.kernel_ns);
+        info!(
+            socket_path = %path.display(),
+            pid = by.pid,
+            command = by.comm.map(|c| c.as_string()).unwrap_or_default(),
+            after_creation = ?after_creation,
+            "plugin socket first contacted"
+        );
+        self.telemetry
+            .first_contact(path, &contact, desired.kernel_ns);
+        let mut event = AgentEvent::new(EventKind::FirstContact, path);
+        event.at = at;
+        event.contact = Some(contact);
+        event.latency = after_creation;
+        self.notifications.publish(event);
     }
 
     /// Looks at one path the source mentioned and updates state to match what is there.

@@ -7,7 +7,8 @@
 //!
 //! It prints one JSON object per event on stdout (flushed at once), which the test harness reads:
 //! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
-//! `{"event":"get_info"}`, `{"event":"notify","registered":..,"error":..,"refused":..}`,
+//! `{"event":"get_info","peer_pid":..}`,
+//! `{"event":"notify","registered":..,"error":..,"refused":..,"peer_pid":..}` (the caller's pid),
 //! `{"event":"accepted"}` (raw modes), `{"event":"idle_close"}` (`--max-connection-idle`),
 //! `{"event":"handed_off","child":..}` (`--hand-off`), `{"event":"stopped"}`; every line also
 //! carries `at_ns`, the wall-clock time it was printed.
@@ -189,9 +190,9 @@ struct ExamplePlugin {
 impl Registration for ExamplePlugin {
     async fn get_info(
         &self,
-        _request: tonic::Request<InfoRequest>,
+        request: tonic::Request<InfoRequest>,
     ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        emit(json!({"event": "get_info"}));
+        emit(json!({"event": "get_info", "peer_pid": peer_pid(&request)}));
         if self.get_info_hang {
             std::future::pending::<()>().await;
         }
@@ -213,6 +214,7 @@ impl Registration for ExamplePlugin {
         &self,
         request: tonic::Request<RegistrationStatus>,
     ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+        let peer = peer_pid(&request);
         let status = request.into_inner();
         let refuse = self
             .notify_error
@@ -223,6 +225,7 @@ impl Registration for ExamplePlugin {
             "registered": status.plugin_registered,
             "error": status.error,
             "refused": refuse.is_some(),
+            "peer_pid": peer,
         }));
         match refuse {
             Some((message, _)) => Err(tonic::Status::unknown(message.clone())),
@@ -444,9 +447,21 @@ impl tokio::io::AsyncWrite for IdleLimited {
 }
 
 impl tonic::transport::server::Connected for IdleLimited {
-    type ConnectInfo = ();
+    type ConnectInfo = tonic::transport::server::UdsConnectInfo;
 
-    fn connect_info(&self) -> Self::ConnectInfo {}
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// The pid of the process on the other end of `request`'s connection (`SO_PEERCRED`), so a test
+/// with two agents on one directory can tell whose call it was.
+fn peer_pid<T>(request: &tonic::Request<T>) -> Option<i32> {
+    request
+        .extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .and_then(|cred| cred.pid())
 }
 
 /// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.

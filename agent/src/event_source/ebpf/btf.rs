@@ -280,6 +280,12 @@ const NEEDED: &[Needed] = &[
         size: 8,
     },
     Needed {
+        field: |o| &mut o.unix_sock_peer,
+        strukt: "unix_sock",
+        path: "peer",
+        size: 8,
+    },
+    Needed {
         field: |o| &mut o.fs_pwd_dentry,
         strukt: "fs_struct",
         path: "pwd.dentry",
@@ -332,6 +338,12 @@ const NEEDED: &[Needed] = &[
         strukt: "inode",
         path: "i_ino",
         size: 8,
+    },
+    Needed {
+        field: |o| &mut o.inode_generation,
+        strukt: "inode",
+        path: "i_generation",
+        size: 4,
     },
     Needed {
         field: |o| &mut o.sb_dev,

@@ -104,6 +104,19 @@ const LISTEN_HOOKS: &[TracepointHook] = &[
     },
 ];
 
+/// Who first contacts a plugin socket (`kind::CONNECT`), attached in every family: the socket a
+/// `connect` reached is known only once it returned.
+const CONNECT_HOOKS: &[TracepointHook] = &[
+    TracepointHook {
+        program: "connect_enter",
+        tracepoints: &["sys_enter_connect"],
+    },
+    TracepointHook {
+        program: "connect_exit",
+        tracepoints: &["sys_exit_connect"],
+    },
+];
+
 /// The tracepoint family's release hint: a `close` of a listening socket's descriptor (the
 /// fentry family has `unix_release` instead, which also sees exits).
 const CLOSE_HOOKS: &[TracepointHook] = &[
@@ -367,11 +380,12 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     links.retain(|link| link.family() == selection.family);
     let mut attached = attached;
     mounted_tracefs |= tracefs::ensure_mounted()?;
-    let liveness = match selection.family {
-        HookFamily::Fentry => LISTEN_HOOKS.iter().collect::<Vec<_>>(),
-        HookFamily::Tracepoints => LISTEN_HOOKS.iter().chain(CLOSE_HOOKS).collect(),
+    let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
+    let sockets = match selection.family {
+        HookFamily::Fentry => sockets.collect::<Vec<_>>(),
+        HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
     };
-    for hook in liveness {
+    for hook in sockets {
         attached.extend(attach_tracepoints(
             &mut ebpf,
             std::slice::from_ref(hook),

@@ -241,7 +241,8 @@ fn drain(
             if let FsEvent::Created { observed, .. }
             | FsEvent::Removed { observed, .. }
             | FsEvent::NameChanged { observed, .. }
-            | FsEvent::Serving { observed, .. } = &mut fs_event
+            | FsEvent::Serving { observed, .. }
+            | FsEvent::Contacted { observed, .. } = &mut fs_event
             {
                 observed.read_ns = read_ns;
             }

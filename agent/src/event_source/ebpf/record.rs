@@ -69,6 +69,7 @@ pub fn translate(
                     listening: event.kind == kind::LISTEN,
                     observed,
                 }),
+                kind::CONNECT => Some(FsEvent::Contacted { path, observed }),
                 _ => None,
             }
         }
@@ -131,6 +132,21 @@ mod tests {
         assert_eq!(
             translate(&event(kind::BIND, scope::EXACT, "a.sock"), watched, no_name),
             Some(FsEvent::Created {
+                path: "/plugins/a.sock".into(),
+                observed: AT_7
+            })
+        );
+    }
+
+    #[test]
+    fn exact_connect_becomes_contacted_by_the_caller() {
+        assert_eq!(
+            translate(
+                &event(kind::CONNECT, scope::EXACT, "a.sock"),
+                watched,
+                no_name
+            ),
+            Some(FsEvent::Contacted {
                 path: "/plugins/a.sock".into(),
                 observed: AT_7
             })
@@ -243,7 +259,8 @@ mod tests {
             Some(
                 FsEvent::Created { path, .. }
                 | FsEvent::Removed { path, .. }
-                | FsEvent::Serving { path, .. },
+                | FsEvent::Serving { path, .. }
+                | FsEvent::Contacted { path, .. },
             ) => {
                 path.parent() == Some(Path::new("/plugins"))
                     && path.file_name().is_some_and(one_name)
