@@ -50,13 +50,31 @@ fn check_rules(promtool: &Path, file: &Path) {
     );
 }
 
-/// Every query of the dashboard, with Grafana's variables replaced by values PromQL accepts.
-fn dashboard_queries() -> Vec<String> {
+fn dashboard() -> serde_json::Value {
     let text = std::fs::read_to_string(deploy("grafana-dashboard.json")).expect("dashboard");
-    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard is JSON");
-    let mut queries = Vec::new();
+    serde_json::from_str(&text).expect("dashboard is JSON")
+}
+
+/// Every target of the dashboard with its panel, for the data source of type `kind`.
+fn targets_of(dashboard: &serde_json::Value, kind: &str) -> Vec<(String, serde_json::Value)> {
+    let mut targets = Vec::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         for target in panel["targets"].as_array().expect("targets") {
+            if target["datasource"]["type"] == kind {
+                let title = panel["title"].as_str().unwrap_or_default().to_string();
+                targets.push((title, target.clone()));
+            }
+        }
+    }
+    targets
+}
+
+/// Every Prometheus query of the dashboard, with Grafana's variables replaced by values PromQL
+/// accepts.
+fn dashboard_queries() -> Vec<String> {
+    let mut queries = Vec::new();
+    {
+        for (_, target) in targets_of(&dashboard(), "prometheus") {
             let expr = target["expr"].as_str().expect("a PromQL expr");
             queries.push(
                 expr.replace("$__rate_interval", "5m")
@@ -134,5 +152,110 @@ fn dashboard_and_rules_name_only_exported_metrics() {
         "plugin_agent_handler_up",
     ] {
         assert!(used.contains(needed), "nothing shows {needed}");
+    }
+}
+
+/// The histograms whose buckets carry a trace exemplar (see `telemetry::metrics`).
+const WITH_EXEMPLARS: &[&str] = &[
+    "plugin_agent_registration_duration_seconds_bucket",
+    "plugin_agent_deregistration_duration_seconds_bucket",
+    "plugin_agent_handler_call_duration_seconds_bucket",
+    "plugin_agent_unserved_deregistration_seconds_bucket",
+    "plugin_agent_first_contact_seconds_bucket",
+];
+
+/// From a latency panel to the trace behind a point: every query of a histogram with exemplars
+/// asks for them, and the provisioned Prometheus source links the exemplars' label (`trace_id`,
+/// the agent's) to the trace source the dashboard's `traces` variable selects.
+#[test]
+fn latency_panels_show_exemplars_that_link_to_the_trace_data_source() {
+    let dashboard = dashboard();
+    let mut with = 0;
+    for (title, target) in targets_of(&dashboard, "prometheus") {
+        let expr = target["expr"].as_str().expect("expr");
+        if metric_names(expr)
+            .iter()
+            .any(|name| WITH_EXEMPLARS.contains(&name.as_str()))
+        {
+            assert_eq!(
+                target["exemplar"], true,
+                "{title}: `{expr}` hides exemplars"
+            );
+            with += 1;
+        }
+    }
+    assert!(with >= 5, "only {with} latency queries");
+
+    let traces = dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables")
+        .iter()
+        .find(|v| v["name"] == "traces")
+        .expect("a trace data-source variable");
+    assert_eq!(traces["type"], "datasource");
+    let text = std::fs::read_to_string(deploy("grafana-datasources.yaml")).expect("datasources");
+    let provisioned: serde_norway::Value = serde_norway::from_str(&text).expect("YAML");
+    let sources = provisioned["datasources"].as_sequence().expect("sources");
+    let prometheus = sources
+        .iter()
+        .find(|s| s["type"] == "prometheus")
+        .expect("a Prometheus source");
+    let link = &prometheus["jsonData"]["exemplarTraceIdDestinations"][0];
+    // What the agent's exemplars look like in the exposition Prometheus scrapes.
+    let metrics = plugin_agent::telemetry::metrics::Metrics::default();
+    metrics.first_contact(
+        std::time::Duration::from_millis(5),
+        Some(plugin_agent::telemetry::metrics::TraceExemplar {
+            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            span_id: "00f067aa0ba902b7".into(),
+        }),
+    );
+    let labels =
+        plugin_agent::telemetry::metrics::render(&metrics.registry_without_state()).expect("text");
+    let label = link["name"].as_str().expect("the exemplar label");
+    assert!(
+        labels.contains(&format!("# {{{label}=\"4bf92f3577b34da6a3ce929d0e0e4736\"")),
+        "the link follows `{label}`, the agent's exemplars are:\n{labels}"
+    );
+    let uid = link["datasourceUid"].as_str().expect("a trace source uid");
+    let backend = sources
+        .iter()
+        .find(|s| s["uid"].as_str() == Some(uid))
+        .expect("the linked trace source is provisioned");
+    assert_eq!(
+        backend["type"].as_str(),
+        traces["query"].as_str(),
+        "the dashboard's traces variable selects the linked backend's type"
+    );
+}
+
+/// The slowest-registrations panel asks the trace source for `register` spans by attributes the
+/// agent sets on them (`observability::traces_of_a_registration_...` checks them on real spans).
+#[test]
+fn the_slowest_registrations_panel_queries_what_register_spans_carry() {
+    const REGISTER_ATTRIBUTES: &[&str] = &[
+        "socket_path",
+        "plugin_name",
+        "plugin_type",
+        "event_source",
+        "attempt",
+        "outcome",
+    ];
+    let dashboard = dashboard();
+    let targets = targets_of(&dashboard, "tempo");
+    assert!(!targets.is_empty(), "no panel reads the trace source");
+    for (title, target) in targets {
+        let query = target["query"].as_str().expect("a TraceQL query");
+        assert!(query.contains("name = \"register\""), "{title}: {query}");
+        for attribute in query.split("span.").skip(1) {
+            let name: String = attribute
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            assert!(
+                REGISTER_ATTRIBUTES.contains(&name.as_str()),
+                "{title}: register spans carry no `{name}`"
+            );
+        }
     }
 }

@@ -10,7 +10,8 @@
 //!
 //! The Prometheus test needs Debian's `prometheus` package (`cargo xtask deps` installs it): it
 //! is skipped with a message when the binary is absent, except under `CI=true`, where that fails.
-//! Everything runs on the inotify source, so no test here needs root.
+//! Everything but the kernel-timestamp test runs on the inotify source (that one needs root and
+//! the eBPF source, and fails under `CI=true` without them).
 
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -748,5 +749,104 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
     assert!(
         registers(&fast).is_empty(),
         "{test}: a fast successful registration was exported though not sampled"
+    );
+}
+
+/// The span's start or end as wall-clock nanoseconds since the epoch.
+fn unix_nanos(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// With eBPF, a socket's trace starts at the kernel's moment: the `discovery` span starts when
+/// the plugin's `bind` returned (`kernel_timestamp=true`), before the plugin itself could say it
+/// listens; and the first process other than the agent to connect (here the test, standing in
+/// for kubelet) adds a `first_contact` span under it, from the bind to the connect, naming the
+/// caller. (docs/observability.md, "Where the discovery span starts".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_ebpf_the_trace_starts_at_the_kernel_s_bind_and_shows_the_first_contact() {
+    let test = "with_ebpf_the_trace_starts_at_the_kernel_s_bind_and_shows_the_first_contact";
+    let (endpoint, mut spans) = otlp_receiver().await;
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(Source::Ebpf, &dir.root());
+    options.extra = ["--no-metrics", "--otlp-endpoint", &endpoint]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    let Some(agent) = AgentProcess::start(test, options).await else {
+        return;
+    };
+    let socket = dir.path("kernel-timed.sock");
+    let spawned = unix_nanos(std::time::SystemTime::now());
+    let plugin = plugin!(&socket).name("kernel.example.com").spawn();
+    let listening = plugin.wait_for_event("listening", EVENT_TIMEOUT).await;
+    let listening_at: u64 = listening
+        .field("at_ns")
+        .and_then(|ns| ns.parse().ok())
+        .expect("the plugin's events carry at_ns");
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let connected = unix_nanos(std::time::SystemTime::now());
+    drop(std::os::unix::net::UnixStream::connect(&socket).expect("connect to the plugin"));
+    let socket_text = socket.to_string_lossy().into_owned();
+    agent
+        .wait_for_log("the first contact", EVENT_TIMEOUT, |l| {
+            l.message() == "plugin socket first contacted"
+                && l.field_is("socket_path", &socket_text)
+        })
+        .await;
+    assert!(agent.stop().await.success());
+
+    let mut by_name: HashMap<String, Span> = HashMap::new();
+    let collect = async {
+        while !(by_name.contains_key("discovery") && by_name.contains_key("first_contact")) {
+            let Some(span) = spans.recv().await else {
+                break;
+            };
+            if attribute(&span, "socket_path").as_deref() == Some(&socket_text) {
+                by_name.entry(span.name.clone()).or_insert(span);
+            }
+        }
+    };
+    if tokio::time::timeout(EVENT_TIMEOUT, collect).await.is_err() {
+        panic!("{test}: spans received: {:?}", by_name.keys());
+    }
+    let discovery = &by_name["discovery"];
+    assert_eq!(
+        attribute(discovery, "kernel_timestamp").as_deref(),
+        Some("true")
+    );
+    assert_eq!(
+        attribute(discovery, "event_source").as_deref(),
+        Some("ebpf")
+    );
+    // The kernel's timestamp, turned into wall time: after the plugin was spawned, before it
+    // printed that it listens (1 ms for the two clocks read a moment apart).
+    let slack = 1_000_000;
+    assert!(
+        spawned <= discovery.start_time_unix_nano
+            && discovery.start_time_unix_nano <= listening_at + slack,
+        "{test}: discovery starts at {} (spawned {spawned}, listening {listening_at})",
+        discovery.start_time_unix_nano
+    );
+    let contact = &by_name["first_contact"];
+    assert_eq!(contact.trace_id, discovery.trace_id, "one trace");
+    assert_eq!(contact.parent_span_id, discovery.span_id);
+    assert_eq!(
+        attribute(contact, "process.pid"),
+        Some(std::process::id().to_string())
+    );
+    assert!(
+        contact
+            .start_time_unix_nano
+            .abs_diff(discovery.start_time_unix_nano)
+            <= slack,
+        "{test}: first_contact starts at the bind: {} vs {}",
+        contact.start_time_unix_nano,
+        discovery.start_time_unix_nano
+    );
+    assert!(
+        connected <= contact.end_time_unix_nano + slack
+            && contact.end_time_unix_nano > contact.start_time_unix_nano,
+        "{test}: first_contact ends at the connect ({connected}): {contact:?}"
     );
 }

@@ -58,8 +58,17 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
     host.and(arm64).and(vm)
 }
 
-/// Runs one stage and prints its wall time, so a CI log says where the run's time went.
+/// Runs one stage and prints its wall time, so a CI log says where the run's time went, and the
+/// disk free for the build before it starts, so a log that ends in a linker's bus error or
+/// "No space left on device" says why at once.
 fn timed(stage: &str, run: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let target = shell::workspace_root().join("target");
+    if let Some(free) = free_bytes(&target).or_else(|| free_bytes(&shell::workspace_root())) {
+        eprintln!(
+            "xtask: test: stage {stage}: {:.1} GiB free for the build",
+            free as f64 / f64::from(1u32 << 30)
+        );
+    }
     let started = std::time::Instant::now();
     let result = run();
     let took = started.elapsed().as_secs();
@@ -70,4 +79,18 @@ fn timed(stage: &str, run: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Resul
         took % 60
     );
     result
+}
+
+/// Bytes an unprivileged writer may still use on the filesystem holding `path`.
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `stat` is written by the call before it is read.
+    if unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `stat`.
+    let stat = unsafe { stat.assume_init() };
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
