@@ -148,6 +148,55 @@ pub enum PluginCallError {
     Notify(String),
 }
 
+/// A step of a plugin call, timed for whoever asked ([`StepTimer`]): each is its span's duration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Connecting, including the wait for a bound socket to listen (the `dial` span).
+    Dial,
+    /// The `GetInfo` call (its span).
+    GetInfo,
+    /// A `NotifyRegistrationStatus` call, a re-dial for it included.
+    Notify,
+}
+
+impl Step {
+    /// The `call` label of the step's latency metric.
+    pub fn label(self) -> &'static str {
+        match self {
+            Step::Dial => "dial",
+            Step::GetInfo => "get_info",
+            Step::Notify => "notify",
+        }
+    }
+}
+
+/// Told how long each step of a connection's calls took and whether it succeeded, while the
+/// step's span is current (the executor records the step with that span as its exemplar; this
+/// room imports no telemetry). The default times nothing.
+#[derive(Clone, Default)]
+pub struct StepTimer(Option<Arc<RecordStep>>);
+
+/// What a [`StepTimer`] calls: the step, how long it took, whether it succeeded.
+type RecordStep = dyn Fn(Step, Duration, bool) + Send + Sync;
+
+impl StepTimer {
+    pub fn new(record: impl Fn(Step, Duration, bool) + Send + Sync + 'static) -> Self {
+        StepTimer(Some(Arc::new(record)))
+    }
+
+    fn record(&self, step: Step, took: Duration, ok: bool) {
+        if let Some(record) = &self.0 {
+            record(step, took, ok);
+        }
+    }
+}
+
+impl std::fmt::Debug for StepTimer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("StepTimer").field(&self.0.is_some()).finish()
+    }
+}
+
 /// What `get_info` does with a PluginInfo no handler should see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnInvalid {
@@ -164,6 +213,7 @@ pub struct PluginConnection {
     timeouts: Timeouts,
     /// Who serves the socket, from the connection's credentials.
     server: Option<Server>,
+    steps: StepTimer,
 }
 
 impl PluginConnection {
@@ -171,22 +221,27 @@ impl PluginConnection {
     /// how not-yet-serving plugins are waited for).
     /// `expected` is the socket instance being registered: if the path comes to hold another
     /// socket while this attempt waits, the attempt ends (the new socket has its own).
-    /// `waiting` does the pauses between tries.
+    /// `waiting` does the pauses between tries; `steps` is told how long each step took.
     pub async fn get_info(
         socket: &Path,
         expected: SocketId,
         timeouts: Timeouts,
         waiting: &mut dyn Pause,
         on_invalid: OnInvalid,
+        steps: &StepTimer,
     ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
         loop {
             let listen_end = started + timeouts.listen.min(timeouts.dial);
-            let (stream, peer) =
+            let span = info_span!("dial");
+            let dialled = Instant::now();
+            let dial =
                 connect_when_listening(socket, expected, budget_end, listen_end, started, waiting)
-                    .instrument(info_span!("dial"))
-                    .await?;
+                    .instrument(span.clone())
+                    .await;
+            span.in_scope(|| steps.record(Step::Dial, dialled.elapsed(), dial.is_ok()));
+            let (stream, peer) = dial?;
             let server = Server::of(stream.inner.as_fd())
                 .inspect_err(
                     |e| tracing::debug!(error = %e, "cannot read the plugin's credentials"),
@@ -218,20 +273,26 @@ impl PluginConnection {
                     ));
                 }
             };
-            let answer = match Box::pin(
+            let span = info_span!("GetInfo");
+            let asked = Instant::now();
+            let called = Box::pin(
                 tokio::time::timeout(
                     timeouts.get_info,
                     client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
                 )
-                .instrument(info_span!("GetInfo")),
+                .instrument(span.clone()),
             )
-            .await
-            {
+            .await;
+            span.in_scope(|| {
+                steps.record(Step::GetInfo, asked.elapsed(), matches!(called, Ok(Ok(_))))
+            });
+            let answer = match called {
                 Ok(Ok(info)) => {
                     let mut connection = PluginConnection {
                         client,
                         timeouts,
                         server,
+                        steps: steps.clone(),
                     };
                     if let Err(invalid) = validate_info(&info) {
                         if on_invalid == OnInvalid::Silent {
@@ -281,9 +342,14 @@ impl PluginConnection {
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
     pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), PluginCallError> {
-        self.call_notify(registered, error)
+        let started = Instant::now();
+        let told = self
+            .call_notify(registered, error)
             .await
-            .map_err(NotifyFailure::into_error)
+            .map_err(NotifyFailure::into_error);
+        self.steps
+            .record(Step::Notify, started.elapsed(), told.is_ok());
+        told
     }
 
     /// [`Self::notify`], and once more on a fresh connection to `socket` if this one broke.
@@ -295,6 +361,23 @@ impl PluginConnection {
     /// 138170). A transport failure here re-dials (same socket instance, within the dial budget)
     /// and asks again; a plugin's own error answer or a deadline is final.
     pub async fn notify_redialing(
+        &mut self,
+        socket: &Path,
+        expected: SocketId,
+        registered: bool,
+        error: &str,
+        waiting: &mut dyn Pause,
+    ) -> Result<(), PluginCallError> {
+        let started = Instant::now();
+        let told = self
+            .notify_redialing_untimed(socket, expected, registered, error, waiting)
+            .await;
+        self.steps
+            .record(Step::Notify, started.elapsed(), told.is_ok());
+        told
+    }
+
+    async fn notify_redialing_untimed(
         &mut self,
         socket: &Path,
         expected: SocketId,

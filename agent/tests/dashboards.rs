@@ -160,6 +160,7 @@ const WITH_EXEMPLARS: &[&str] = &[
     "plugin_agent_registration_duration_seconds_bucket",
     "plugin_agent_deregistration_duration_seconds_bucket",
     "plugin_agent_handler_call_duration_seconds_bucket",
+    "plugin_agent_plugin_call_duration_seconds_bucket",
     "plugin_agent_unserved_deregistration_seconds_bucket",
     "plugin_agent_first_contact_seconds_bucket",
 ];
@@ -184,7 +185,7 @@ fn latency_panels_show_exemplars_that_link_to_the_trace_data_source() {
             with += 1;
         }
     }
-    assert!(with >= 5, "only {with} latency queries");
+    assert!(with >= 6, "only {with} latency queries");
 
     let traces = dashboard["templating"]["list"]
         .as_array()

@@ -1,7 +1,9 @@
 //! The plugin client against real tonic servers on real Unix sockets: kubelet's Notify semantics,
 //! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
 
-use plugin_agent::registration::{OnInvalid, PluginCallError, PluginConnection, Sleep, Timeouts};
+use plugin_agent::registration::{
+    OnInvalid, PluginCallError, PluginConnection, Sleep, StepTimer, Timeouts,
+};
 use plugin_agent::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
@@ -92,10 +94,16 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
             ..Plugin::default()
         },
     );
-    let (mut connection, info) =
-        PluginConnection::get_info(&ok, identity(&ok), fast(), &mut Sleep, OnInvalid::Notify)
-            .await
-            .expect("GetInfo");
+    let (mut connection, info) = PluginConnection::get_info(
+        &ok,
+        identity(&ok),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+        &StepTimer::default(),
+    )
+    .await
+    .expect("GetInfo");
     assert_eq!(info.name, "ok");
     connection.notify(true, "").await.expect("notify true");
 
@@ -115,6 +123,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await
     .expect("GetInfo");
@@ -143,6 +152,7 @@ async fn notify_transport_error_is_wrapped() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await
     .expect("GetInfo");
@@ -184,7 +194,17 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep, OnInvalid::Notify).await }
+        async move {
+            PluginConnection::get_info(
+                &path,
+                id,
+                fast(),
+                &mut Sleep,
+                OnInvalid::Notify,
+                &StepTimer::default(),
+            )
+            .await
+        }
     });
     // The client is now getting ECONNREFUSED; start listening and serving.
     tokio::task::yield_now().await;
@@ -218,6 +238,7 @@ async fn a_socket_refusing_connections_past_the_listen_wait_is_not_listening() {
         timeouts,
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await;
     assert!(
@@ -248,6 +269,7 @@ async fn the_connection_names_the_process_that_serves_the_socket() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await
     .expect("GetInfo");
@@ -265,7 +287,17 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
     let id = identity(&path);
     let attempt = tokio::spawn({
         let path = path.clone();
-        async move { PluginConnection::get_info(&path, id, fast(), &mut Sleep, OnInvalid::Notify).await }
+        async move {
+            PluginConnection::get_info(
+                &path,
+                id,
+                fast(),
+                &mut Sleep,
+                OnInvalid::Notify,
+                &StepTimer::default(),
+            )
+            .await
+        }
     });
     // Serve only after more than one GetInfo deadline (300 ms) has passed.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -297,6 +329,7 @@ async fn hung_get_info_fails_after_its_deadline() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await;
     assert!(
@@ -325,6 +358,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await;
     assert!(
@@ -346,6 +380,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
+        &StepTimer::default(),
     )
     .await;
     assert!(
@@ -364,7 +399,15 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
     let attempt = tokio::spawn({
         let path = path.clone();
         async move {
-            PluginConnection::get_info(&path, stale, fast(), &mut Sleep, OnInvalid::Notify).await
+            PluginConnection::get_info(
+                &path,
+                stale,
+                fast(),
+                &mut Sleep,
+                OnInvalid::Notify,
+                &StepTimer::default(),
+            )
+            .await
         }
     });
     std::fs::remove_file(&path).expect("unlink stale");

@@ -271,11 +271,23 @@ async fn prometheus_scrapes_the_kubelet_gauge_and_registration_metrics_of_a_regi
             1,
             limit,
         );
-        Some((kubelet, registered, latency, by_type))
+        let steps = prometheus.wait_for_series(
+            "plugin_agent_plugin_call_duration_seconds_count{outcome=\"ok\"}",
+            3,
+            limit,
+        );
+        Some((kubelet, registered, latency, by_type, steps))
     });
-    let Some((kubelet, registered, latency, by_type)) = query_task.await.expect("queries") else {
+    let Some((kubelet, registered, latency, by_type, steps)) = query_task.await.expect("queries")
+    else {
         return;
     };
+    let mut calls: Vec<&str> = steps
+        .iter()
+        .filter_map(|s| s["metric"]["call"].as_str())
+        .collect();
+    calls.sort();
+    assert_eq!(calls, ["dial", "get_info", "notify"], "{steps:?}");
     let mut states: Vec<String> = kubelet
         .iter()
         .map(|s| s["metric"]["state"].as_str().unwrap_or("").to_string())
@@ -617,14 +629,23 @@ async fn a_latency_exemplar_in_prometheus_names_a_trace_the_collector_received_a
 
     let exemplars = tokio::task::spawn_blocking(move || {
         let prometheus = Prometheus::start(test, addr, &["--enable-feature=exemplar-storage"])?;
-        Some(prometheus.wait_for_exemplars(
-            "plugin_agent_registration_duration_seconds_bucket{outcome=\"success\"}",
-            Duration::from_secs(30),
+        let limit = Duration::from_secs(30);
+        Some((
+            prometheus.wait_for_exemplars(
+                "plugin_agent_registration_duration_seconds_bucket{outcome=\"success\"}",
+                limit,
+            ),
+            prometheus.wait_for_exemplars(
+                "plugin_agent_plugin_call_duration_seconds_bucket{call=\"get_info\",outcome=\"ok\"}",
+                limit,
+            ),
         ))
     })
     .await
     .expect("queries");
-    let Some(exemplars) = exemplars else { return };
+    let Some((exemplars, step_exemplars)) = exemplars else {
+        return;
+    };
     let (trace_id, span_id) = exemplars[0].clone();
     assert_eq!(trace_id.len(), 32, "{exemplars:?}");
 
@@ -653,6 +674,14 @@ async fn a_latency_exemplar_in_prometheus_names_a_trace_the_collector_received_a
             .any(|s| s.name == "discovery" && hex(&s.trace_id) == trace_id),
         "the discovery root of the trace was exported too"
     );
+    // The GetInfo step's latency leads to that step's own span, under the same register span.
+    let (step_trace, step_span) = step_exemplars[0].clone();
+    assert_eq!(step_trace, trace_id, "{step_exemplars:?}");
+    let get_info = received
+        .iter()
+        .find(|s| s.name == "GetInfo" && hex(&s.span_id) == step_span)
+        .unwrap_or_else(|| panic!("{test}: no GetInfo span {step_span} received"));
+    assert_eq!(hex(&get_info.parent_span_id), span_id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

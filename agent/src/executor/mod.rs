@@ -162,6 +162,8 @@ pub struct OperationExecutor {
     liveness: Arc<Liveness>,
     /// Who serves each plugin, and whether the policy lets it register.
     admission: admission::Admission,
+    /// Records each plugin call's steps (dial, GetInfo, Notify) in the metrics.
+    steps: crate::registration::StepTimer,
 }
 
 impl OperationExecutor {
@@ -193,13 +195,14 @@ impl OperationExecutor {
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
-            telemetry,
+            telemetry: telemetry.clone(),
             cancel,
             trimmer: crate::memory::Trimmer::default(),
             retry_timers: Mutex::new(HashMap::new()),
             journal: std::sync::OnceLock::new(),
             liveness: Arc::default(),
             admission: admission::Admission::default(),
+            steps: observe::step_timer(telemetry.clone()),
         });
         let weak = Arc::downgrade(&executor);
         executor.liveness.on_loss(move |loss| {

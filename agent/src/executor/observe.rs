@@ -7,6 +7,7 @@ use super::OperationExecutor;
 use super::operation::RegisterFailure;
 use crate::event_source::monotonic_now_ns;
 use crate::handler::Plugin;
+use crate::registration::StepTimer;
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::metrics::TraceExemplar;
 use crate::telemetry::sampling;
@@ -23,6 +24,20 @@ pub(super) fn exemplar(span: &tracing::Span, kept: bool) -> Option<TraceExemplar
     sampling::exported(&cx, kept)
         .then(|| TraceExemplar::of(&cx))
         .flatten()
+}
+
+/// Records every plugin call step in `telemetry`'s metrics, with the step's span (current when
+/// the registration room reports it) as the exemplar; a failed or slow step's trace is exported
+/// by the tail rule, so its exemplar leads to it.
+pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>) -> StepTimer {
+    StepTimer::new(move |step, took, ok| {
+        let kept = sampling::tail_reason(!ok, took).is_some();
+        let exemplar = exemplar(&tracing::Span::current(), kept);
+        let outcome = if ok { "ok" } else { "error" };
+        telemetry
+            .metrics
+            .plugin_call(step.label(), outcome, took, exemplar);
+    })
 }
 
 /// Marks the current operation span for the tail rule when it keeps an operation that

@@ -37,6 +37,7 @@ impl OperationExecutor {
                     self.plugin_timeouts(desired),
                     slot,
                     OnInvalid::Silent,
+                    &self.steps,
                 );
                 let Some(answer) =
                     Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await

@@ -123,6 +123,7 @@ impl OperationExecutor {
             self.plugin_timeouts(desired),
             slot,
             OnInvalid::Notify,
+            &self.steps,
         );
         // Every step below is boxed where it is awaited: a future is as large as its largest
         // step, and an operation that waits (for a slot, or in a dial's pauses) should cost

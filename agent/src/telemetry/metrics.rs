@@ -63,6 +63,15 @@ pub struct HandlerCallLabels {
     pub outcome: &'static str,
 }
 
+/// The label set of plugin call step latency.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginCallLabels {
+    /// `dial`, `get_info` or `notify`.
+    pub call: &'static str,
+    /// `ok` or `error`.
+    pub outcome: &'static str,
+}
+
 /// The label set of rescans.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RescanLabels {
@@ -160,6 +169,7 @@ pub struct Metrics {
     unserved_deregistration: HistogramFamily<LivenessLabels>,
     policy_rejections: Family<PolicyLabels, Counter>,
     first_contact: ExemplarHistogram,
+    plugin_calls: HistogramFamily<PluginCallLabels>,
 }
 
 impl Default for Metrics {
@@ -177,6 +187,7 @@ impl Default for Metrics {
             policy_rejections: Family::default(),
             unserved_deregistration: Family::new_with_constructor(latency_histogram),
             first_contact: latency_histogram(),
+            plugin_calls: Family::new_with_constructor(handler_histogram),
         }
     }
 }
@@ -306,6 +317,25 @@ impl Metrics {
         );
     }
 
+    /// A step of a call to a plugin (`call`: `dial`, `get_info`, `notify`) took `took` and
+    /// ended with `outcome` (`ok`, `error`); `exemplar`: the step's span, when its trace is
+    /// exported.
+    pub fn plugin_call(
+        &self,
+        call: &'static str,
+        outcome: &'static str,
+        took: Duration,
+        exemplar: Option<TraceExemplar>,
+    ) {
+        observe(
+            &self
+                .plugin_calls
+                .get_or_create(&PluginCallLabels { call, outcome }),
+            took,
+            exemplar,
+        );
+    }
+
     /// A plugin socket was first contacted by another process `after` its creation (eBPF);
     /// `exemplar`: its `first_contact` span, when traces are exported.
     pub fn first_contact(&self, after: Duration, exemplar: Option<TraceExemplar>) {
@@ -352,6 +382,11 @@ impl Metrics {
             "handler_call_duration_seconds",
             "Handler ValidatePlugin / RegisterPlugin / DeRegisterPlugin latency, by plugin type, call and outcome",
             self.handler_calls.clone(),
+        );
+        agent.register(
+            "plugin_call_duration_seconds",
+            "Steps of the calls to plugins: dial (connect, waiting for a bound socket to listen), GetInfo and NotifyRegistrationStatus, by call and outcome",
+            self.plugin_calls.clone(),
         );
         agent.register(
             "liveness_losses",
@@ -639,6 +674,9 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_handler_call_duration_seconds_bucket",
     "plugin_agent_handler_call_duration_seconds_sum",
     "plugin_agent_handler_call_duration_seconds_count",
+    "plugin_agent_plugin_call_duration_seconds_bucket",
+    "plugin_agent_plugin_call_duration_seconds_sum",
+    "plugin_agent_plugin_call_duration_seconds_count",
     "plugin_agent_liveness_losses_total",
     "plugin_agent_policy_rejections_total",
     "plugin_agent_unserved_deregistration_seconds_bucket",
@@ -743,6 +781,7 @@ mod tests {
         m.policy_rejection("csi-drivers");
         m.unserved_deregistered("pidfd", Duration::from_millis(3), None);
         m.first_contact(Duration::from_millis(900), None);
+        m.plugin_call("get_info", "ok", Duration::from_micros(300), None);
         let registry = m.registry(StateCollector {
             state: StateView {
                 desired,
