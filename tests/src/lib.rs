@@ -29,6 +29,7 @@ pub mod events;
 pub mod handler;
 pub mod host;
 pub mod http;
+pub mod otlp;
 pub mod plugin;
 pub mod procfs;
 

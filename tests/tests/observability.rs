@@ -13,12 +13,6 @@
 //! Everything but the kernel-timestamp test runs on the inotify source (that one needs root and
 //! the eBPF source, and fails under `CI=true` without them).
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use plugin_agent_tests::env::skip;
@@ -336,43 +330,11 @@ async fn healthz_answers_and_readyz_reports_ready_after_the_first_scan() {
     );
 }
 
-/// The collector side of OTLP/gRPC: hands every span it receives to the test.
-struct Receiver {
-    spans: mpsc::UnboundedSender<Span>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Receiver {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        for resource in request.into_inner().resource_spans {
-            for scope in resource.scope_spans {
-                for span in scope.spans {
-                    let _ = self.spans.send(span);
-                }
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
-/// Starts a receiver on a loopback port; returns its endpoint URL and the spans it receives.
+/// A receiver on a loopback port: its endpoint URL and the spans it receives.
 async fn otlp_receiver() -> (String, mpsc::UnboundedReceiver<Span>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    plugin_agent_tests::otlp::receiver()
         .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(Receiver { spans: tx }))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    (format!("http://{addr}"), rx)
+        .expect("an OTLP receiver on loopback")
 }
 
 fn attribute(span: &Span, key: &str) -> Option<String> {

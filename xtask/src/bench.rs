@@ -108,6 +108,8 @@ impl Scenario {
 struct Mode {
     name: &'static str,
     agent_args: &'static [&'static str],
+    /// For loadgen itself (`--otlp-sink`: a trace receiver for the agent).
+    loadgen_args: &'static [&'static str],
     /// Run when no `--modes` are given (the others are for a question of their own).
     by_default: bool,
 }
@@ -116,21 +118,25 @@ const MODES: &[Mode] = &[
     Mode {
         name: "ebpf",
         agent_args: &["--source", "ebpf"],
+        loadgen_args: &[],
         by_default: true,
     },
     Mode {
         name: "fanotify",
         agent_args: &["--source", "fanotify"],
+        loadgen_args: &[],
         by_default: true,
     },
     Mode {
         name: "inotify",
         agent_args: &["--source", "inotify"],
+        loadgen_args: &[],
         by_default: true,
     },
     Mode {
         name: "polling",
         agent_args: &["--source", "inotify", "--reconcile-mode", "polling"],
+        loadgen_args: &[],
         by_default: true,
     },
     // What provenance (the /proc reads naming each socket's creator and server) costs: the
@@ -138,11 +144,27 @@ const MODES: &[Mode] = &[
     Mode {
         name: "ebpf-no-provenance",
         agent_args: &["--source", "ebpf", "--provenance", "false"],
+        loadgen_args: &[],
         by_default: false,
     },
     Mode {
         name: "fanotify-no-provenance",
         agent_args: &["--source", "fanotify", "--provenance", "false"],
+        loadgen_args: &[],
+        by_default: false,
+    },
+    // What tracing costs (issue 21): every operation's trace exported over OTLP to a receiver
+    // in loadgen, with the exemplars that come with it (`--modes ebpf,ebpf-traced`).
+    Mode {
+        name: "ebpf-traced",
+        agent_args: &["--source", "ebpf"],
+        loadgen_args: &["--otlp-sink"],
+        by_default: false,
+    },
+    Mode {
+        name: "fanotify-traced",
+        agent_args: &["--source", "fanotify"],
+        loadgen_args: &["--otlp-sink"],
         by_default: false,
     },
 ];
@@ -228,6 +250,7 @@ fn run_one(
         .arg(release.join("plugin-agent"))
         .arg("--per-plugin-out")
         .arg(csv)
+        .args(mode.loadgen_args)
         .args(args)
         .arg("--")
         // The agent's default concurrency (256 operations): on 2 cores more buys no throughput

@@ -104,6 +104,10 @@ struct RunArgs {
     /// A plugin alive this long while the agent is up and never registered is lost.
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     lost_bound: Duration,
+    /// Export the agent's traces to a receiver in this process (`--otlp-endpoint`), counting the
+    /// spans it gets: what tracing (and the exemplars that come with it) costs the agent.
+    #[arg(long)]
+    otlp_sink: bool,
     #[command(flatten)]
     params: Params,
     /// Arguments for `plugin-agent run` (`--source ebpf`, `--reconcile-mode polling`...).
@@ -174,6 +178,21 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
 
     let mut agent_args = args.agent_args.clone();
     let (announce, _handler) = handler_for(args, &work.path, &mut agent_args).await?;
+    let spans = match args.otlp_sink {
+        true => {
+            let (endpoint, mut received) = plugin_agent_tests::otlp::receiver().await?;
+            agent_args.extend(["--otlp-endpoint".into(), endpoint]);
+            let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let counted = count.clone();
+            tokio::spawn(async move {
+                while received.recv().await.is_some() {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            Some(count)
+        }
+        false => None,
+    };
 
     let (ledger, reports_tx) = ledger_fed_by_workers();
     let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
@@ -256,6 +275,8 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         "totals": totals,
         "agent_load": load_usage,
         "agent_idle": idle,
+        // Received by --otlp-sink once the stopped agent flushed (null: traces off).
+        "spans_exported": spans.map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
     }))
 }
 
