@@ -341,6 +341,18 @@ mod programs {
         Some(())
     }
 
+    /// The descriptor this thread's `bind`, `listen` or `connect` entry parked in `PENDING_BINDS`
+    /// (taken out here, whatever the result), if the syscall returned 0.
+    #[inline(always)]
+    fn parked_fd_if_succeeded(ctx: &TracePointContext) -> Option<u32> {
+        let thread = bpf_get_current_pid_tgid();
+        // SAFETY: the value is copied out before the entry is removed.
+        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
+        let _ = PENDING_BINDS.remove(&thread);
+        // SAFETY: offset within a sys_exit_* record.
+        (unsafe { ctx.read_at::<i64>(RET) }.ok()? == 0).then_some(fd)
+    }
+
     /// Whether the `struct sockaddr *` of a `bind` or `connect` (user memory, `addrlen` bytes)
     /// names a filesystem `AF_UNIX` address.
     #[inline(always)]
@@ -364,15 +376,7 @@ mod programs {
     }
 
     fn try_bind_exit(ctx: &TracePointContext) -> Option<()> {
-        let thread = bpf_get_current_pid_tgid();
-        // SAFETY: the value is copied out before the entry is removed.
-        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
-        let _ = PENDING_BINDS.remove(&thread);
-        // SAFETY: offset within the sys_exit_bind record.
-        let ret = unsafe { ctx.read_at::<i64>(RET) }.ok()?;
-        if ret != 0 {
-            return None;
-        }
+        let fd = parked_fd_if_succeeded(ctx)?;
         // The socket's own dentry: relative paths, chroots and other mount namespaces all resolve
         // to the same directory identity the agent watches.
         let file = fd_file(u64::from(fd))?;
@@ -1002,14 +1006,7 @@ mod programs {
     }
 
     fn try_listen_exit(ctx: &TracePointContext) -> Option<()> {
-        let thread = bpf_get_current_pid_tgid();
-        // SAFETY: the value is copied out before the entry is removed.
-        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
-        let _ = PENDING_BINDS.remove(&thread);
-        // SAFETY: offset within the sys_exit_listen record.
-        if unsafe { ctx.read_at::<i64>(RET) }.ok()? != 0 {
-            return None;
-        }
+        let fd = parked_fd_if_succeeded(ctx)?;
         let (dentry, listening) = bound_unix_socket(u64::from(fd))?;
         if !listening {
             return None;
@@ -1072,14 +1069,7 @@ mod programs {
     }
 
     fn try_connect_exit(ctx: &TracePointContext) -> Option<()> {
-        let thread = bpf_get_current_pid_tgid();
-        // SAFETY: the value is copied out before the entry is removed.
-        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
-        let _ = PENDING_BINDS.remove(&thread);
-        // SAFETY: offset within the sys_exit_connect record.
-        if unsafe { ctx.read_at::<i64>(RET) }.ok()? != 0 {
-            return None;
-        }
+        let fd = parked_fd_if_succeeded(ctx)?;
         let file = fd_file(u64::from(fd))?;
         let socket = kptr(file, offset!(file_private_data))?;
         let sk = kptr(socket, offset!(socket_sk))?;
