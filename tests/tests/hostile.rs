@@ -1353,3 +1353,50 @@ async fn ebpf_20000_short_lived_socket_names_cause_no_rescan_and_no_removal_is_m
         "{test}: rescans beyond the start's"
     );
 }
+
+/// An operator's pipe that closes early (`plugin-agent list | head -1`) ends `list`, `status`
+/// and `completions` quietly with success, as it ends any Unix tool: they panicked on the broken
+/// pipe ("failed printing to stdout").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_end_quietly_when_their_reader_goes_away() {
+    let test = "operator_commands_end_quietly_when_their_reader_goes_away";
+    let dir = PluginDir::new();
+    let Some(agent) = AgentProcess::start_default(test, Source::Inotify, &dir.root()).await else {
+        return;
+    };
+    let plugins: Vec<_> = (0..3)
+        .map(|i| {
+            plugin!(dir.path(&format!("piped-{i}.sock")))
+                .name(&format!("piped-{i}"))
+                .spawn()
+        })
+        .collect();
+    for plugin in &plugins {
+        plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    }
+    let admin_socket = dir.root().with_file_name("admin.sock");
+    for command in [
+        &["list", "--wide"][..],
+        &["status"],
+        &["completions", "bash"],
+    ] {
+        // A pipe whose read end is closed before the command writes: every write is EPIPE.
+        let (reader, writer) = nix::unistd::pipe().expect("pipe");
+        drop(reader);
+        let output = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+            .arg("--admin-socket")
+            .arg(&admin_socket)
+            .args(command)
+            .stdout(std::process::Stdio::from(writer))
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run the command");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success() && !stderr.contains("panicked"),
+            "{test}: {command:?} into a closed pipe: {:?}\n{stderr}",
+            output.status
+        );
+    }
+    drop(agent);
+}

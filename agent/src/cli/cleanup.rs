@@ -9,23 +9,23 @@ use crate::event_source::ebpf;
 pub fn cleanup(plugin_dir: Option<PathBuf>, all: bool, admin_socket: &Path) -> anyhow::Result<()> {
     if all {
         let removed = ebpf::remove_all_pins()?;
-        println!("removed {} pinned program sets", removed.len());
+        out!("removed {} pinned program sets", removed.len());
         for dir in removed {
-            println!("  {}", dir.display());
+            out!("  {}", dir.display());
         }
     } else {
         let dir = plugin_dir.unwrap_or_else(|| PathBuf::from(super::DEFAULT_PLUGIN_DIR));
         let dir = std::path::absolute(&dir)?;
         if ebpf::remove_pins(&dir)? {
-            println!("removed the pinned eBPF programs of {}", dir.display());
+            out!("removed the pinned eBPF programs of {}", dir.display());
         } else {
-            println!("no pinned eBPF programs for {}", dir.display());
+            out!("no pinned eBPF programs for {}", dir.display());
         }
     }
     if let Some(runtime_dir) = admin_socket.parent() {
         let state = runtime_dir.join(crate::persist::FILE_NAME);
         match std::fs::remove_file(&state) {
-            Ok(()) => println!("removed {}", state.display()),
+            Ok(()) => out!("removed {}", state.display()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e.into()),
         }

@@ -19,7 +19,7 @@ pub(super) async fn execute(socket: &Path, command: HandlerCommand) -> anyhow::R
                     target: target.clone(),
                 })
                 .await?;
-            println!("handler for {plugin_type} is now {target}");
+            out!("handler for {plugin_type} is now {target}");
         }
         HandlerCommand::Remove { plugin_type } => {
             let removed = client
@@ -29,7 +29,7 @@ pub(super) async fn execute(socket: &Path, command: HandlerCommand) -> anyhow::R
                 .await?
                 .into_inner()
                 .removed;
-            println!(
+            out!(
                 "{}",
                 if removed {
                     format!("handler for {plugin_type} removed")

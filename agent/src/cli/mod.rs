@@ -7,6 +7,22 @@
 //! [`list`], [`watch`], [`status`], [`handler`] and [`policy`] are admin API clients; [`render`] holds the
 //! output helpers they share (tables, JSON/YAML, timestamps).
 
+/// `println!` for what the operator commands print: a reader that goes away early
+/// (`plugin-agent list | head`) ends the command quietly, as it ends any Unix tool, instead of the
+/// panic `println!` raises on a broken pipe.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `print!` likewise (see [`out!`]).
+macro_rules! out_raw {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*))
+    };
+}
+
 mod cleanup;
 mod handler;
 mod list;
@@ -15,6 +31,20 @@ mod render;
 pub mod run;
 mod status;
 mod watch;
+
+/// Writes to stdout; a closed pipe exits with success (nothing is left to say to anyone), any
+/// other write error with failure, saying why on stderr.
+pub(crate) fn write_stdout(text: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_fmt(text) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("plugin-agent: cannot write to stdout: {e}");
+            std::process::exit(1);
+        }
+    }
+}
 
 use crate::admin;
 use crate::config::ConfigFile;
@@ -196,12 +226,9 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Policy(PolicyCommand::Reload) => policy::reload(&socket()).await,
         Command::Cleanup { plugin_dir, all } => cleanup::cleanup(plugin_dir, all, &socket()),
         Command::Completions { shell } => {
-            clap_complete::generate(
-                shell,
-                &mut Cli::command(),
-                "plugin-agent",
-                &mut std::io::stdout(),
-            );
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "plugin-agent", &mut script);
+            out_raw!("{}", String::from_utf8_lossy(&script));
             Ok(())
         }
     }

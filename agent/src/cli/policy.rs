@@ -12,9 +12,11 @@ pub(super) async fn reload(socket: &Path) -> anyhow::Result<()> {
         .await
         .map_err(|status| anyhow::anyhow!("policy not reloaded: {}", status.message()))?
         .into_inner();
-    println!(
+    out!(
         "policy reloaded: {} rules; {} registered plugins refused (deregistering), {} refused plugins tried again",
-        reload.rules, reload.refused, reload.retried
+        reload.rules,
+        reload.refused,
+        reload.retried
     );
     Ok(())
 }

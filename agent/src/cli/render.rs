@@ -15,8 +15,8 @@ pub(super) fn print_structured<T: serde::Serialize>(
     output: Output,
 ) -> anyhow::Result<()> {
     match output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(value)?),
-        Output::Yaml => print!("{}", serde_norway::to_string(value)?),
+        Output::Json => out!("{}", serde_json::to_string_pretty(value)?),
+        Output::Yaml => out_raw!("{}", serde_norway::to_string(value)?),
         Output::Table => unreachable!("tables are printed by each command"),
     }
     Ok(())
@@ -44,7 +44,7 @@ pub(super) fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N
             .zip(widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
-        println!("{}", padded.join("  ").trim_end());
+        out!("{}", padded.join("  ").trim_end());
     };
     line(header.to_vec());
     for row in rows {

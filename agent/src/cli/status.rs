@@ -70,31 +70,34 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
     let uptime = SystemTime::now()
         .duration_since(UNIX_EPOCH + Duration::from_millis(s.started_unix_ms.max(0) as u64))
         .unwrap_or_default();
-    println!(
+    out!(
         "plugin-agent {}  up {}",
         view.version,
         humantime::format_duration(Duration::from_secs(uptime.as_secs()))
     );
-    println!("plugin dir:    {}", view.plugin_dir);
-    println!(
+    out!("plugin dir:    {}", view.plugin_dir);
+    out!(
         "event source:  {} ({})",
-        view.source, view.source_description
+        view.source,
+        view.source_description
     );
-    println!("reconciler:    {}", view.reconcile_mode);
-    println!("mode:          {}", view.mode);
-    println!(
+    out!("reconciler:    {}", view.reconcile_mode);
+    out!("mode:          {}", view.mode);
+    out!(
         "plugins:       {} found, {} registered",
-        view.plugins_desired, view.plugins_registered
+        view.plugins_desired,
+        view.plugins_registered
     );
-    println!(
+    out!(
         "rescans:       {} ({} after event loss)",
-        view.rescans, view.loss_rescans
+        view.rescans,
+        view.loss_rescans
     );
-    println!("watching:      {} directories", view.watched_directories);
+    out!("watching:      {} directories", view.watched_directories);
     for problem in &view.problems {
-        println!("PROBLEM:       {}", crate::text::escape(problem));
+        out!("PROBLEM:       {}", crate::text::escape(problem));
     }
-    println!("handlers:");
+    out!("handlers:");
     for h in &view.handlers {
         let health = if h.healthy { "healthy" } else { "UNREACHABLE" };
         let error = h
@@ -106,7 +109,7 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
             "  {:<16} {:<8} {}{}",
             h.plugin_type, health, h.target, error
         );
-        println!("{}", crate::text::escape(&line));
+        out!("{}", crate::text::escape(&line));
     }
     Ok(())
 }

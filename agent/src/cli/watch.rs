@@ -55,8 +55,8 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             contact: event.contact.map(ContactRow::from),
         };
         match output {
-            Output::Json => println!("{}", serde_json::to_string(&row)?),
-            Output::Yaml => print!("---\n{}", serde_norway::to_string(&row)?),
+            Output::Json => out!("{}", serde_json::to_string(&row)?),
+            Output::Yaml => out_raw!("---\n{}", serde_norway::to_string(&row)?),
             Output::Table => {
                 let mut line = format!("{} {:<20} {}", row.time, row.kind, row.socket_path);
                 if let Some(p) = &row.plugin {
@@ -81,7 +81,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                 if let Some(d) = &row.detail {
                     line += &format!(" ({d})");
                 }
-                println!("{}", crate::text::escape(&line));
+                out!("{}", crate::text::escape(&line));
             }
         }
     }
