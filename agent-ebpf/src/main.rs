@@ -76,6 +76,12 @@ mod programs {
     #[map]
     static PENDING_BINDS: HashMap<u64, u32> = HashMap::with_max_entries(4096, 0);
 
+    /// `connect` descriptors between entry and exit, likewise; a table of their own because a
+    /// `connect` can block (on a listener that never accepts), and any process anywhere could
+    /// then hold thousands of entries: full, it loses contacts, never binds (tree state).
+    #[map]
+    static PENDING_CONNECTS: HashMap<u64, u32> = HashMap::with_max_entries(4096, 0);
+
     /// A removal that passed the filter at entry, reported at exit if the call succeeded.
     #[map]
     static PENDING: HashMap<u64, Event> = HashMap::with_max_entries(4096, 0);
@@ -341,14 +347,14 @@ mod programs {
         Some(())
     }
 
-    /// The descriptor this thread's `bind`, `listen` or `connect` entry parked in `PENDING_BINDS`
+    /// The descriptor this thread's `bind`, `listen` or `connect` entry parked in `pending`
     /// (taken out here, whatever the result), if the syscall returned 0.
     #[inline(always)]
-    fn parked_fd_if_succeeded(ctx: &TracePointContext) -> Option<u32> {
+    fn parked_fd_if_succeeded(pending: &HashMap<u64, u32>, ctx: &TracePointContext) -> Option<u32> {
         let thread = bpf_get_current_pid_tgid();
         // SAFETY: the value is copied out before the entry is removed.
-        let fd = unsafe { PENDING_BINDS.get(&thread) }.copied()?;
-        let _ = PENDING_BINDS.remove(&thread);
+        let fd = unsafe { pending.get(&thread) }.copied()?;
+        let _ = pending.remove(&thread);
         // SAFETY: offset within a sys_exit_* record.
         (unsafe { ctx.read_at::<i64>(RET) }.ok()? == 0).then_some(fd)
     }
@@ -376,7 +382,7 @@ mod programs {
     }
 
     fn try_bind_exit(ctx: &TracePointContext) -> Option<()> {
-        let fd = parked_fd_if_succeeded(ctx)?;
+        let fd = parked_fd_if_succeeded(&PENDING_BINDS, ctx)?;
         // The socket's own dentry: relative paths, chroots and other mount namespaces all resolve
         // to the same directory identity the agent watches.
         let file = fd_file(u64::from(fd))?;
@@ -1006,7 +1012,7 @@ mod programs {
     }
 
     fn try_listen_exit(ctx: &TracePointContext) -> Option<()> {
-        let fd = parked_fd_if_succeeded(ctx)?;
+        let fd = parked_fd_if_succeeded(&PENDING_BINDS, ctx)?;
         let (dentry, listening) = bound_unix_socket(u64::from(fd))?;
         if !listening {
             return None;
@@ -1055,9 +1061,9 @@ mod programs {
         if !unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?) {
             return None;
         }
-        // A thread runs one syscall at a time: bind's table carries connect's descriptor too. A
-        // full table loses a contact, which describes a plugin and is not tree state: no rescan.
-        PENDING_BINDS
+        // A full table loses a contact, which describes a plugin and is not tree state: no
+        // rescan.
+        PENDING_CONNECTS
             .insert(bpf_get_current_pid_tgid(), fd as u32, 0)
             .ok()
     }
@@ -1069,7 +1075,7 @@ mod programs {
     }
 
     fn try_connect_exit(ctx: &TracePointContext) -> Option<()> {
-        let fd = parked_fd_if_succeeded(ctx)?;
+        let fd = parked_fd_if_succeeded(&PENDING_CONNECTS, ctx)?;
         let file = fd_file(u64::from(fd))?;
         let socket = kptr(file, offset!(file_private_data))?;
         let sk = kptr(socket, offset!(socket_sk))?;

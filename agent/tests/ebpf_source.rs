@@ -69,6 +69,9 @@ enum Action {
     BindKept(PathBuf),
     /// `connect` to a listening socket, then close the connection.
     Connect(PathBuf),
+    /// Listen at a path with a backlog of 0 and never accept, then start this many threads that
+    /// each `connect` to it (all but the first block there), and wait to be killed.
+    ConnectBlocked(PathBuf, usize),
     /// `bind` expecting `EADDRINUSE`.
     BindFails(PathBuf),
     /// `bind` an abstract socket (no filesystem entry).
@@ -118,6 +121,9 @@ impl Action {
             Action::Bind(path) => format!("bind\t{}", p(path)),
             Action::BindKept(path) => format!("bind_kept\t{}", p(path)),
             Action::Connect(path) => format!("connect\t{}", p(path)),
+            Action::ConnectBlocked(path, threads) => {
+                format!("connect_blocked\t{}\t{threads}", p(path))
+            }
             Action::BindFails(path) => format!("bind_fails\t{}", p(path)),
             Action::BindAbstract(name) => format!("bind_abstract\t{name}"),
             Action::Chdir(path) => format!("chdir\t{}", p(path)),
@@ -227,6 +233,39 @@ impl Action {
                     None::<&str>,
                 )
                 .expect("bind mount");
+            }
+            ["connect_blocked", path, threads] => {
+                use nix::sys::socket::{
+                    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
+                };
+                let listener = socket(
+                    AddressFamily::Unix,
+                    SockType::Stream,
+                    SockFlag::empty(),
+                    None,
+                )
+                .expect("socket");
+                bind(
+                    std::os::fd::AsRawFd::as_raw_fd(&listener),
+                    &UnixAddr::new(path).expect(path),
+                )
+                .expect(path);
+                listen(&listener, Backlog::new(0).expect("backlog")).expect("listen");
+                for _ in 0..threads.parse::<usize>().expect(threads) {
+                    let path = path.to_string();
+                    std::thread::Builder::new()
+                        .stack_size(64 << 10)
+                        .spawn(move || {
+                            let _connected = UnixStream::connect(&path);
+                            loop {
+                                std::thread::park();
+                            }
+                        })
+                        .expect("a thread");
+                }
+                loop {
+                    std::thread::park();
+                }
             }
             ["bind_unlink_for", dir, name, ms] => {
                 let path = Path::new(dir).join(name);
@@ -553,6 +592,56 @@ async fn the_first_connect_to_each_socket_instance_in_the_tree_names_its_caller(
             Seen::Contacted(socket, second)
         ]
     );
+}
+
+/// Threads of this process that are inside a `connect` call now (`/proc/PID/task/*/syscall`).
+fn threads_in_connect(pid: u32) -> usize {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    let connect = format!("{} ", libc::SYS_connect);
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("syscall")).ok())
+        .filter(|syscall| syscall.starts_with(&connect))
+        .count()
+}
+
+/// A `connect` can block, so any process could keep thousands of them parked between the
+/// programs' entry and exit: they have a table of their own, and binds in the tree are still
+/// reported exactly, with nothing lost (sharing bind's 4,096-entry table, they filled it, the bind
+/// was lost and the agent had to rescan).
+#[tokio::test]
+async fn blocked_connects_anywhere_do_not_cost_a_bind_in_the_tree() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("blocked", EbpfOptions::default(), 1024);
+    let script = Action::ConnectBlocked(f.in_elsewhere("never-accepts.sock"), 4200).encode();
+    let mut blocker = Command::new(std::env::current_exe().expect("test executable"))
+        .args(["--exact", "helper_process_performs_actions", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(SCRIPT_ENV, script)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn the blocking helper");
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    while threads_in_connect(blocker.id()) < 4150 {
+        assert!(
+            Instant::now() < deadline,
+            "only {} threads blocked in connect",
+            threads_in_connect(blocker.id())
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let bound = f.in_watched("bound.sock");
+    let seen = f
+        .events_of(&[Action::Bind(bound.clone())], "sentinel.sock")
+        .await;
+    let _ = blocker.kill();
+    let _ = blocker.wait();
+    assert_eq!(seen, vec![Seen::Created(bound)]);
 }
 
 /// Every `Action::Bind` is a listener (bind, listen, close): in the tree, its `listen` and its
