@@ -125,7 +125,8 @@ pub enum Command {
         /// Output format.
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
-        /// In the table, who serves and who created each socket, and its pod or cgroup.
+        /// In the table, who serves and who created each socket, who first connected to it (eBPF:
+        /// kubelet, beside it), and its pod or cgroup.
         #[arg(long)]
         wide: bool,
     },
