@@ -251,7 +251,30 @@ impl Action {
                 )
                 .expect(path);
                 listen(&listener, Backlog::new(0).expect("backlog")).expect("listen");
-                for _ in 0..threads.parse::<usize>().expect(threads) {
+                let threads = threads.parse::<usize>().expect(threads);
+                // Every blocked connect holds a socket: often more descriptors than the soft
+                // limit (1,024 in the VM stage's guest) or even the hard one allows; raising the
+                // hard limit needs CAP_SYS_RESOURCE, which root has there.
+                let needed = (threads + 64) as libc::rlim_t;
+                let mut limit = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                // SAFETY: getrlimit and setrlimit read or write the struct passed, nothing else.
+                unsafe {
+                    assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+                    if limit.rlim_cur < needed {
+                        limit.rlim_cur = needed;
+                        limit.rlim_max = limit.rlim_max.max(needed);
+                        assert_eq!(
+                            libc::setrlimit(libc::RLIMIT_NOFILE, &limit),
+                            0,
+                            "{needed} descriptors: {}",
+                            std::io::Error::last_os_error()
+                        );
+                    }
+                }
+                for _ in 0..threads {
                     let path = path.to_string();
                     std::thread::Builder::new()
                         .stack_size(64 << 10)
@@ -626,7 +649,8 @@ async fn blocked_connects_anywhere_do_not_cost_a_bind_in_the_tree() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn the blocking helper");
-    let deadline = Instant::now() + STEP_TIMEOUT;
+    // Thousands of threads start slowly under emulation (the VM stage): a longer bound.
+    let deadline = Instant::now() + 3 * STEP_TIMEOUT;
     while threads_in_connect(blocker.id()) < 4150 {
         assert!(
             Instant::now() < deadline,
