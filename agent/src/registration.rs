@@ -155,7 +155,8 @@ pub enum Step {
     Dial,
     /// The `GetInfo` call (its span).
     GetInfo,
-    /// A `NotifyRegistrationStatus` call, a re-dial for it included.
+    /// A `NotifyRegistrationStatus` call (a broken connection's re-dial asks again: a second
+    /// call).
     Notify,
 }
 
@@ -342,14 +343,9 @@ impl PluginConnection {
     /// Tells the plugin whether it is registered. `registered=false` with the reason is part of
     /// every failed registration; an error from the plugin or the transport is returned.
     pub async fn notify(&mut self, registered: bool, error: &str) -> Result<(), PluginCallError> {
-        let started = Instant::now();
-        let told = self
-            .call_notify(registered, error)
+        self.call_notify(registered, error)
             .await
-            .map_err(NotifyFailure::into_error);
-        self.steps
-            .record(Step::Notify, started.elapsed(), told.is_ok());
-        told
+            .map_err(NotifyFailure::into_error)
     }
 
     /// [`Self::notify`], and once more on a fresh connection to `socket` if this one broke.
@@ -361,23 +357,6 @@ impl PluginConnection {
     /// 138170). A transport failure here re-dials (same socket instance, within the dial budget)
     /// and asks again; a plugin's own error answer or a deadline is final.
     pub async fn notify_redialing(
-        &mut self,
-        socket: &Path,
-        expected: SocketId,
-        registered: bool,
-        error: &str,
-        waiting: &mut dyn Pause,
-    ) -> Result<(), PluginCallError> {
-        let started = Instant::now();
-        let told = self
-            .notify_redialing_untimed(socket, expected, registered, error, waiting)
-            .await;
-        self.steps
-            .record(Step::Notify, started.elapsed(), told.is_ok());
-        told
-    }
-
-    async fn notify_redialing_untimed(
         &mut self,
         socket: &Path,
         expected: SocketId,
@@ -421,13 +400,16 @@ impl PluginConnection {
             .map_err(NotifyFailure::into_error)
     }
 
+    /// One `NotifyRegistrationStatus` call on this connection, timed for [`StepTimer`] (every
+    /// Notify, a re-dialled one included, goes through here).
     async fn call_notify(&mut self, registered: bool, error: &str) -> Result<(), NotifyFailure> {
         let request = RegistrationStatus {
             plugin_registered: registered,
             error: error.to_string(),
         };
         let timeout = self.timeouts.notify;
-        match tokio::time::timeout(
+        let started = Instant::now();
+        let told = match tokio::time::timeout(
             timeout,
             self.client
                 .call::<_, RegistrationStatusResponse>(NOTIFY, &request, timeout),
@@ -442,7 +424,10 @@ impl PluginConnection {
             Err(_) => Err(NotifyFailure::Final(format!(
                 "no answer within {timeout:?}"
             ))),
-        }
+        };
+        self.steps
+            .record(Step::Notify, started.elapsed(), told.is_ok());
+        told
     }
 }
 

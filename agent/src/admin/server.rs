@@ -15,7 +15,7 @@ use plugin_agent_proto::pluginagent::v1 as api;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -103,7 +103,7 @@ impl AdminService {
             .map(|status| {
                 let mut entry = to_api_entry(status);
                 if entry.first_contact.is_none() {
-                    entry.first_contact_unknown = self.first_contact_unknown(status).to_string();
+                    entry.first_contact_unknown = self.first_contact_unknown(status);
                 }
                 entry
             })
@@ -219,19 +219,18 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         first_contact: desired.as_ref().and_then(|d| {
             d.first_contact
                 .as_ref()
-                .map(|contact| contact_to_api(contact, d.kernel_ns))
+                .map(|contact| contact_to_api(contact, contact.after_creation(d.kernel_ns)))
         }),
         first_contact_unknown: String::new(),
     }
 }
 
-/// The wire form of a first contact; `created_ns` is the socket's creation, when timed.
-fn contact_to_api(contact: &Contact, created_ns: Option<u64>) -> api::Contact {
+/// The wire form of a first contact, `after_creation` the socket's creation when it was timed.
+fn contact_to_api(contact: &Contact, after_creation: Option<Duration>) -> api::Contact {
     api::Contact {
         process: Some(actor_to_api(&contact.by)),
         at_unix_nanos: unix_nanos(contact.at),
-        after_creation_us: contact
-            .after_creation(created_ns)
+        after_creation_us: after_creation
             .map(|d| d.as_micros() as u64)
             .unwrap_or_default(),
     }
@@ -339,14 +338,10 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .unwrap_or_default(),
         detail: event.detail.clone().unwrap_or_default(),
         provenance: event.provenance.as_ref().map(provenance_to_api),
-        contact: event.contact.as_ref().map(|contact| api::Contact {
-            process: Some(actor_to_api(&contact.by)),
-            at_unix_nanos: unix_nanos(contact.at),
-            after_creation_us: event
-                .latency
-                .map(|d| d.as_micros() as u64)
-                .unwrap_or_default(),
-        }),
+        contact: event
+            .contact
+            .as_ref()
+            .map(|contact| contact_to_api(contact, event.latency)),
     }
 }
 

@@ -184,6 +184,7 @@ impl OperationExecutor {
         telemetry: Arc<Telemetry>,
         cancel: CancellationToken,
     ) -> Arc<Self> {
+        let steps = observe::step_timer(telemetry.clone());
         let executor = Arc::new(OperationExecutor {
             actual,
             handlers: handlers.clone(),
@@ -195,14 +196,14 @@ impl OperationExecutor {
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
-            telemetry: telemetry.clone(),
+            telemetry,
             cancel,
             trimmer: crate::memory::Trimmer::default(),
             retry_timers: Mutex::new(HashMap::new()),
             journal: std::sync::OnceLock::new(),
             liveness: Arc::default(),
             admission: admission::Admission::default(),
-            steps: observe::step_timer(telemetry.clone()),
+            steps,
         });
         let weak = Arc::downgrade(&executor);
         executor.liveness.on_loss(move |loss| {

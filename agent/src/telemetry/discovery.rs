@@ -127,20 +127,19 @@ impl Discoveries {
     }
 
     /// A `first_contact` span in the trace of the socket at `path` (a child of its discovery):
-    /// from the socket's creation (`created_ns`, when an event timed it; else the contact alone)
-    /// to the first connect by another process, which the span names. Returns the span as an
-    /// exemplar for the first-contact histogram, when traces are on.
+    /// from the socket's creation (`after_creation` before the contact, when an event timed it;
+    /// else the contact alone) to the first connect by another process, which the span names.
+    /// Returns the span as an exemplar for the first-contact histogram, when traces are on.
     pub fn first_contact(
         &self,
         path: &Path,
         contact: &Contact,
-        created_ns: Option<u64>,
+        after_creation: Option<Duration>,
     ) -> Option<TraceExemplar> {
         let tracer = self.tracer.as_ref()?;
         let parent = self.parent_of(path).unwrap_or_default();
         let contacted = contact.at;
-        let started = contact
-            .after_creation(created_ns)
+        let started = after_creation
             .and_then(|after| contacted.checked_sub(after))
             .unwrap_or(contacted);
         let by = &contact.by;

@@ -35,6 +35,7 @@ use crate::provenance::Contact;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// The telemetry the watcher and the executor write to; one per agent, shared.
 #[derive(Debug)]
@@ -75,11 +76,11 @@ impl Telemetry {
     }
 
     /// The socket at `path` was first contacted by another process (see
-    /// `provenance::Contact`): its span in the socket's trace, and the time since the socket's
-    /// creation (`created_ns`) when an event timed that.
-    pub fn first_contact(&self, path: &Path, contact: &Contact, created_ns: Option<u64>) {
-        let exemplar = self.discovery.first_contact(path, contact, created_ns);
-        if let Some(after) = contact.after_creation(created_ns) {
+    /// `provenance::Contact`), `after_creation` the socket's creation when an event timed it: its
+    /// span in the socket's trace, and that time.
+    pub fn first_contact(&self, path: &Path, contact: &Contact, after_creation: Option<Duration>) {
+        let exemplar = self.discovery.first_contact(path, contact, after_creation);
+        if let Some(after) = after_creation {
             self.metrics.first_contact(after, exemplar);
         }
     }

@@ -234,8 +234,7 @@ impl Watcher {
             after_creation = ?after_creation,
             "plugin socket first contacted"
         );
-        self.telemetry
-            .first_contact(path, &contact, desired.kernel_ns);
+        self.telemetry.first_contact(path, &contact, after_creation);
         let mut event = AgentEvent::new(EventKind::FirstContact, path);
         event.at = at;
         event.contact = Some(contact);
