@@ -57,6 +57,27 @@ impl Handler {
         }
     }
 
+    /// The first `n` calls matching `pred`, once the handler has logged them: it logs a call
+    /// after answering it, so its lines can trail what the plugin saw.
+    async fn wait_for_calls(
+        &self,
+        n: usize,
+        pred: impl Fn(&Line) -> bool,
+        what: &str,
+    ) -> Vec<Line> {
+        match self
+            .events
+            .wait_for_count(Mark(0), n, EVENT_TIMEOUT, pred)
+            .await
+        {
+            Ok(lines) => lines,
+            Err(e) => panic!(
+                "waiting for {n} x {what}: {e:?}; handler said:\n{}",
+                self.events.tail(30)
+            ),
+        }
+    }
+
     fn calls(&self) -> Vec<(String, String)> {
         self.events
             .lines()
@@ -331,9 +352,8 @@ async fn rolling_update_deregisters_each_instance_by_its_endpoint(
     let new = dra_plugin(&s.dir, "gpu-9b47d3c2.sock", "gpu");
     new.wait_for_notify(true, EVENT_TIMEOUT).await;
     let registers = handler
-        .events
-        .matching_since(Mark(0), call("register", "gpu"));
-    assert_eq!(registers.len(), 2, "{test}: {registers:?}");
+        .wait_for_calls(2, call("register", "gpu"), "both registrations")
+        .await;
     assert_eq!(
         registers[1].field("instances").as_deref(),
         Some("2"),
@@ -660,6 +680,9 @@ async fn notifies_on_a_new_connection_when_the_plugin_closed_its_idle_one_during
                 .starts_with("the registration connection broke before Notify")
         })
         .await;
+    handler
+        .wait_for_calls(1, call("register", "slow"), "the registration")
+        .await;
     let registers = handler
         .events
         .matching_since(Mark(0), call("register", "slow"));
@@ -702,8 +725,12 @@ async fn retries_a_registration_the_handler_refused_at_register_kubernetes_issue
     );
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let registers = handler
-        .events
-        .matching_since(Mark(0), call("register", "gpu"));
+        .wait_for_calls(
+            3,
+            call("register", "gpu"),
+            "two refusals and a registration",
+        )
+        .await;
     let refusals = registers
         .iter()
         .filter(|l| l.field("rejected").is_some())

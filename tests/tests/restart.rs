@@ -246,6 +246,16 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
 
     // The registration ran to its end before the exit: the handler registered the plugin and
     // the plugin was told so (a clean rollback would show Notify(false) and a deregister).
+    // Each process logs a call after answering it, so await the lines the outcome implies
+    // before counting: the plugin's Notify, and for a registration the handler's register.
+    let told = plugin.wait_for_event("notify", EVENT_TIMEOUT).await;
+    if told.flag("registered") == Some(true) {
+        handler
+            .wait_for_count(Mark(0), 1, "the register", EVENT_TIMEOUT, |l| {
+                l.field_is("call", "register")
+            })
+            .await;
+    }
     let registered = handler.calls_since(Mark(0), "register");
     let deregistered = handler.calls_since(Mark(0), "deregister");
     let notified = plugin.notifications();
