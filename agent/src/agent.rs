@@ -265,6 +265,7 @@ fn carry_on(
             state_file = %file.display(),
             restored = report.restored,
             handler_changed = report.handler_changed,
+            interrupted = report.interrupted,
             "carrying on from the previous agent's state: unchanged plugins are not called again"
         );
     }

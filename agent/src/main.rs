@@ -16,6 +16,7 @@ fn main() -> std::process::ExitCode {
     }
     let cli = Cli::parse();
     raise_nofile_limit();
+    ignore_file_size_signal();
     plugin_agent::memory::limit_arenas();
     let runtime = match plugin_agent::runtime::build() {
         Ok(runtime) => runtime,
@@ -62,6 +63,16 @@ fn main() -> std::process::ExitCode {
     // Tasks still running past the shutdown deadline are dropped, not waited for.
     runtime.shutdown_timeout(std::time::Duration::from_millis(250));
     code
+}
+
+/// A file-size limit (`RLIMIT_FSIZE`, from a unit file, a shell or `prlimit`) reached while
+/// writing the state file is that write's error (EFBIG), which fails the registration being
+/// recorded and says why, not a SIGXFSZ that kills the agent and every registration with it.
+fn ignore_file_size_signal() {
+    // SAFETY: SIG_IGN installs no handler code; done before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
 }
 
 /// Raises the soft open-file limit to the hard limit. Each registration holds a connection to

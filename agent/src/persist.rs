@@ -1,8 +1,9 @@
 //! The actual state on disk, so that a restarted agent knows what it registered.
 //!
 //! ```text
-//! executor: registration done (handler Register, Notify) --registered--> Journal --append--> state.journal
-//!           deregistration done (handler DeRegister)      --deregistered->         (one line each)
+//! executor: registration begins (before handler Register) --begin-------> Journal --append--> state.journal
+//!           registration done (handler Register, Notify)  --registered-->         (one line each)
+//!           deregistration or rollback done               --deregistered->
 //!                                   every 1,024+ lines: --compact--> state.json (whole, atomic rename)
 //! start: state.json + state.journal --open (format, tree checked)--> Restore --> state::desired +
 //!        state::actual, then the watcher's first walk: same socket instance: nothing happens;
@@ -14,12 +15,17 @@
 //! in the runtime directory (`/run/plugin-agent` by default: a tmpfs, so it survives restarts of
 //! the agent, not of the node, which restarts the plugins too).
 //!
-//! What is recorded is what *finished*: a registration once the handler registered it and the
-//! plugin was told, a deregistration once the handler was told. A registration still running when
-//! the agent is killed is not in the file, so the next agent registers it again (a repeated call,
-//! which handlers take as a refresh); a deregistration still running is still in the file, so the
-//! next agent deregisters it again. Neither is ever missed. Each finished operation is one line
-//! appended to the journal with a single `write(2)`, before the operation reports itself done: a
+//! A registration is recorded twice. When it begins, before the handler's `Register` (where
+//! kubelet adds the plugin to its actual state of the world, for the same reason: a handler may
+//! hold it from then on), as *unfinished*: a registration that cannot be recorded fails there,
+//! before anyone was told anything, and is retried after its backoff (kubernetes issue 136462:
+//! kubelet logged the failure and carried on). When it finished (the handler registered it and
+//! the plugin was told), as done. A registration a kill interrupted is in the file unfinished, so
+//! the next agent registers it again if its socket is unchanged (a repeated call, which handlers
+//! take as a refresh; the plugin hears Notify it may have missed) and deregisters it if the socket
+//! went meanwhile (the handler may hold it). A deregistration still running is still in the file,
+//! so the next agent deregisters it again. None is ever missed. Each step is one line appended to
+//! the journal with a single `write(2)`, before the operation goes on or reports itself done: a
 //! SIGKILL right after loses nothing (the page cache has it). The journal is folded into the
 //! snapshot, written whole to a temporary file and renamed over the old one, every 1,024 lines (or
 //! the number of plugins, if more), and at exit. A start that read both files whole rewrites
@@ -84,6 +90,9 @@ struct Entry {
     /// Who served the registration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     server: Option<Process>,
+    /// Begun and not finished (see the module docs).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    unfinished: bool,
 }
 
 impl Entry {
@@ -107,6 +116,7 @@ impl Entry {
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             creator: entry.provenance.creator.process().cloned(),
             server: entry.provenance.server.as_deref().cloned(),
+            unfinished: entry.interrupted,
         })
     }
 }
@@ -115,8 +125,20 @@ impl Entry {
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Op {
+    /// A registration began (unfinished); an agent before this line was written fails to read
+    /// it and registers everything again.
+    Begin(Box<Entry>),
+    /// A registration finished: the whole entry when it was not begun in the journal (observe
+    /// mode), else only which one.
     Add(Box<Entry>),
-    Remove { path: String, generation: String },
+    Done {
+        path: String,
+        generation: String,
+    },
+    Remove {
+        path: String,
+        generation: String,
+    },
 }
 
 /// A plugin a previous agent registered, as read from the file.
@@ -130,9 +152,11 @@ pub struct Restored {
     pub handler: Option<String>,
     pub registered_at: SystemTime,
     pub provenance: Provenance,
+    /// Begun and not finished: registered again, or deregistered if its socket went.
+    pub interrupted: bool,
 }
 
-/// The state on disk: what finished, by path.
+/// The state on disk: what began and what finished, by path.
 pub struct Journal {
     snapshot: PathBuf,
     journal: PathBuf,
@@ -238,7 +262,7 @@ impl Journal {
                 .collect(),
         );
         let Some(lines) = inner.read_whole.take() else {
-            self.compact(&mut inner);
+            let _ = self.compact(&mut inner);
             return;
         };
         match std::fs::OpenOptions::new().append(true).open(&self.journal) {
@@ -247,7 +271,7 @@ impl Journal {
                 inner.lines = lines;
             }
             Err(_) => {
-                self.compact(&mut inner);
+                let _ = self.compact(&mut inner);
                 return;
             }
         }
@@ -265,18 +289,53 @@ impl Journal {
             })
             .collect();
         for op in &dropped {
-            self.append(&mut inner, op);
+            let _ = self.append(&mut inner, op);
         }
     }
 
-    /// A registration of `path` finished: recorded before it reports itself done.
+    /// A registration of `path` begins: recorded before the handler hears of it. An error means
+    /// it is not on disk (and not in the next snapshot): the registration must not go on.
+    pub fn begin(&self, path: &Path, entry: &RegisteredPlugin) -> Result<(), String> {
+        let Some(mut entry) = Entry::of(path, entry) else {
+            // Not recordable at all (not UTF-8): registered again after a restart, as ever.
+            return Ok(());
+        };
+        entry.unfinished = true;
+        let mut inner = self.lock();
+        let previous = inner.entries.insert(entry.path.clone(), entry.clone());
+        let key = entry.path.clone();
+        let recorded = self.append(&mut inner, &Op::Begin(Box::new(entry)));
+        if recorded.is_err() {
+            match previous {
+                Some(previous) => inner.entries.insert(key, previous),
+                None => inner.entries.remove(&key),
+            };
+        }
+        recorded
+    }
+
+    /// A registration of `path` finished: recorded before it reports itself done. A failure
+    /// here is logged only: the entry stays unfinished on disk, which a restart registers again.
     pub fn registered(&self, path: &Path, entry: &RegisteredPlugin) {
-        let Some(entry) = Entry::of(path, entry) else {
+        let Some(mut entry) = Entry::of(path, entry) else {
             return;
         };
+        entry.unfinished = false;
         let mut inner = self.lock();
-        inner.entries.insert(entry.path.clone(), entry.clone());
-        self.append(&mut inner, &Op::Add(Box::new(entry)));
+        let begun = inner
+            .entries
+            .get(&entry.path)
+            .is_some_and(|e| e.generation == entry.generation && e.unfinished);
+        let op = if begun {
+            Op::Done {
+                path: entry.path.clone(),
+                generation: entry.generation.clone(),
+            }
+        } else {
+            Op::Add(Box::new(entry.clone()))
+        };
+        inner.entries.insert(entry.path.clone(), entry);
+        let _ = self.append(&mut inner, &op);
     }
 
     /// A deregistration of `path` (the registration of `generation`) finished.
@@ -296,41 +355,53 @@ impl Journal {
             path: path.to_owned(),
             generation,
         };
-        self.append(&mut inner, &op);
+        let _ = self.append(&mut inner, &op);
     }
 
     /// Folds the journal into the snapshot (at exit).
     pub fn flush(&self) {
         let mut inner = self.lock();
-        self.compact(&mut inner);
+        let _ = self.compact(&mut inner);
     }
 
-    fn append(&self, inner: &mut Inner, op: &Op) {
-        let Ok(mut line) = serde_json::to_vec(op) else {
-            return;
-        };
+    /// Records `op` (already applied to `entries`): a journal line, or, when the journal cannot
+    /// take it, a snapshot that holds it. The error says why neither was written.
+    fn append(&self, inner: &mut Inner, op: &Op) -> Result<(), String> {
+        let mut line = serde_json::to_vec(op).map_err(|e| format!("cannot serialize: {e}"))?;
         line.push(b'\n');
         // One write(2) per line: a kill leaves it whole or not at all in practice, and a torn
         // line is skipped at the next start.
-        let written = inner.log.as_mut().map(|log| log.write_all(&line));
-        match written {
-            Some(Ok(())) => inner.lines += 1,
+        let written = match inner.log.as_mut().map(|log| log.write_all(&line)) {
+            Some(Ok(())) => {
+                inner.lines += 1;
+                Ok(())
+            }
             Some(Err(e)) => {
                 inner.log = None;
-                self.failed(
-                    inner,
-                    &format!("cannot append to {}: {e}", self.journal.display()),
-                );
+                let error = format!("cannot append to {}: {e}", self.journal.display());
+                self.failed(inner, &error);
+                Err(error)
             }
-            None => {}
-        }
+            None => Err(format!(
+                "{} is not open (an earlier write failed)",
+                self.journal.display()
+            )),
+        };
         if inner.log.is_none() || inner.lines >= COMPACT_AFTER.max(inner.entries.len()) {
-            self.compact(inner);
+            let compacted = self.compact(inner);
+            if written.is_err() {
+                // The snapshot holds `op` if it was written.
+                return compacted.map_err(|e| match written {
+                    Err(first) if first != e => format!("{first}; {e}"),
+                    _ => e,
+                });
+            }
         }
+        written
     }
 
     /// Writes the snapshot whole, then starts an empty journal.
-    fn compact(&self, inner: &mut Inner) {
+    fn compact(&self, inner: &mut Inner) -> Result<(), String> {
         let file = StateFile {
             format: FORMAT,
             root: self.root.clone(),
@@ -355,10 +426,13 @@ impl Journal {
                 if std::mem::take(&mut inner.failing) {
                     tracing::info!(state_file = %self.snapshot.display(), "state file written again");
                 }
+                Ok(())
             }
             Err(e) => {
                 inner.log = None;
-                self.failed(inner, &format!("{e:#}"));
+                let error = format!("{e:#}");
+                self.failed(inner, &error);
+                Err(error)
             }
         }
     }
@@ -385,8 +459,16 @@ fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> Replayed {
     let mut replayed = Replayed { lines: 0, torn: 0 };
     for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
         match serde_json::from_slice::<Op>(line) {
-            Ok(Op::Add(entry)) => {
+            Ok(Op::Begin(entry) | Op::Add(entry)) => {
                 entries.insert(entry.path.clone(), *entry);
+            }
+            Ok(Op::Done { path, generation }) => {
+                if let Some(entry) = entries
+                    .get_mut(&path)
+                    .filter(|e| e.generation == generation)
+                {
+                    entry.unfinished = false;
+                }
             }
             Ok(Op::Remove { path, generation }) => {
                 if entries
@@ -459,6 +541,7 @@ fn restored(entry: Entry, root: &Path) -> anyhow::Result<Restored> {
                 .map_or(Creator::FoundByWalk, |p| Creator::Known(Arc::new(p))),
             server: entry.server.map(Arc::new),
         },
+        interrupted: entry.unfinished,
         path,
     })
 }
@@ -471,6 +554,9 @@ pub struct RestoreReport {
     /// Entries whose handler is no longer the one configured for their type (or that were
     /// observed and the agent now registers, or the other way round): registered as new.
     pub handler_changed: usize,
+    /// Of the entries put back, registrations a kill interrupted: registered again, or
+    /// deregistered if their sockets went.
+    pub interrupted: usize,
 }
 
 /// What restoring needs to decide, per entry, whether today's agent carries on from it.
@@ -505,7 +591,9 @@ impl Restore<'_> {
                 handler,
                 registered_at: entry.registered_at,
                 provenance: entry.provenance,
+                interrupted: entry.interrupted,
             };
+            report.interrupted += usize::from(registered.interrupted);
             self.actual.restore(path, registered);
             report.restored += 1;
         }
@@ -701,28 +789,123 @@ mod tests {
         assert_eq!(actual.get(&path).map(|r| r.provenance), Some(provenance));
     }
 
+    /// Adds `name` to `actual` as a registration does before the handler's Register.
+    fn add(actual: &ActualState, name: &str, ino: u64) -> (PathBuf, RegisteredPlugin) {
+        let path = PathBuf::from(format!("/plugins/{name}.sock"));
+        let entry = actual.add(
+            path.clone(),
+            Uuid::new_v4(),
+            socket(ino),
+            plugin(&path.display().to_string(), name),
+            Arc::new(AcceptAll),
+            Provenance::default(),
+        );
+        (path, entry)
+    }
+
     #[test]
-    fn a_registration_not_finished_is_not_restored_and_a_deregistration_not_finished_is() {
+    fn a_registration_killed_before_its_register_is_not_restored_nor_a_deregistration_lost() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (journal, snapshot) = journal(dir.path());
         let actual = ActualState::default();
         let a = register(&actual, &journal, "a", 10);
-        // Running when killed: in the actual state, not finished.
-        actual.add(
-            PathBuf::from("/plugins/b.sock"),
-            Uuid::new_v4(),
-            socket(11),
-            plugin("/plugins/b.sock", "b"),
-            Arc::new(AcceptAll),
-            Provenance::default(),
-        );
+        // Killed during b's Validate (not begun in the journal) and a's DeRegister.
+        add(&actual, "b", 11);
         actual.remove(Path::new("/plugins/a.sock"), a.generation);
+        drop(journal);
+        let restored: Vec<(String, bool)> = reopen(&snapshot)
+            .into_iter()
+            .map(|r| (r.plugin.name, r.interrupted))
+            .collect();
+        assert_eq!(
+            restored,
+            [("a".to_owned(), false)],
+            "a is deregistered again, b registered as new"
+        );
+    }
+
+    /// kubernetes issue 136462's other half: what a handler may hold is on disk before it is
+    /// told, so a kill between Register and Notify loses nothing.
+    #[test]
+    fn a_registration_killed_after_it_began_is_restored_interrupted_until_it_finishes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot) = journal(dir.path());
+        let actual = ActualState::default();
+        let (a_path, a) = add(&actual, "a", 10);
+        journal.begin(&a_path, &a).expect("begin a");
+        let (b_path, b) = add(&actual, "b", 11);
+        journal.begin(&b_path, &b).expect("begin b");
+        journal.registered(&b_path, &b);
+        let (c_path, c) = add(&actual, "c", 12);
+        journal.begin(&c_path, &c).expect("begin c");
+        // c's Register failed: rolled back.
+        actual.remove(&c_path, c.generation);
+        journal.deregistered(&c_path, c.generation);
+        drop(journal);
+        let mut restored: Vec<(String, bool)> = reopen(&snapshot)
+            .into_iter()
+            .map(|r| (r.plugin.name, r.interrupted))
+            .collect();
+        restored.sort();
+        let want = [("a".to_owned(), true), ("b".to_owned(), false)];
+        assert_eq!(restored, want, "from the journal");
+
+        // The same through a snapshot (a start's compaction), and into actual state.
+        let entries = reopen(&snapshot);
+        let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false);
+        let (desired, actual, handlers) =
+            (DesiredState::default(), ActualState::default(), registry());
+        let report = Restore {
+            desired: &desired,
+            actual: &actual,
+            handlers: &handlers,
+            observing: false,
+        }
+        .apply(entries);
+        assert_eq!((report.restored, report.interrupted), (2, 1));
+        journal.restored(&actual);
+        journal.flush();
+        drop(journal);
+        let mut restored: Vec<(String, bool)> = reopen(&snapshot)
+            .into_iter()
+            .map(|r| (r.plugin.name, r.interrupted))
+            .collect();
+        restored.sort();
+        assert_eq!(restored, want, "from the snapshot");
+        let a = actual.get(&a_path).expect("a restored");
+        assert!(a.interrupted);
+    }
+
+    /// kubernetes issue 136462: a registration that cannot be recorded is refused before its
+    /// handler hears of it, and leaves nothing behind for a later write to persist.
+    #[test]
+    fn a_registration_that_cannot_be_recorded_fails_and_leaves_nothing_on_disk() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let snapshot = dir.path().join(FILE_NAME);
+        // The journal cannot be opened: every write has to go through a snapshot, and so that
+        // the snapshot fails too, its temporary file cannot be created.
+        std::fs::create_dir(snapshot.with_extension("journal")).expect("a directory in the way");
+        std::fs::create_dir(snapshot.with_extension("json.tmp")).expect("a directory in the way");
+        let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false);
+        journal.restored(&ActualState::default());
+        let actual = ActualState::default();
+        let (path, entry) = add(&actual, "a", 10);
+        let error = journal.begin(&path, &entry).expect_err("nowhere to write");
+        assert!(
+            error.contains("json.tmp") && error.contains("state.journal"),
+            "the error names what failed: {error}"
+        );
+        // Writable again: what failed is not in the next snapshot.
+        std::fs::remove_dir(snapshot.with_extension("journal")).expect("rmdir");
+        std::fs::remove_dir(snapshot.with_extension("json.tmp")).expect("rmdir");
+        let (b_path, b) = add(&actual, "b", 11);
+        journal.begin(&b_path, &b).expect("writable again");
         drop(journal);
         let names: Vec<String> = reopen(&snapshot)
             .into_iter()
             .map(|r| r.plugin.name)
             .collect();
-        assert_eq!(names, ["a"], "a is deregistered again, b registered again");
+        assert_eq!(names, ["b"]);
     }
 
     #[test]
@@ -881,7 +1064,8 @@ mod tests {
             restore(&HandlerRegistry::default(), false),
             RestoreReport {
                 restored: 0,
-                handler_changed: 2
+                handler_changed: 2,
+                interrupted: 0,
             }
         );
         // Registrations are not observations.

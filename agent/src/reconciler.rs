@@ -133,8 +133,12 @@ impl Reconciler {
                 if superseded || self.executor.is_held(&path, registered.socket) {
                     let outcome = self.executor.deregister(&path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
+                    continue;
                 }
-                continue;
+                // A registration the previous agent began and did not finish is run again.
+                if !registered.interrupted {
+                    continue;
+                }
             }
             match desired {
                 Some(desired) => {

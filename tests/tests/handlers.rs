@@ -747,3 +747,85 @@ async fn retries_a_registration_the_handler_refused_at_register_kubernetes_issue
         "{test}: {listed:?}"
     );
 }
+
+/// Sets the file-size limit of the process `pid` (`prlimit --fsize`): at 0 every write it makes
+/// to a regular file fails with EFBIG (the agent ignores SIGXFSZ, so the write's error is all).
+fn limit_file_size(pid: u32, bytes: libc::rlim_t) {
+    let limit = libc::rlimit {
+        rlim_cur: bytes,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: prlimit reads `limit` and writes nothing (no old-limit pointer).
+    let done = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_FSIZE,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(
+        done,
+        0,
+        "prlimit --fsize {bytes} {pid}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// kubernetes issue 136462: kubelet logs a failure to add a plugin to its actual state and goes
+/// on to the handler's Register, so a registration it does not know about can exist. Here the
+/// state is recorded before Register (in the state file, since the agent carries it across
+/// restarts); when that write fails the registration fails there, the plugin is told why, the
+/// handler hears nothing, and the retry after its backoff registers it once writing works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_the_agent_cannot_record_fails_before_its_handler_hears_and_is_retried_kubernetes_issue_136462()
+ {
+    let test = &test_name();
+    let base = PluginDir::new();
+    let handler = Handler::start(&base.outside("h.sock"), &[]).await;
+    let s = start_agent(test, &[format!("DRAPlugin={}", handler.target)], &[]).await;
+    let pid = s.agent.pid().expect("the agent runs");
+    limit_file_size(pid, 0);
+
+    let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
+    let refused = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    let error = refused.field("error").unwrap_or_default();
+    assert!(
+        error.contains("cannot record the registration") && error.contains("File too large"),
+        "{test}: the plugin is told why: {refused}"
+    );
+    handler.wait(call("validate", "gpu"), "validate").await;
+    assert!(
+        !handler.calls().iter().any(|(c, _)| c == "register"),
+        "{test}: the handler was asked to register what the agent could not record: {:?}",
+        handler.calls()
+    );
+    let listed = plugin_agent_tests::admin::list(&s.admin);
+    let entry = listed.get(plugin.socket()).expect("listed");
+    assert!(
+        entry
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("cannot record the registration")),
+        "{test}: list says why: {entry:?}"
+    );
+
+    let mark = plugin.mark();
+    limit_file_size(pid, libc::RLIM_INFINITY);
+    plugin
+        .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
+        .await;
+    let registers = handler
+        .wait_for_calls(1, call("register", "gpu"), "the registration")
+        .await;
+    assert_eq!(registers.len(), 1, "{test}");
+    let state_dir = s.admin.parent().expect("the admin socket's directory");
+    let on_disk = ["state.json", "state.journal"]
+        .iter()
+        .map(|f| std::fs::read_to_string(state_dir.join(f)).unwrap_or_default())
+        .collect::<String>();
+    assert!(
+        on_disk.contains(&plugin.socket().display().to_string()),
+        "{test}: the registration is in the state file: {on_disk}"
+    );
+}

@@ -287,6 +287,81 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
 
 /// A state file the agent cannot use (corrupt, from another format, for another tree) is a
 /// warning, and the agent registers every plugin, as after a reboot.
+/// A SIGKILL while the handler is in the middle of two Registers: the handler may hold both, and
+/// neither plugin heard Notify. Each was recorded before its Register (kubernetes issue 136462),
+/// so the next agent deregisters the one whose socket went while no agent ran (kubelet, which
+/// keeps its actual state in memory, never tells the handler) and registers the other again, and
+/// that plugin hears its Notify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_a_kill_interrupted_are_deregistered_if_their_sockets_went_and_finished_if_not()
+ {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let handler = HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("dra-handler.sock"),
+        &["--delay", "1s"],
+    )
+    .await;
+    let options = agent_options(Source::Inotify, &dir, &handler);
+    let first = AgentProcess::start(test, options.clone())
+        .await
+        .expect("inotify needs no privileges");
+    let went = dra_plugin(&dir, "went");
+    let stayed = dra_plugin(&dir, "stayed");
+    handler
+        .wait_for_count(Mark(0), 2, "both Registers arrive", EVENT_TIMEOUT, |l| {
+            l.field_is("event", "received") && l.field_is("method", "register")
+        })
+        .await;
+    let pid = nix::unistd::Pid::from_raw(first.pid().expect("running") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("SIGKILL");
+    drop(first);
+    let went_socket = went.socket().display().to_string();
+    went.stop().await;
+
+    let second = AgentProcess::start(test, options.clone())
+        .await
+        .expect("it started once");
+    let carried = second
+        .wait_for_log("carried on from the state file", EVENT_TIMEOUT, |l| {
+            l.message()
+                .starts_with("carrying on from the previous agent's state")
+        })
+        .await;
+    assert_eq!(
+        carried.field("interrupted").as_deref(),
+        Some("2"),
+        "{test}: {carried}"
+    );
+    stayed.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let gone = handler
+        .wait_for_count(Mark(0), 1, "the DeRegister of went", EVENT_TIMEOUT, |l| {
+            l.field_is("call", "deregister")
+        })
+        .await;
+    assert_eq!(
+        (gone[0].field("name").as_deref(), gone[0].field("endpoint")),
+        (Some("went"), Some(went_socket)),
+        "{test}: {gone:?}"
+    );
+    let listed = admin::list(&options.admin_socket);
+    assert_eq!(
+        listed
+            .iter()
+            .map(|(path, e)| (path.clone(), e.state.as_str()))
+            .collect::<Vec<_>>(),
+        [(stayed.socket().to_path_buf(), "registered")],
+        "{test}: {listed:?}"
+    );
+    assert_eq!(
+        handler.calls_since(Mark(0), "deregister").len(),
+        1,
+        "{test}: only went was deregistered"
+    );
+    drop(second);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_or_foreign_state_file_is_a_warning_and_every_plugin_registers() {
     let test = test_name();

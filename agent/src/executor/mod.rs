@@ -372,7 +372,16 @@ impl OperationExecutor {
         Some(entry.provenance)
     }
 
-    /// Records finished operations in `journal` from now on (see `persist`).
+    /// A registration of `entry` is about to reach its handler: journalled first (if a journal
+    /// is kept); an error means it must not go on.
+    fn journal_begin(&self, path: &Path, entry: &RegisteredPlugin) -> Result<(), String> {
+        match self.journal.get() {
+            Some(journal) => journal.begin(path, entry),
+            None => Ok(()),
+        }
+    }
+
+    /// Records operations in `journal` from now on (see `persist`).
     pub fn keep_journal(&self, journal: Arc<crate::persist::Journal>) {
         let _ = self.journal.set(journal);
     }
@@ -421,11 +430,17 @@ impl OperationExecutor {
         self.liveness.clone()
     }
 
-    /// Carries on watching the servers of registrations restored from a previous agent (one
-    /// bare connect each learns them; a refused one is unserved at once).
+    /// Carries on from registrations restored from a previous agent, once the first walk said
+    /// which sockets are still there: watches the servers of the finished ones (one bare
+    /// connect each learns them; a refused one is unserved at once), and runs again those a
+    /// kill interrupted (the walk already queued those whose sockets went).
     pub fn watch_restored(&self) {
         for (path, entry) in self.actual.snapshot() {
-            self.liveness.attach(&path, entry.generation, entry.socket);
+            if entry.interrupted {
+                self.queue.mark(path);
+            } else {
+                self.liveness.attach(&path, entry.generation, entry.socket);
+            }
         }
     }
 

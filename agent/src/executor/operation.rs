@@ -32,6 +32,10 @@ pub(super) enum RegisterFailure {
     /// The policy refuses the plugin (see `policy`).
     #[error("{}", .0.refusal)]
     Rejected(Box<Rejection>),
+    /// The registration could not be recorded in the state file before the handler's Register
+    /// (kubernetes issue 136462): nothing was told to the handler.
+    #[error("cannot record the registration in the agent's state file: {0}")]
+    NotRecorded(String),
     #[error("{message}")]
     Handler {
         message: String,
@@ -57,6 +61,7 @@ impl RegisterFailure {
             RegisterFailure::NoHandler { .. } => "no_handler",
             RegisterFailure::ShuttingDown => "shutting_down",
             RegisterFailure::Rejected(_) => "rejected_by_policy",
+            RegisterFailure::NotRecorded(_) => "state_not_recorded",
             RegisterFailure::Handler { outcome, .. } => outcome,
         }
     }
@@ -184,6 +189,12 @@ impl OperationExecutor {
             handler.clone(),
             provenance,
         );
+        if let Err(e) = self.journal_begin(path, &entry) {
+            self.actual.remove(path, entry.generation);
+            let error = RegisterFailure::NotRecorded(e);
+            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
+            return Err(error);
+        }
         if let Err(e) = Box::pin(self.call_handler(
             HandlerCall::Register,
             &plugin.plugin_type,
@@ -239,6 +250,7 @@ impl OperationExecutor {
         {
             warn!(plugin_name = %entry.plugin.name, error = %e, "rollback: handler deregistration failed");
         }
+        self.deregistered(path, entry.generation);
     }
 
     pub(super) async fn run_deregister(

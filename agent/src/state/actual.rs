@@ -30,6 +30,11 @@ pub struct RegisteredPlugin {
     pub registered_at: SystemTime,
     /// Who created the socket and who served the registration.
     pub provenance: Provenance,
+    /// Restored from a registration the previous agent began and did not finish (it stopped
+    /// between the handler's `Register` and the plugin's Notify): the handler may hold it, the
+    /// plugin may not know. The reconciler registers it again while its socket is the one
+    /// desired, and deregisters it once it is not.
+    pub interrupted: bool,
 }
 
 impl std::fmt::Debug for RegisteredPlugin {
@@ -38,6 +43,7 @@ impl std::fmt::Debug for RegisteredPlugin {
             .field("generation", &self.generation)
             .field("socket", &self.socket)
             .field("plugin", &self.plugin)
+            .field("interrupted", &self.interrupted)
             .finish_non_exhaustive()
     }
 }
@@ -128,6 +134,7 @@ impl ActualState {
             handler,
             registered_at: SystemTime::now(),
             provenance,
+            interrupted: false,
         };
         self.restore(path, entry)
     }

@@ -9,6 +9,7 @@
 //!
 //! ```text
 //! desired  registered (same generation)  backoff (retry_at > now)  ->  state
+//!   yes      yes, a kill interrupted it          -                   Pending
 //!   yes      yes, with a handler                 not held            Registered
 //!   yes      yes, observed (no handler)          not held            Observed
 //!   any      yes (other generation, none,        -                   Deregistering
@@ -111,6 +112,9 @@ pub fn derive(
 ) -> PluginState {
     let held = backoff.map(|b| &b.kind).filter(|kind| kind.is_held());
     match (desired, registered) {
+        (Some(d), Some(r)) if d.generation == r.generation && r.interrupted && held.is_none() => {
+            PluginState::Pending
+        }
         (Some(d), Some(r)) if d.generation == r.generation && held.is_none() => {
             if r.handler.is_none() {
                 PluginState::Observed
@@ -239,6 +243,37 @@ mod tests {
         view.desired.remove(path);
         assert_eq!(view.status(path, now).state, PluginState::Deregistering);
         assert_eq!(view.all(now).len(), 1);
+    }
+
+    #[test]
+    fn a_restored_registration_a_kill_interrupted_is_pending_then_deregistering_once_gone() {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let desired = view.desired.get(path).expect("desired");
+        let plugin = Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: "a".into(),
+            endpoint: String::new(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: path.display().to_string(),
+        };
+        let mut entry = view.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            desired.socket,
+            plugin,
+            Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
+        );
+        entry.interrupted = true;
+        view.actual.restore(desired.path.clone(), entry);
+        let now = Instant::now();
+        assert_eq!(view.status(path, now).state, PluginState::Pending);
+        view.desired.remove(path);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! - deregister: drops the instance with that endpoint; the driver is gone with its last instance
 //!   (`last`).
 //!
-//! It prints one JSON line per call on stdout, for end-to-end tests. `--reject-validate`,
+//! It prints one JSON line per call on stdout once answered, for end-to-end tests (with
+//! `--delay`, another when the call arrives). `--reject-validate`,
 //! `--reject-register` and `--delay` make it misbehave on purpose.
 
 use clap::Parser;
@@ -72,8 +73,11 @@ fn pick_service(versions: &[String]) -> Option<&'static str> {
 }
 
 impl DraHandler {
-    async fn pause(&self) {
+    /// `--delay`: says the call arrived (`{"event":"received","method":...}`: not a `call` line,
+    /// which is logged once answered), then waits.
+    async fn pause(&self, method: &str, plugin: &api::Plugin) {
         if let Some(delay) = self.delay {
+            emit(serde_json::json!({"event": "received", "method": method, "name": plugin.name}));
             tokio::time::sleep(delay).await;
         }
     }
@@ -105,8 +109,8 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
         &self,
         request: Request<api::ValidatePluginRequest>,
     ) -> Result<Response<api::ValidatePluginResponse>, Status> {
-        self.pause().await;
         let plugin = plugin_of(request.into_inner().plugin)?;
+        self.pause("validate", &plugin).await;
         let service = pick_service(&plugin.supported_versions);
         emit(
             serde_json::json!({"call": "validate", "name": plugin.name, "endpoint": plugin.endpoint, "service": service}),
@@ -128,8 +132,8 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
         &self,
         request: Request<api::RegisterPluginRequest>,
     ) -> Result<Response<api::RegisterPluginResponse>, Status> {
-        self.pause().await;
         let plugin = plugin_of(request.into_inner().plugin)?;
+        self.pause("register", &plugin).await;
         if let Some(reason) = self
             .reject_register
             .as_ref()
@@ -162,8 +166,8 @@ impl api::plugin_handler_server::PluginHandler for DraHandler {
         &self,
         request: Request<api::DeRegisterPluginRequest>,
     ) -> Result<Response<api::DeRegisterPluginResponse>, Status> {
-        self.pause().await;
         let plugin = plugin_of(request.into_inner().plugin)?;
+        self.pause("deregister", &plugin).await;
         let (removed, instances) = {
             let mut drivers = self.drivers();
             let instances = drivers.entry(plugin.name.clone()).or_default();
