@@ -3,11 +3,18 @@
 //! shutdown.
 //!
 //! ```text
-//! listener ──Gate::admit──> at most `max_connections` open; beyond that, new connections wait
-//!                           in the kernel's accept queue (they cost the agent no descriptor, no memory)
-//!          ──Guarded io──>  closed after `idle` without a byte either way, and at once when the
-//!                           server's stop token fires (shutdown ends every open connection)
+//! listener ──Gate::admit──> at most `max_connections` open; when full, the next connection is
+//!                           accepted and the open one quiet for longest is closed to make room
+//!                           (the others wait in the kernel's accept queue: no descriptor, no memory)
+//!          ──Guarded io──>  closed after `idle` without a byte either way, when evicted, and at
+//!                           once when the server's stop token fires (shutdown ends every connection)
 //! ```
+//!
+//! Eviction is what keeps a scrape answered during a flood of slow connections: a waiting queue
+//! made the scraper wait behind every slow client for their idle time, and a per-address limit
+//! does not help where the scraper and the flood share the node's loopback address. A scrape in
+//! progress is the connection that moved most recently, so it is the last one closed; a flood
+//! has to keep `max_connections` connections busier than a scrape to close one.
 //!
 //! Why here and not in each server: hyper (HTTP/1) bounds header reads but not a client that stops
 //! reading its response; tonic (HTTP/2) has no idle-connection timeout, and its graceful shutdown
@@ -15,10 +22,12 @@
 //! all of them the same way. The connection caps are far below the descriptor limit (see
 //! [`cap`]), so a flood of connections never starves plugin dials or directory reads.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -76,6 +85,59 @@ pub struct Gate {
     limits: Limits,
     stop: CancellationToken,
     server: &'static str,
+    open: Arc<OpenConnections>,
+}
+
+/// The admitted connections, for eviction: when each last moved a byte, and how to close it.
+#[derive(Default)]
+struct OpenConnections {
+    epoch: std::sync::OnceLock<Instant>,
+    by_id: Mutex<HashMap<u64, Arc<Activity>>>,
+    next_id: AtomicU64,
+}
+
+struct Activity {
+    /// Nanoseconds from the gate's epoch to the last byte read or written.
+    last_progress_ns: AtomicU64,
+    evict: CancellationToken,
+}
+
+impl OpenConnections {
+    fn now_ns(&self) -> u64 {
+        let epoch = *self.epoch.get_or_init(Instant::now);
+        u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Activity>>> {
+        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, evict: CancellationToken) -> (u64, Arc<Activity>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let activity = Arc::new(Activity {
+            last_progress_ns: AtomicU64::new(self.now_ns()),
+            evict,
+        });
+        self.lock().insert(id, activity.clone());
+        (id, activity)
+    }
+
+    /// Closes the open connection quiet for longest (not one already closing); whether there
+    /// was one.
+    fn evict_quietest(&self) -> bool {
+        let open = self.lock();
+        let quietest = open
+            .values()
+            .filter(|a| !a.evict.is_cancelled())
+            .min_by_key(|a| a.last_progress_ns.load(Ordering::Relaxed));
+        match quietest {
+            Some(activity) => {
+                activity.evict.cancel();
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl Gate {
@@ -91,22 +153,20 @@ impl Gate {
             limits,
             stop,
             server,
+            open: Arc::default(),
         }
     }
 
-    /// Waits for a free slot, then for a connection from `accept`; `None` once `stop` fired.
-    /// Accept errors are logged and retried after a pause (EMFILE leaves the connection queued,
-    /// so retrying at once would spin).
+    /// Waits for a connection from `accept` and admits it, closing the open connection quiet
+    /// for longest first if the server is full; `None` once `stop` fired. Accept errors are
+    /// logged and retried after a pause (EMFILE leaves the connection queued, so retrying at
+    /// once would spin). One call at a time: a full server holds one connection beyond its
+    /// limit, while the one it evicted closes.
     pub async fn admit<S, F, Fut>(&self, mut accept: F) -> Option<Guarded<S>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = io::Result<S>>,
     {
-        let permit = tokio::select! {
-            biased;
-            _ = self.stop.cancelled() => return None,
-            permit = self.slots.clone().acquire_owned() => permit.ok()?,
-        };
         loop {
             let accepted = tokio::select! {
                 biased;
@@ -115,7 +175,37 @@ impl Gate {
             };
             match accepted {
                 Ok(stream) => {
-                    return Some(Guarded::new(stream, self.limits.idle, permit, &self.stop));
+                    let permit = match self.slots.clone().try_acquire_owned() {
+                        Ok(permit) => permit,
+                        Err(_) => {
+                            if self.open.evict_quietest() {
+                                tracing::debug!(
+                                    server = self.server,
+                                    "connection limit reached: closing the connection quiet for longest"
+                                );
+                            }
+                            tokio::select! {
+                                biased;
+                                _ = self.stop.cancelled() => return None,
+                                permit = self.slots.clone().acquire_owned() => permit.ok()?,
+                            }
+                        }
+                    };
+                    let evict = self.stop.child_token();
+                    let (id, activity) = self.open.add(evict.clone());
+                    let slot = Slot {
+                        _permit: permit,
+                        id,
+                        open: self.open.clone(),
+                        activity,
+                    };
+                    return Some(Guarded::new(
+                        stream,
+                        self.limits.idle,
+                        slot,
+                        evict,
+                        &self.stop,
+                    ));
                 }
                 Err(e) if transient(&e) => continue,
                 Err(e) => {
@@ -146,24 +236,48 @@ fn transient(error: &io::Error) -> bool {
     )
 }
 
-/// A connection that ends after `idle` without progress, or when its server stops; it holds its
-/// server's connection slot until dropped.
+/// A connection's place in its server: the semaphore permit, and its entry among the open
+/// connections (removed when the connection is dropped).
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    id: u64,
+    open: Arc<OpenConnections>,
+    activity: Arc<Activity>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.lock().remove(&self.id);
+    }
+}
+
+/// A connection that ends after `idle` without progress, when evicted for a newer one, or when
+/// its server stops; it holds its server's connection slot until dropped.
 pub struct Guarded<S> {
     inner: S,
     idle: Duration,
     idle_timer: Pin<Box<Sleep>>,
-    stop: Pin<Box<WaitForCancellationFutureOwned>>,
-    _slot: OwnedSemaphorePermit,
+    /// Fires on eviction and on the server's stop (a child of the stop token).
+    ended: Pin<Box<WaitForCancellationFutureOwned>>,
+    stop: CancellationToken,
+    slot: Slot,
 }
 
 impl<S> Guarded<S> {
-    fn new(inner: S, idle: Duration, slot: OwnedSemaphorePermit, stop: &CancellationToken) -> Self {
+    fn new(
+        inner: S,
+        idle: Duration,
+        slot: Slot,
+        ended: CancellationToken,
+        stop: &CancellationToken,
+    ) -> Self {
         Guarded {
             inner,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
-            stop: Box::pin(stop.clone().cancelled_owned()),
-            _slot: slot,
+            ended: Box::pin(ended.cancelled_owned()),
+            stop: stop.clone(),
+            slot,
         }
     }
 
@@ -175,11 +289,13 @@ impl<S> Guarded<S> {
     /// An error if the connection must end now (stopping, or idle too long); registers the
     /// caller's waker with both, so a connection waiting for its peer is woken to end.
     fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        if self.stop.as_mut().poll(cx).is_ready() {
-            return Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "the agent is shutting down",
-            ));
+        if self.ended.as_mut().poll(cx).is_ready() {
+            let why = if self.stop.is_cancelled() {
+                "the agent is shutting down"
+            } else {
+                "the server is full and this connection was quiet for longest"
+            };
+            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, why));
         }
         if self.idle_timer.as_mut().poll(cx).is_ready() {
             return Err(io::Error::new(
@@ -193,6 +309,11 @@ impl<S> Guarded<S> {
     fn progressed(&mut self) {
         let idle = self.idle;
         self.idle_timer.as_mut().reset(Instant::now() + idle);
+        let now = self.slot.open.now_ns();
+        self.slot
+            .activity
+            .last_progress_ns
+            .store(now, Ordering::Relaxed);
     }
 }
 
@@ -305,36 +426,60 @@ mod tests {
         assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
     }
 
-    #[tokio::test]
-    async fn connections_beyond_the_limit_wait_for_a_free_slot() {
+    /// Issue 22: a scrape waited behind every slow connection of a flood for their idle time.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_beyond_the_limit_closes_the_one_quiet_for_longest() {
         let stop = CancellationToken::new();
         let gate = Arc::new(pair_gate(
             Limits {
-                max_connections: 1,
+                max_connections: 2,
                 idle: Duration::from_secs(60),
             },
             &stop,
         ));
-        let first = gate
-            .admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
-            .await
-            .expect("first admitted");
-        let waiting = {
+        let admit = |gate: &Arc<Gate>| {
             let gate = gate.clone();
-            tokio::spawn(async move {
-                gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
-                    .await
-                    .is_some()
-            })
+            let (ours, theirs) = tokio::io::duplex(64);
+            let mut once = Some(ours);
+            let admitted = tokio::spawn(async move {
+                gate.admit(|| {
+                    std::future::ready(once.take().ok_or_else(|| io::Error::other("once")))
+                })
+                .await
+                .expect("admitted")
+            });
+            (admitted, theirs)
         };
-        tokio::task::yield_now().await;
-        assert!(!waiting.is_finished(), "a second connection was admitted");
-        drop(first);
+        let (quiet, _quiet_peer) = admit(&gate);
+        let mut quiet = quiet.await.expect("task");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (busy, mut busy_peer) = admit(&gate);
+        let mut busy = busy.await.expect("task");
+        // The first connection to be admitted moves a byte after the second: the second is now
+        // the one quiet for longest.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        busy_peer.write_all(b"x").await.expect("write");
+        let mut buf = [0u8; 1];
+        busy.read_exact(&mut buf).await.expect("read");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (newcomer, _newcomer_peer) = admit(&gate);
+        let error = quiet.read(&mut buf).await.expect_err("evicted");
+        assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(error.to_string().contains("quiet for longest"), "{error}");
         assert!(
-            waiting.await.expect("task"),
-            "admitted once the first closed"
+            !newcomer.is_finished(),
+            "admitted before the evicted one closed"
         );
+        drop(quiet);
+        let _newcomer = newcomer.await.expect("admitted once the quiet one closed");
+        busy_peer.write_all(b"y").await.expect("write");
+        busy.read_exact(&mut buf)
+            .await
+            .expect("the busy connection stays open");
+
         stop.cancel();
+        let error = busy.read(&mut buf).await.expect_err("stopped");
+        assert!(error.to_string().contains("shutting down"), "{error}");
         assert!(
             gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
                 .await

@@ -679,9 +679,18 @@ async fn agent_with_metrics(test: &str, dir: &PluginDir) -> (AgentProcess, std::
 
 /// One HTTP GET on a fresh connection: the status code and body.
 fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    http_get_within(addr, path, Duration::from_secs(10))
+}
+
+/// One GET, answered within `limit` of sending it or an error.
+fn http_get_within(
+    addr: std::net::SocketAddr,
+    path: &str,
+    limit: Duration,
+) -> std::io::Result<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.set_read_timeout(Some(limit))?;
     write!(
         stream,
         "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
@@ -806,6 +815,20 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
     );
     assert!(fds < 200, "{test}: the agent has {fds} descriptors open");
     assert!(rss < 64 * 1024, "{test}: RSS {rss} KiB under the flood");
+    // A scrape is answered during the flood, well before any slow connection's idle time (10 s)
+    // would free a slot: the newcomer closes the connection quiet for longest.
+    let scraped_in = Instant::now();
+    let scraped = tokio::task::spawn_blocking(move || {
+        http_get_within(addr, "/metrics", Duration::from_secs(5))
+    })
+    .await
+    .expect("http task");
+    let scraped_in = scraped_in.elapsed();
+    eprintln!("{test}: a scrape during the flood answered in {scraped_in:?}");
+    match scraped {
+        Ok((200, body)) => assert!(body.contains("plugin_manager_total_plugins"), "{test}"),
+        other => panic!("{test}: a scrape during the flood: {other:?} after {scraped_in:?}"),
+    }
     // The admin API answers at once, and a new plugin registers.
     let listed_in = Instant::now();
     let listed = admin::list(&dir.root().with_file_name("admin.sock"));
