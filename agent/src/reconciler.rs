@@ -16,7 +16,6 @@ use crate::executor::OperationExecutor;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
 use crate::state::queue::{ReconcileQueue, Work};
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,12 +111,11 @@ impl Reconciler {
     pub fn reconcile(&self, work: Work) {
         let paths: Vec<PathBuf> = match work {
             Work::Everything => {
-                let mut all: HashSet<PathBuf> = self
-                    .desired
-                    .snapshot()
-                    .into_iter()
-                    .map(|(p, _)| p)
-                    .collect();
+                // In the order the sockets were found, as marked paths are (see `state::queue`).
+                let mut desired = self.desired.snapshot();
+                desired.sort_by_key(|(_, d)| d.seen_at);
+                let mut all: indexmap::IndexSet<PathBuf> =
+                    desired.into_iter().map(|(p, _)| p).collect();
                 all.extend(self.actual.snapshot().into_iter().map(|(p, _)| p));
                 all.into_iter().collect()
             }

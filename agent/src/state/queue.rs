@@ -5,8 +5,14 @@
 //! executor when an operation ends or a backoff expires, the handler registry's subscribers when a
 //! handler comes or goes; the reconciler takes what is marked. Marks coalesce, so a burst of
 //! changes costs one pass.
+//!
+//! Paths are taken in the order they were first marked: the order the kernel reported the
+//! changes. A pass starts its registrations in that order and the executor's slots admit them
+//! first come, first served, so in a burst the plugin that listened first registers first. (A
+//! hashed set started them in hash order: with eBPF, whose ring delivers a burst's binds in a few
+//! large batches, the median plugin waited for half the burst.)
 
-use std::collections::HashSet;
+use indexmap::IndexSet;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use tokio::sync::Notify;
@@ -21,7 +27,7 @@ pub struct ReconcileQueue {
 #[derive(Debug, Default)]
 struct Dirty {
     everything: bool,
-    paths: HashSet<PathBuf>,
+    paths: IndexSet<PathBuf>,
 }
 
 /// What the reconciler should look at.
@@ -29,8 +35,8 @@ struct Dirty {
 pub enum Work {
     /// Every desired and every registered path.
     Everything,
-    /// Just these.
-    Paths(HashSet<PathBuf>),
+    /// Just these, in the order they were first marked.
+    Paths(IndexSet<PathBuf>),
 }
 
 impl ReconcileQueue {
@@ -70,5 +76,31 @@ impl ReconcileQueue {
         self.dirty
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_taken_in_the_order_they_were_first_marked() {
+        let queue = ReconcileQueue::default();
+        let paths: Vec<PathBuf> = (0..1000)
+            .map(|i| PathBuf::from(format!("/r/p-{i}.sock")))
+            .collect();
+        for path in &paths {
+            queue.mark(path.clone());
+        }
+        // Marked again: keeps its place.
+        queue.mark(paths[0].clone());
+        let Some(Work::Paths(taken)) = queue.take() else {
+            panic!("paths were marked");
+        };
+        assert!(taken.iter().eq(paths.iter()), "first come, first taken");
+        assert_eq!(queue.take(), None);
+        queue.mark(paths[1].clone());
+        queue.mark_all();
+        assert_eq!(queue.take(), Some(Work::Everything));
     }
 }
