@@ -11,7 +11,7 @@ use plugin_agent_tests::{
     admin, logs, per_source, plugin, test_name,
 };
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -25,6 +25,7 @@ per_source!(
     converges_on_a_plugin_recreating_its_socket_100_times_a_second,
     registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path,
     registers_a_plugin_made_during_a_sustained_socket_flood_before_the_flood_ends,
+    follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again,
 );
 
 /// The DaemonSet's memory limit: the agent's peak resident set must stay below it.
@@ -1422,4 +1423,125 @@ async fn operator_commands_end_quietly_when_their_reader_goes_away() {
         );
     }
     drop(agent);
+}
+
+/// A file system mounted at `at` for a test, lazily unmounted when dropped (a failed test leaves
+/// no mount behind; lazy: the agent may hold a descriptor in it).
+struct TestMount(PathBuf);
+
+impl TestMount {
+    fn tmpfs(at: &Path) -> TestMount {
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(at)
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mount tmpfs on {}: {status}",
+            at.display()
+        );
+        TestMount(at.to_path_buf())
+    }
+
+    fn unmount(mut self) {
+        Self::umount(&self.0);
+        self.0 = PathBuf::new();
+    }
+
+    fn umount(at: &Path) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(at)
+            .status();
+    }
+}
+
+impl Drop for TestMount {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            Self::umount(&self.0);
+        }
+    }
+}
+
+/// Issue 22, item 10: a file system mounted over a sub-directory of the tree hid its plugins
+/// and showed others, and no event source said so: the agent kept the hidden ones registered and
+/// missed the new ones until the 30 s safety pass. The mount table's own wake-up
+/// (`/proc/self/mountinfo`) makes the watcher walk: here with the safety pass an hour away.
+async fn follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again(source: Source) {
+    let test = test_name();
+    if !plugin_agent_tests::env::privileged(&test) {
+        return;
+    }
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(source, &dir.root());
+    options.extra = vec!["--safety-period".into(), "1h".into()];
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    let sub = dir.path("sub");
+    std::fs::create_dir(&sub).expect("mkdir sub");
+    let under = plugin!(sub.join("under.sock")).name("under").spawn();
+    under.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let under_socket = under.socket().to_path_buf();
+
+    // Mounted over `sub`: `under.sock` is hidden (its plugin still serves), the new file system
+    // is empty, then gets a plugin of its own.
+    let mark = agent.mark();
+    let mount = TestMount::tmpfs(&sub);
+    let walked = agent
+        .wait_for_log_after(mark, "the walk after the mount", EVENT_TIMEOUT, |l| {
+            l.message() == "scanned plugin directory"
+                && l.field("reason")
+                    .is_some_and(|r| r.contains("mounted or unmounted"))
+        })
+        .await;
+    eprintln!("{test}: {walked}");
+    agent
+        .wait_for_log_after(
+            mark,
+            "the hidden plugin deregistered",
+            EVENT_TIMEOUT,
+            logs::deregistered(&under_socket),
+        )
+        .await;
+    let over = plugin!(sub.join("over.sock")).name("over").spawn();
+    over.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let over_socket = over.socket().to_path_buf();
+    let listed = admin::list(&dir.root().with_file_name("admin.sock"));
+    assert_eq!(
+        listed.keys().collect::<Vec<_>>(),
+        [&over_socket],
+        "{test}: only what the mount shows: {listed:?}"
+    );
+
+    // Unmounted: `over.sock` is gone with its file system, `under.sock` is back.
+    let mark = agent.mark();
+    mount.unmount();
+    agent
+        .wait_for_log_after(
+            mark,
+            "the plugin of the unmounted file system deregistered",
+            EVENT_TIMEOUT,
+            logs::deregistered(&over_socket),
+        )
+        .await;
+    agent
+        .wait_for_log_after(
+            mark,
+            "the uncovered plugin registered again",
+            EVENT_TIMEOUT,
+            logs::registered(&under_socket),
+        )
+        .await;
+    let listed = admin::list(&dir.root().with_file_name("admin.sock"));
+    assert_eq!(
+        listed
+            .iter()
+            .map(|(path, e)| (path.clone(), e.state.as_str()))
+            .collect::<Vec<_>>(),
+        [(under_socket, "registered")],
+        "{test}: {listed:?}"
+    );
 }

@@ -127,17 +127,21 @@ pub enum RescanReason {
     Periodic,
     /// The root directory itself was removed; it was re-created.
     RootRemoved,
+    /// A file system was mounted or unmounted at or under the root (see `watcher::mounts`).
+    MountsChanged,
     /// The event source lost events or stopped (an [`FsEvent::Rescan`]); the text says how.
     EventLoss(String),
 }
 
 impl RescanReason {
-    /// The bounded class, for metric labels: `start`, `periodic`, `root_removed`, `event_loss`.
+    /// The bounded class, for metric labels: `start`, `periodic`, `root_removed`,
+    /// `mounts_changed`, `event_loss`.
     pub fn class(&self) -> &'static str {
         match self {
             RescanReason::Start => "start",
             RescanReason::Periodic => "periodic",
             RescanReason::RootRemoved => "root_removed",
+            RescanReason::MountsChanged => "mounts_changed",
             RescanReason::EventLoss(_) => "event_loss",
         }
     }
@@ -155,6 +159,9 @@ impl std::fmt::Display for RescanReason {
             RescanReason::Start => f.write_str("start"),
             RescanReason::Periodic => f.write_str("periodic safety pass"),
             RescanReason::RootRemoved => f.write_str("the root directory was removed"),
+            RescanReason::MountsChanged => {
+                f.write_str("a file system was mounted or unmounted in the plugin directory")
+            }
             RescanReason::EventLoss(what) => f.write_str(what),
         }
     }

@@ -75,7 +75,7 @@ pub struct PluginCallLabels {
 /// The label set of rescans.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RescanLabels {
-    /// `start`, `periodic`, `root_removed` or `event_loss`.
+    /// `start`, `periodic`, `root_removed`, `mounts_changed` or `event_loss`.
     pub reason: &'static str,
 }
 

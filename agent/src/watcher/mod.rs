@@ -45,6 +45,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+mod mounts;
 mod names;
 mod walk;
 
@@ -129,15 +130,39 @@ impl Watcher {
         cancel: CancellationToken,
         on_ready: impl FnOnce(),
     ) -> anyhow::Result<()> {
+        // Opened before the first walk: a mount between the two is a change it reports.
+        let mut mounts = match mounts::MountWatch::open(&self.root) {
+            Ok(mounts) => Some(mounts),
+            Err(e) => {
+                warn!(error = %e, "cannot follow mounts (/proc/self/mountinfo): a file system mounted in the plugin directory is found by the next safety pass");
+                None
+            }
+        };
         self.rescan(RescanReason::Start);
         on_ready();
         let mut batch = Vec::with_capacity(BATCH);
         let rescan_requests = self.rescan_requests.clone();
         loop {
+            let mount_change = async {
+                match mounts.as_mut() {
+                    Some(mounts) => mounts.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
                 _ = rescan_requests.notified() => {
                     self.rescan(RescanReason::Periodic);
+                    continue;
+                }
+                changed = mount_change => {
+                    match changed {
+                        Ok(()) => self.rescan(RescanReason::MountsChanged),
+                        Err(e) => {
+                            warn!(error = %e, "stopped following mounts: a file system mounted in the plugin directory is found by the next safety pass");
+                            mounts = None;
+                        }
+                    }
                     continue;
                 }
                 received = hints.recv_many(&mut batch, BATCH) => {
