@@ -14,6 +14,14 @@ fn main() -> std::process::ExitCode {
     {
         return plugin_agent::event_source::ebpf::kernel_layout_child_main();
     }
+    // The eBPF loader's short-lived child that loads and pins the programs (see its module docs).
+    if std::env::args_os().nth(1).as_deref()
+        == Some(std::ffi::OsStr::new(
+            plugin_agent::event_source::ebpf::LOAD_CHILD_ARG,
+        ))
+    {
+        return plugin_agent::event_source::ebpf::load_child_main();
+    }
     let cli = Cli::parse();
     raise_nofile_limit();
     ignore_file_size_signal();

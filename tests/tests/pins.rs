@@ -201,3 +201,40 @@ async fn cleanup_removes_the_pins() {
     assert!(!pins.exists(), "{test}: {} still there", pins.display());
     assert!(cleanup().contains("no pinned eBPF programs"));
 }
+
+/// Loading in the agent parsed vmlinux's BTF in the agent (aya's loader does, whether or not the
+/// object needs it): its peak resident set stayed ~10 MiB above what it used for the rest of its
+/// life, beyond fanotify's whole agent. With pins, a child process loads, attaches and pins the
+/// programs, and the agent adopts them: the peak is what the agent uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_load_runs_in_a_child_and_leaves_the_agent_no_peak() {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let Some(agent) = AgentProcess::start(&test, options(&dir)).await else {
+        return;
+    };
+    let loaded = agent
+        .wait_for_log("programs loaded", EVENT_TIMEOUT, |l| {
+            l.message() == "eBPF programs loaded"
+        })
+        .await;
+    let pins = pinned_at(&agent).await;
+    assert_eq!(sets(&pins).len(), 1, "{test}: the child's set is adopted");
+    let plugin = plugin!(dir.path("p.sock")).name("p").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let pid = agent.pid().expect("running");
+    let (rss, peak) = (
+        plugin_agent_tests::procfs::rss_kib(pid).expect("VmRSS"),
+        plugin_agent_tests::procfs::peak_rss_kib(pid).expect("VmHWM"),
+    );
+    eprintln!("{test}: VmRSS {rss} KiB, VmHWM {peak} KiB");
+    assert!(
+        peak < rss + 4 * 1024,
+        "{test}: the load left a peak of {peak} KiB over {rss} KiB in use"
+    );
+    assert_eq!(
+        loaded.field("loaded_in").as_deref(),
+        Some("a child process"),
+        "{test}: {loaded}"
+    );
+}

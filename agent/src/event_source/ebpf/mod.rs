@@ -39,6 +39,7 @@ mod btf;
 mod filters;
 mod hooks;
 mod layout;
+mod load_child;
 mod loader;
 mod pins;
 mod reader;
@@ -62,6 +63,7 @@ pub use self::hooks::{HOOKS_ENV, HookChoice, HookFamily};
 pub use self::layout::{
     CHILD_ARG as KERNEL_LAYOUT_CHILD_ARG, child_main as kernel_layout_child_main,
 };
+pub use self::load_child::{CHILD_ARG as LOAD_CHILD_ARG, child_main as load_child_main};
 use self::loader::LoadParams;
 pub use self::loader::LoadTimings;
 use self::reader::Reader;
@@ -164,20 +166,7 @@ pub fn open(
             None => HookChoice::from_env()?,
         },
     };
-    let hooks = params.hooks;
-    let identity = loader::object().map(|object| {
-        pins::Identity::new(
-            object,
-            format!(
-                "ring={} wakeup={} batch_ns={} watched={} names={} hooks={hooks:?}",
-                params.ring_buffer_bytes,
-                params.wakeup_bytes,
-                params.batch_delay.as_nanos(),
-                params.watched_capacity,
-                params.names_capacity,
-            ),
-        )
-    });
+    let identity = identity(&params);
     let pin_dir = options.pin_for.as_deref().map(pins::tree_dir);
     if options.pin_for.is_some() {
         let orphans = pins::remove_orphans();
@@ -187,11 +176,42 @@ pub fn open(
     }
     if let (Some(dir), Some(identity)) = (&pin_dir, &identity) {
         match pins::adopt(dir, identity) {
-            Ok(Some(adopted)) => return start_adopted(adopted, sink, cancel, &options, &runtime),
+            Ok(Some(adopted)) => {
+                return start_adopted(adopted, Adoption::Restart, sink, cancel, &options, &runtime);
+            }
             Ok(None) => {}
             Err(e) => tracing::warn!(
                 pins = %dir.display(), error = format!("{e:#}"),
                 "cannot adopt the pinned eBPF programs: loading them anew"
+            ),
+        }
+    }
+    if let (Some(dir), Some(identity), Some(root)) = (&pin_dir, &identity, &options.pin_for) {
+        match load_child::load_and_pin(&params, root) {
+            Ok(load_child::Outcome::Pinned { selection, timings }) => {
+                match pins::adopt(dir, identity) {
+                    Ok(Some(adopted)) => {
+                        let how = Adoption::LoadedByChild { selection, timings };
+                        return start_adopted(adopted, how, sink, cancel, &options, &runtime);
+                    }
+                    Ok(None) => tracing::warn!(
+                        pins = %dir.display(),
+                        "the programs the load child pinned are not there: loading them in the agent"
+                    ),
+                    Err(e) => tracing::warn!(
+                        pins = %dir.display(), error = format!("{e:#}"),
+                        "cannot adopt the programs the load child pinned: loading them in the agent"
+                    ),
+                }
+            }
+            Ok(load_child::Outcome::LoadFailed(error)) => anyhow::bail!("{error}"),
+            Ok(load_child::Outcome::NotPinned(error)) => tracing::warn!(
+                pins = %dir.display(), %error,
+                "the load child could not pin the eBPF programs: loading them in the agent"
+            ),
+            Err(e) => tracing::debug!(
+                error = format!("{e:#}"),
+                "the eBPF load child did not run: loading the programs in the agent"
             ),
         }
     }
@@ -271,6 +291,33 @@ struct Maps {
     losses: PerCpuArray<MapData, u64>,
 }
 
+/// The settings a pinned set was loaded with, part of its identity: a set loaded with others is
+/// not adopted.
+fn identity_settings(params: &LoadParams) -> String {
+    format!(
+        "ring={} wakeup={} batch_ns={} watched={} names={} hooks={:?}",
+        params.ring_buffer_bytes,
+        params.wakeup_bytes,
+        params.batch_delay.as_nanos(),
+        params.watched_capacity,
+        params.names_capacity,
+        params.hooks,
+    )
+}
+
+/// The identity of the set this agent's object loads with `params`; none without an object.
+fn identity(params: &LoadParams) -> Option<pins::Identity> {
+    loader::object().map(|object| pins::Identity::new(object, identity_settings(params)))
+}
+
+/// How pinned programs came to be adopted.
+enum Adoption {
+    /// A previous agent pinned them.
+    Restart,
+    /// This agent's load child loaded and pinned them just now (see `load_child`).
+    LoadedByChild { selection: String, timings: String },
+}
+
 /// What the load (or the adoption) says about the programs.
 struct Started {
     family: HookFamily,
@@ -300,6 +347,7 @@ fn pin_loaded(
 /// while no agent ran is in the ring, and the reader drains it first.
 fn start_adopted(
     adopted: pins::Adopted,
+    how: Adoption,
     sink: Sender<FsEvent>,
     cancel: CancellationToken,
     options: &EbpfOptions,
@@ -316,15 +364,37 @@ fn start_adopted(
         adopted: Some(adopted.opened_in),
         ..LoadTimings::default()
     };
-    tracing::info!(
-        pins = %options.pin_for.as_deref().map(pins::tree_dir).unwrap_or_default().display(),
-        opened_in = ?adopted.opened_in,
-        saved_load_ms = adopted.meta.load_ms,
-        backlog_bytes = backlog,
-        "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
-    );
+    let pins = options
+        .pin_for
+        .as_deref()
+        .map(pins::tree_dir)
+        .unwrap_or_default()
+        .display()
+        .to_string();
+    let description = match how {
+        Adoption::Restart => {
+            tracing::info!(
+                pins,
+                opened_in = ?adopted.opened_in,
+                saved_load_ms = adopted.meta.load_ms,
+                backlog_bytes = backlog,
+                "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
+            );
+            format!("eBPF {family} (adopted)")
+        }
+        Adoption::LoadedByChild { selection, timings } => {
+            tracing::info!(
+                timings,
+                pinned = true,
+                pins,
+                loaded_in = "a child process",
+                "eBPF programs loaded"
+            );
+            format!("eBPF {selection}; loaded in a child process and pinned in {pins}")
+        }
+    };
     let description = format!(
-        "eBPF {family} (adopted): {} (ring buffer {} KiB, batch delay {:?})",
+        "{description}: {} (ring buffer {} KiB, batch delay {:?})",
         adopted.meta.attached.join(", "),
         options.ring_buffer_bytes / 1024,
         options.batch_delay,
