@@ -676,6 +676,13 @@ mod tests {
 
     /// Registers `name` in `actual` and records it as finished.
     fn register(actual: &ActualState, journal: &Journal, name: &str, ino: u64) -> RegisteredPlugin {
+        let (path, entry) = add(actual, name, ino);
+        journal.registered(&path, &entry);
+        entry
+    }
+
+    /// Adds `name` to `actual` as a registration does before the handler's Register.
+    fn add(actual: &ActualState, name: &str, ino: u64) -> (PathBuf, RegisteredPlugin) {
         let path = PathBuf::from(format!("/plugins/{name}.sock"));
         let entry = actual.add(
             path.clone(),
@@ -685,8 +692,7 @@ mod tests {
             Arc::new(AcceptAll),
             Provenance::default(),
         );
-        journal.registered(&path, &entry);
-        entry
+        (path, entry)
     }
 
     /// Leaves half a line at the journal's end, as a kill in the middle of a write would.
@@ -787,20 +793,6 @@ mod tests {
             Some(provenance.creator.clone())
         );
         assert_eq!(actual.get(&path).map(|r| r.provenance), Some(provenance));
-    }
-
-    /// Adds `name` to `actual` as a registration does before the handler's Register.
-    fn add(actual: &ActualState, name: &str, ino: u64) -> (PathBuf, RegisteredPlugin) {
-        let path = PathBuf::from(format!("/plugins/{name}.sock"));
-        let entry = actual.add(
-            path.clone(),
-            Uuid::new_v4(),
-            socket(ino),
-            plugin(&path.display().to_string(), name),
-            Arc::new(AcceptAll),
-            Provenance::default(),
-        );
-        (path, entry)
     }
 
     #[test]

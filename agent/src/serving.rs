@@ -103,9 +103,10 @@ struct Activity {
 }
 
 impl OpenConnections {
-    fn now_ns(&self) -> u64 {
-        let epoch = *self.epoch.get_or_init(Instant::now);
-        u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    /// `at` as nanoseconds from the first connection's admission.
+    fn ns_at(&self, at: Instant) -> u64 {
+        let epoch = *self.epoch.get_or_init(|| at);
+        u64::try_from(at.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Activity>>> {
@@ -115,7 +116,7 @@ impl OpenConnections {
     fn add(&self, evict: CancellationToken) -> (u64, Arc<Activity>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let activity = Arc::new(Activity {
-            last_progress_ns: AtomicU64::new(self.now_ns()),
+            last_progress_ns: AtomicU64::new(self.ns_at(Instant::now())),
             evict,
         });
         self.lock().insert(id, activity.clone());
@@ -307,13 +308,13 @@ impl<S> Guarded<S> {
     }
 
     fn progressed(&mut self) {
-        let idle = self.idle;
-        self.idle_timer.as_mut().reset(Instant::now() + idle);
-        let now = self.slot.open.now_ns();
+        let now = Instant::now();
+        self.idle_timer.as_mut().reset(now + self.idle);
+        let at = self.slot.open.ns_at(now);
         self.slot
             .activity
             .last_progress_ns
-            .store(now, Ordering::Relaxed);
+            .store(at, Ordering::Relaxed);
     }
 }
 

@@ -198,86 +198,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_retry_whose_backoff_expired_is_pending_and_backing_off_only_before() {
-        let view = view();
-        let path = Path::new("/r/a.sock");
-        view.desired
-            .add_or_update(path, socket(), None)
-            .expect("desired");
-        let failed_at = Instant::now();
-        view.backoff
-            .fail(path, socket(), "boom".into(), FailureKind::Other, failed_at);
-        assert_eq!(view.status(path, failed_at).state, PluginState::BackingOff);
-        let retrying = failed_at + Duration::from_secs(1);
-        let status = view.status(path, retrying);
-        assert_eq!(status.state, PluginState::Pending);
-        assert!(status.backoff.is_some(), "the failure is still reported");
-    }
-
-    #[test]
-    fn registered_and_deregistering_follow_the_generations() {
-        let view = view();
-        let path = Path::new("/r/a.sock");
-        view.desired
-            .add_or_update(path, socket(), None)
-            .expect("desired");
-        let desired = view.desired.get(path).expect("desired");
-        let plugin = Plugin {
-            plugin_type: "CSIPlugin".into(),
-            name: "a".into(),
-            endpoint: String::new(),
-            supported_versions: vec!["1.0.0".into()],
-            socket_path: path.display().to_string(),
-        };
-        view.actual.add(
-            desired.path.clone(),
-            desired.generation,
-            desired.socket,
-            plugin,
-            Arc::new(AcceptAll),
-            crate::provenance::Provenance::default(),
-        );
-        let now = Instant::now();
-        assert_eq!(view.status(path, now).state, PluginState::Registered);
-        view.desired.remove(path);
-        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
-        assert_eq!(view.all(now).len(), 1);
-    }
-
-    #[test]
-    fn a_restored_registration_a_kill_interrupted_is_pending_then_deregistering_once_gone() {
-        let view = view();
-        let path = Path::new("/r/a.sock");
-        view.desired
-            .add_or_update(path, socket(), None)
-            .expect("desired");
-        let desired = view.desired.get(path).expect("desired");
-        let plugin = Plugin {
-            plugin_type: "CSIPlugin".into(),
-            name: "a".into(),
-            endpoint: String::new(),
-            supported_versions: vec!["1.0.0".into()],
-            socket_path: path.display().to_string(),
-        };
-        let mut entry = view.actual.add(
-            desired.path.clone(),
-            desired.generation,
-            desired.socket,
-            plugin,
-            Arc::new(AcceptAll),
-            crate::provenance::Provenance::default(),
-        );
-        entry.interrupted = true;
-        view.actual.restore(desired.path.clone(), entry);
-        let now = Instant::now();
-        assert_eq!(view.status(path, now).state, PluginState::Pending);
-        view.desired.remove(path);
-        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
-    }
-
-    #[test]
-    fn an_unserved_socket_is_deregistering_while_registered_then_unserved_for_good() {
+    /// A view where `/r/a.sock` is desired and registered from that socket.
+    fn registered_at_a() -> (StateView, &'static Path, RegisteredPlugin) {
         let view = view();
         let path = Path::new("/r/a.sock");
         view.desired
@@ -299,6 +221,50 @@ mod tests {
             Arc::new(AcceptAll),
             crate::provenance::Provenance::default(),
         );
+        (view, path, entry)
+    }
+
+    #[test]
+    fn a_retry_whose_backoff_expired_is_pending_and_backing_off_only_before() {
+        let view = view();
+        let path = Path::new("/r/a.sock");
+        view.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        let failed_at = Instant::now();
+        view.backoff
+            .fail(path, socket(), "boom".into(), FailureKind::Other, failed_at);
+        assert_eq!(view.status(path, failed_at).state, PluginState::BackingOff);
+        let retrying = failed_at + Duration::from_secs(1);
+        let status = view.status(path, retrying);
+        assert_eq!(status.state, PluginState::Pending);
+        assert!(status.backoff.is_some(), "the failure is still reported");
+    }
+
+    #[test]
+    fn registered_and_deregistering_follow_the_generations() {
+        let (view, path, _) = registered_at_a();
+        let now = Instant::now();
+        assert_eq!(view.status(path, now).state, PluginState::Registered);
+        view.desired.remove(path);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
+        assert_eq!(view.all(now).len(), 1);
+    }
+
+    #[test]
+    fn a_restored_registration_a_kill_interrupted_is_pending_then_deregistering_once_gone() {
+        let (view, path, mut entry) = registered_at_a();
+        entry.interrupted = true;
+        view.actual.restore(Arc::from(path), entry);
+        let now = Instant::now();
+        assert_eq!(view.status(path, now).state, PluginState::Pending);
+        view.desired.remove(path);
+        assert_eq!(view.status(path, now).state, PluginState::Deregistering);
+    }
+
+    #[test]
+    fn an_unserved_socket_is_deregistering_while_registered_then_unserved_for_good() {
+        let (view, path, entry) = registered_at_a();
         let now = Instant::now();
         let kind = FailureKind::Unserved {
             learned_by: "pidfd",
