@@ -371,7 +371,8 @@ fn start_adopted(
         .unwrap_or_default()
         .display()
         .to_string();
-    let description = match how {
+    // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
+    let (hooks, how) = match how {
         Adoption::Restart => {
             tracing::info!(
                 pins,
@@ -380,7 +381,7 @@ fn start_adopted(
                 backlog_bytes = backlog,
                 "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
             );
-            format!("eBPF {family} (adopted)")
+            (format!("{family} (adopted)"), String::new())
         }
         Adoption::LoadedByChild { selection, timings } => {
             tracing::info!(
@@ -390,11 +391,14 @@ fn start_adopted(
                 loaded_in = "a child process",
                 "eBPF programs loaded"
             );
-            format!("eBPF {selection}; loaded in a child process and pinned in {pins}")
+            (
+                selection,
+                format!("; loaded in a child process, pinned in {pins}"),
+            )
         }
     };
     let description = format!(
-        "{description}: {} (ring buffer {} KiB, batch delay {:?})",
+        "eBPF {hooks}: {} (ring buffer {} KiB, batch delay {:?}{how})",
         adopted.meta.attached.join(", "),
         options.ring_buffer_bytes / 1024,
         options.batch_delay,
