@@ -6,21 +6,17 @@ use plugin_agent::cli::{self, Cli, Command, LogFormat};
 use plugin_agent::telemetry::logging;
 
 fn main() -> std::process::ExitCode {
-    // The eBPF loader's short-lived child that reads the kernel's BTF (see its module docs).
-    if std::env::args_os().nth(1).as_deref()
-        == Some(std::ffi::OsStr::new(
-            plugin_agent::event_source::ebpf::KERNEL_LAYOUT_CHILD_ARG,
-        ))
+    // The eBPF loader's short-lived children: one reads the kernel's BTF, one loads and pins
+    // the programs (see their module docs).
+    use plugin_agent::event_source::ebpf;
+    match std::env::args_os()
+        .nth(1)
+        .as_deref()
+        .and_then(|arg| arg.to_str())
     {
-        return plugin_agent::event_source::ebpf::kernel_layout_child_main();
-    }
-    // The eBPF loader's short-lived child that loads and pins the programs (see its module docs).
-    if std::env::args_os().nth(1).as_deref()
-        == Some(std::ffi::OsStr::new(
-            plugin_agent::event_source::ebpf::LOAD_CHILD_ARG,
-        ))
-    {
-        return plugin_agent::event_source::ebpf::load_child_main();
+        Some(ebpf::KERNEL_LAYOUT_CHILD_ARG) => return ebpf::kernel_layout_child_main(),
+        Some(ebpf::LOAD_CHILD_ARG) => return ebpf::load_child_main(),
+        _ => {}
     }
     let cli = Cli::parse();
     raise_nofile_limit();

@@ -709,6 +709,17 @@ mod tests {
         Journal::open(snapshot, Path::new("/plugins"), false).1
     }
 
+    /// What a start would restore from `snapshot`: each plugin's name and whether a kill
+    /// interrupted its registration, by name.
+    fn reopen_interrupted(snapshot: &Path) -> Vec<(String, bool)> {
+        let mut restored: Vec<(String, bool)> = reopen(snapshot)
+            .into_iter()
+            .map(|r| (r.plugin.name, r.interrupted))
+            .collect();
+        restored.sort();
+        restored
+    }
+
     #[test]
     fn what_finished_is_restored_into_desired_and_actual_state_without_a_flush() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -805,12 +816,8 @@ mod tests {
         add(&actual, "b", 11);
         actual.remove(Path::new("/plugins/a.sock"), a.generation);
         drop(journal);
-        let restored: Vec<(String, bool)> = reopen(&snapshot)
-            .into_iter()
-            .map(|r| (r.plugin.name, r.interrupted))
-            .collect();
         assert_eq!(
-            restored,
+            reopen_interrupted(&snapshot),
             [("a".to_owned(), false)],
             "a is deregistered again, b registered as new"
         );
@@ -834,13 +841,8 @@ mod tests {
         actual.remove(&c_path, c.generation);
         journal.deregistered(&c_path, c.generation);
         drop(journal);
-        let mut restored: Vec<(String, bool)> = reopen(&snapshot)
-            .into_iter()
-            .map(|r| (r.plugin.name, r.interrupted))
-            .collect();
-        restored.sort();
         let want = [("a".to_owned(), true), ("b".to_owned(), false)];
-        assert_eq!(restored, want, "from the journal");
+        assert_eq!(reopen_interrupted(&snapshot), want, "from the journal");
 
         // The same through a snapshot (a start's compaction), and into actual state.
         let entries = reopen(&snapshot);
@@ -858,12 +860,7 @@ mod tests {
         journal.restored(&actual);
         journal.flush();
         drop(journal);
-        let mut restored: Vec<(String, bool)> = reopen(&snapshot)
-            .into_iter()
-            .map(|r| (r.plugin.name, r.interrupted))
-            .collect();
-        restored.sort();
-        assert_eq!(restored, want, "from the snapshot");
+        assert_eq!(reopen_interrupted(&snapshot), want, "from the snapshot");
         let a = actual.get(&a_path).expect("a restored");
         assert!(a.interrupted);
     }

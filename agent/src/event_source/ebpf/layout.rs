@@ -22,7 +22,6 @@
 //! ```
 
 use std::io::Write;
-use std::process::{Command, Stdio};
 
 use agent_ebpf::{KernelOffsets, VfsArgs};
 use anyhow::{Context, bail};
@@ -97,16 +96,21 @@ fn probe_fentry() -> Option<String> {
     }
 }
 
+/// What the child does, for a process that may take the parse's peak (the child itself, or the
+/// load child): parse here and, with `probe_fentry`, probe whether fentry/fexit programs load.
+pub fn resolve_here(probe_fentry: bool) -> anyhow::Result<KernelLayout> {
+    in_process().map(|mut layout| {
+        if probe_fentry && layout.vfs.is_ok() {
+            layout.fentry_refused = self::probe_fentry();
+        }
+        layout
+    })
+}
+
 /// The child's whole life: resolve (and probe, when asked), write the answer to stdout, exit.
 pub fn child_main() -> std::process::ExitCode {
     let probe = std::env::args_os().nth(2).as_deref() == Some(PROBE_FENTRY_ARG.as_ref());
-    let layout = in_process().map(|mut layout| {
-        if probe && layout.vfs.is_ok() {
-            layout.fentry_refused = probe_fentry();
-        }
-        layout
-    });
-    let bytes = encode(&layout.map_err(|err| format!("{err:#}")));
+    let bytes = encode(&resolve_here(probe).map_err(|err| format!("{err:#}")));
     match std::io::stdout().lock().write_all(&bytes) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(_) => std::process::ExitCode::FAILURE,
@@ -120,17 +124,8 @@ enum Answer {
 }
 
 fn in_child(probe_fentry: bool) -> anyhow::Result<Answer> {
-    let output = Command::new("/proc/self/exe")
-        .arg(CHILD_ARG)
-        .args(probe_fentry.then_some(PROBE_FENTRY_ARG))
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .context("cannot run the kernel layout child")?;
-    if !output.status.success() {
-        bail!("the kernel layout child exited with {}", output.status);
-    }
-    decode(&output.stdout)
+    let args = std::iter::once(CHILD_ARG).chain(probe_fentry.then_some(PROBE_FENTRY_ARG));
+    decode(&super::run_child("kernel layout", args)?)
 }
 
 fn encode(answer: &Result<KernelLayout, String>) -> Vec<u8> {

@@ -13,7 +13,7 @@
 //!
 //! ```text
 //! agent --spawn /proc/self/exe __plugin-agent-load ROOT ring wakeup batch_ns watched names hooks-->
-//!        child: loader::load (layout child, BTF, verifier, attach), pins::pin
+//!        child: loader::load (kernel layout read here, BTF, verifier, attach), pins::pin
 //!       <--stdout: "OK\n" selection "\n" timings | "ER\n" load error | "NP\n" pin error--
 //! agent: pins::adopt -> the reader, as after a restart
 //! ```
@@ -24,7 +24,6 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -53,18 +52,15 @@ pub(super) enum Outcome {
 /// Loads and pins the programs for the tree at `root` in a child process. An error: the child
 /// could not run or answer (the caller loads in its own process).
 pub(super) fn load_and_pin(params: &LoadParams, root: &Path) -> anyhow::Result<Outcome> {
-    let output = Command::new("/proc/self/exe")
-        .arg(CHILD_ARG)
-        .arg(root)
-        .args(encode_params(params))
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .context("cannot run the eBPF load child")?;
-    if !output.status.success() {
-        bail!("the eBPF load child exited with {}", output.status);
-    }
-    decode(&String::from_utf8_lossy(&output.stdout))
+    let args = [CHILD_ARG.into(), root.as_os_str().to_owned()]
+        .into_iter()
+        .chain(
+            encode_params(params)
+                .into_iter()
+                .map(std::ffi::OsString::from),
+        );
+    let stdout = super::run_child("eBPF load", args)?;
+    decode(&String::from_utf8_lossy(&stdout))
 }
 
 /// The child's whole life: load, attach, pin, say how it went on stdout, exit.
@@ -125,6 +121,8 @@ fn decode_args(
         watched_capacity: next("watched capacity")?.parse()?,
         names_capacity: next("names capacity")?.parse()?,
         hooks: next("hook choice")?.parse()?,
+        // A short-lived process already: no layout child of its own.
+        layout_here: true,
     };
     Ok((root, params))
 }
@@ -158,6 +156,7 @@ mod tests {
             watched_capacity: 16_384,
             names_capacity: 8_192,
             hooks: HookChoice::Only(super::super::HookFamily::Tracepoints),
+            layout_here: false,
         };
         let args = std::iter::once("/var/lib/kubelet/plugins_registry".into())
             .chain(encode_params(&params).into_iter().map(Into::into));

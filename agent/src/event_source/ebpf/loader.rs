@@ -241,6 +241,9 @@ pub struct LoadParams {
     pub names_capacity: u32,
     /// Which hook families may be used.
     pub hooks: HookChoice,
+    /// Read the kernel layout in this process: true in the load child, which is short-lived
+    /// already (its peak counts nowhere); in the agent, a layout child reads it.
+    pub layout_here: bool,
 }
 
 /// The loaded object with its programs attached.
@@ -330,7 +333,11 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         offsets,
         vfs,
         fentry_refused,
-    } = layout::resolve(params.hooks == HookChoice::Auto)?;
+    } = if params.layout_here {
+        layout::resolve_here(params.hooks == HookChoice::Auto)?
+    } else {
+        layout::resolve(params.hooks == HookChoice::Auto)?
+    };
     timings.btf = started.elapsed();
     let started = Instant::now();
     let config = Config {

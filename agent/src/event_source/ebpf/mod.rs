@@ -165,6 +165,7 @@ pub fn open(
             Some(choice) => choice,
             None => HookChoice::from_env()?,
         },
+        layout_here: false,
     };
     let identity = identity(&params);
     let pin_dir = options.pin_for.as_deref().map(pins::tree_dir);
@@ -289,6 +290,25 @@ struct Maps {
     names: BpfHashMap<MapData, NameKey, u32>,
     ring: RingBuf<MapData>,
     losses: PerCpuArray<MapData, u64>,
+}
+
+/// Runs this executable (`/proc/self/exe`: the running binary, even after an upgrade replaced
+/// the file) with `args` as one of the loader's short-lived children (`what` names it in errors),
+/// and returns its stdout once it exited 0.
+fn run_child<S: AsRef<std::ffi::OsStr>>(
+    what: &str,
+    args: impl IntoIterator<Item = S>,
+) -> anyhow::Result<Vec<u8>> {
+    let output = std::process::Command::new("/proc/self/exe")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run the {what} child"))?;
+    if !output.status.success() {
+        anyhow::bail!("the {what} child exited with {}", output.status);
+    }
+    Ok(output.stdout)
 }
 
 /// The settings a pinned set was loaded with, part of its identity: a set loaded with others is
