@@ -12,6 +12,7 @@ mod build;
 mod build_ebpf;
 mod cross_test;
 mod deps;
+mod hostile;
 mod lint;
 mod modules;
 mod run;
@@ -62,6 +63,9 @@ enum Command {
     VmTest(vm_test::Options),
     /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
     Soak(soak::Options),
+    /// Issue 22's hostile-node cases one at a time on each source (release agent): the canary's
+    /// registration time, live plugins kept, SIGTERM time and peak RSS against the targets.
+    Hostile(hostile::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,6 +80,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(options) => bench::bench(&options),
         Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),
+        Command::Hostile(options) => hostile::hostile(&options),
         Command::VmTest(options) => vm_test::vm_test(&options),
         Command::CrossTest => cross_test::cross_test(),
     }

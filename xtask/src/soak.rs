@@ -75,10 +75,10 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// A child process killed (SIGKILL) and reaped when dropped.
-struct Guard(Child);
+pub(crate) struct Guard(pub(crate) Child);
 
 impl Guard {
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.0.id()
     }
     fn kill(&mut self) {
@@ -294,7 +294,7 @@ impl Host {
 }
 
 /// RSS of `pid` in KiB.
-fn rss_kib(pid: u32) -> Option<u64> {
+pub(crate) fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
@@ -323,7 +323,7 @@ impl Memory {
 }
 
 /// The target directory cargo builds into (CARGO_TARGET_DIR, else `target/`).
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|p| {

@@ -19,6 +19,8 @@ pub mod desired;
 pub mod queue;
 pub mod view;
 
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsRawFd as _, BorrowedFd};
 use std::path::Path;
 
 /// Who a socket is, beyond where it is: a socket re-created at the same path is a different plugin
@@ -56,8 +58,16 @@ pub enum EntryKind {
 impl EntryKind {
     /// Looks at `path` without following a final symlink.
     pub fn of(path: &Path) -> std::io::Result<EntryKind> {
+        let c_path = c_path(path)?;
+        Self::at(nix::fcntl::AT_FDCWD, &c_path)
+    }
+
+    /// Looks at `name` in the open directory `dir` without following a final symlink: one
+    /// lookup, where a path costs one per component (a walk of a deep tree is linear in its
+    /// size this way, not quadratic).
+    pub fn at(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<EntryKind> {
         use nix::sys::stat::SFlag;
-        let stx = statx(path)?;
+        let stx = statx(dir, name)?;
         let mode =
             SFlag::from_bits_truncate(libc::mode_t::from(stx.stx_mode) & SFlag::S_IFMT.bits());
         let dev = libc::makedev(stx.stx_dev_major, stx.stx_dev_minor);
@@ -71,7 +81,7 @@ impl EntryKind {
                     dev,
                     ino: stx.stx_ino,
                     birth_ns,
-                    handle: file_handle_hash(path),
+                    handle: file_handle_hash(dir, name),
                 })
             }
             SFlag::S_IFDIR => EntryKind::Directory {
@@ -83,10 +93,15 @@ impl EntryKind {
     }
 }
 
-/// Hash of the path's file handle, which includes the inode generation; `None` when the
-/// filesystem has no file handles (or the entry vanished meanwhile).
-fn file_handle_hash(path: &Path) -> Option<u64> {
+fn c_path(path: &Path) -> std::io::Result<CString> {
     use std::os::unix::ffi::OsStrExt;
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"))
+}
+
+/// Hash of the entry's file handle, which includes the inode generation; `None` when the
+/// filesystem has no file handles (or the entry vanished meanwhile).
+fn file_handle_hash(dir: BorrowedFd<'_>, name: &CStr) -> Option<u64> {
     /// `struct file_handle` with room for the largest handle (`MAX_HANDLE_SZ`).
     #[repr(C)]
     struct FileHandle {
@@ -94,20 +109,20 @@ fn file_handle_hash(path: &Path) -> Option<u64> {
         handle_type: i32,
         f_handle: [u8; 128],
     }
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     let mut handle = FileHandle {
         handle_bytes: 128,
         handle_type: 0,
         f_handle: [0; 128],
     };
     let mut mount_id: libc::c_int = 0;
-    // SAFETY: c_path is NUL-terminated; handle has handle_bytes of room after its header, as the
-    // syscall requires; mount_id is writable. AT_SYMLINK_FOLLOW is not given: the entry itself.
+    // SAFETY: `dir` is an open descriptor (or AT_FDCWD) and `name` NUL-terminated; handle has
+    // handle_bytes of room after its header, as the syscall requires; mount_id is writable.
+    // AT_SYMLINK_FOLLOW is not given: the entry itself.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_name_to_handle_at,
-            libc::AT_FDCWD,
-            c_path.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
             &mut handle as *mut FileHandle,
             &mut mount_id as *mut libc::c_int,
             0,
@@ -137,16 +152,14 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
         })
 }
 
-fn statx(path: &Path) -> std::io::Result<libc::statx> {
-    use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"))?;
+fn statx(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc::statx> {
     let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
-    // SAFETY: c_path is a valid NUL-terminated string and stx points to writable statx storage.
+    // SAFETY: `dir` is an open descriptor (or AT_FDCWD), `name` NUL-terminated, and stx points
+    // to writable statx storage.
     let rc = unsafe {
         libc::statx(
-            libc::AT_FDCWD,
-            c_path.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
             libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_SYNC_AS_STAT,
             libc::STATX_TYPE | libc::STATX_INO | libc::STATX_BTIME,
             stx.as_mut_ptr(),

@@ -1,14 +1,22 @@
 //! Walks: watch-then-walk of a directory and its subtree, and the full rescan that makes desired
 //! state and the watched set equal to the tree.
 
-use super::{Watcher, ensure_root, ignored_name};
+use super::{Watcher, ensure_root};
 use crate::event_source::{Observed, RescanReason, WatchedDir};
 use crate::notifications::{AgentEvent, EventKind};
 use crate::state::EntryKind;
 use crate::telemetry::discovery::Via;
 use crate::watch_health::WalkReport;
+use nix::dir::Type;
+use nix::errno::Errno;
+use nix::fcntl::{AT_FDCWD, OFlag, openat};
+use nix::sys::stat::{Mode, fstat};
 use std::collections::HashSet;
+use std::ffi::OsString;
+use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use tracing::{debug, info, warn};
 
@@ -25,25 +33,35 @@ impl Watcher {
     }
 
     /// Watch-then-walk of `dir` and its subtree. Collects sockets into `found`, the directories
-    /// visited into `seen_dirs`, and what could not be read into `report` (each logged and
+    /// visited into `seen_dirs` (as bytes: hashing a `Path` parses it into components, a cost
+    /// per directory as deep as the directory is), and what could not be read into `report` (each logged and
     /// counted here).
     ///
     /// Iterative, and each directory is read to the end and closed before any directory below
     /// it is opened: a recursive walk holds one open directory stream (glibc gives each a
     /// 32 KiB buffer) and one stack frame per level, so a tree 2,000 levels deep cost 64 MiB and
     /// 2,000 descriptors per pass, and a deep enough one would overflow the thread's stack.
+    ///
+    /// Every lookup is relative to the directory it is in (an `O_PATH` descriptor, shared by the
+    /// sub-directories still to visit): a lookup by path resolves every component again, so a
+    /// safety pass over a tree 2,039 levels deep cost ~0.5 s of CPU, during which events waited.
+    /// The descriptors held are those of directories with sub-directories still to visit: one
+    /// or two for a chain, at most the tree's depth.
     pub(super) fn walk(
         &mut self,
         dir: &Path,
         found: &mut Vec<(PathBuf, crate::state::SocketId)>,
-        seen_dirs: &mut HashSet<PathBuf>,
+        seen_dirs: &mut HashSet<OsString>,
         report: &mut WalkReport,
     ) {
-        let mut pending = vec![dir.to_path_buf()];
+        let mut pending = vec![Pending {
+            path: dir.to_path_buf(),
+            parent: None,
+        }];
         while let Some(dir) = pending.pop() {
             let before = pending.len();
             if self.walk_one(&dir, found, &mut pending, report) {
-                seen_dirs.insert(dir);
+                seen_dirs.insert(dir.path.into_os_string());
             }
             // Visit sub-directories in the order they were read.
             pending[before..].reverse();
@@ -54,13 +72,14 @@ impl Watcher {
     /// False if the directory was not there (or could not be stat'ed) to be watched.
     fn walk_one(
         &mut self,
-        dir: &Path,
+        pending_dir: &Pending,
         found: &mut Vec<(PathBuf, crate::state::SocketId)>,
-        pending: &mut Vec<PathBuf>,
+        pending: &mut Vec<Pending>,
         report: &mut WalkReport,
     ) -> bool {
-        let watched = match WatchedDir::stat(dir) {
-            Ok(watched) => watched,
+        let dir = pending_dir.path.as_path();
+        let (watched, handle) = match open_dir(pending_dir) {
+            Ok(opened) => opened,
             Err(e) if gone(&e) => {
                 debug!(dir = %dir.display(), error = %e, "directory vanished before it could be watched");
                 return false;
@@ -79,7 +98,7 @@ impl Watcher {
             if let Err(e) = self.source.watch(&watched) {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
-            self.dirs.insert(dir.to_path_buf(), watched);
+            self.dirs.insert(dir.to_path_buf(), watched.clone());
             self.telemetry
                 .watcher
                 .watched_dirs
@@ -87,37 +106,72 @@ impl Watcher {
         }
         // Every walk re-announces the directory, like every rescan re-announces every socket;
         // announced before it is read, so a removal after the read is matched by name.
-        self.announce(dir);
-        let entries = match std::fs::read_dir(dir) {
+        match (&pending_dir.parent, dir.file_name()) {
+            (Some(parent), Some(name)) => {
+                self.source.entry_present(&parent.watched, name);
+            }
+            _ => {
+                self.announce(dir);
+            }
+        }
+        let opened = Arc::new(Opened {
+            fd: handle,
+            watched,
+        });
+        let mut entries = match nix::dir::Dir::openat(
+            &opened.fd,
+            c".",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        ) {
             Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(Errno::ENOENT) => {
                 // Gone between the stat and the read (perhaps before the announcement, unseen).
                 self.forget_dir(dir);
                 return false;
             }
             Err(e) => {
-                self.unreadable(dir, &e, report);
+                self.unreadable(dir, &std::io::Error::from(e), report);
                 return true;
             }
         };
-        for entry in entries {
-            let path = match entry {
-                Ok(entry) => entry.path(),
+        for entry in entries.iter() {
+            let entry = match entry {
+                Ok(entry) => entry,
                 Err(e) => {
                     // Part of the directory was read: the rest is unknown, so all of it is kept.
-                    self.unreadable(dir, &e, report);
+                    self.unreadable(dir, &std::io::Error::from(e), report);
                     return true;
                 }
             };
-            if ignored_name(&path, &self.root) {
+            let name = entry.file_name();
+            // Below a directory already walked, only the entry's own name can make it ignored.
+            if name.to_bytes().first() == Some(&b'.') {
                 continue;
             }
-            match EntryKind::of(&path) {
-                Ok(EntryKind::Socket(socket)) => found.push((path, socket)),
-                Ok(EntryKind::Directory { .. }) => pending.push(path),
-                Ok(EntryKind::Other) => {}
-                Err(e) if gone(&e) => {}
-                Err(e) => self.unreadable(&path, &e, report),
+            let path = dir.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
+            if path.as_os_str().len() >= crate::watch_health::PATH_MAX {
+                // Out of reach by path (dials, handlers, kubelet): reported as such.
+                let too_long = std::io::Error::from_raw_os_error(libc::ENAMETOOLONG);
+                self.unreadable(&path, &too_long, report);
+                continue;
+            }
+            // The directory entry's type saves a lookup for all but sockets (and file systems
+            // that do not fill it in).
+            let kind = match entry.file_type() {
+                Some(Type::Directory) => None,
+                Some(Type::Socket) | None => Some(EntryKind::at(opened.fd.as_fd(), name)),
+                Some(_) => continue,
+            };
+            match kind {
+                None | Some(Ok(EntryKind::Directory { .. })) => pending.push(Pending {
+                    path,
+                    parent: Some(opened.clone()),
+                }),
+                Some(Ok(EntryKind::Socket(socket))) => found.push((path, socket)),
+                Some(Ok(EntryKind::Other)) => {}
+                Some(Err(e)) if gone(&e) => {}
+                Some(Err(e)) => self.unreadable(&path, &e, report),
             }
         }
         true
@@ -183,7 +237,7 @@ impl Watcher {
         let stale_dirs: Vec<PathBuf> = self
             .dirs
             .keys()
-            .filter(|d| !seen_dirs.contains(*d) && !report.keeps(d))
+            .filter(|d| !seen_dirs.contains(d.as_os_str()) && !report.keeps(d))
             .cloned()
             .collect();
         let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
@@ -266,4 +320,45 @@ pub(super) fn gone(error: &std::io::Error) -> bool {
         error.kind(),
         std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
     )
+}
+
+/// A directory still to walk, with its parent to look it up in (the walk's first directory has
+/// none: it is looked up by its path).
+struct Pending {
+    path: PathBuf,
+    parent: Option<Arc<Opened>>,
+}
+
+/// A directory being walked: its `O_PATH` descriptor, shared by its sub-directories still to
+/// visit, and its identity, which they are announced in.
+struct Opened {
+    fd: OwnedFd,
+    watched: WatchedDir,
+}
+
+/// Opens `dir` (`O_PATH`, following no symlink) and stats it: its identity, and the descriptor
+/// its entries are looked up in. A symlink or a file is not a directory, as `lstat` says.
+fn open_dir(dir: &Pending) -> std::io::Result<(WatchedDir, OwnedFd)> {
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let opened = match (&dir.parent, dir.path.file_name()) {
+        (Some(parent), Some(name)) => openat(&parent.fd, name, flags, Mode::empty()),
+        _ => openat(AT_FDCWD, dir.path.as_path(), flags, Mode::empty()),
+    };
+    let handle = match opened {
+        Ok(handle) => handle,
+        Err(Errno::ENOTDIR | Errno::ELOOP) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotADirectory,
+                format!("{} is not a directory", dir.path.display()),
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let stat = fstat(&handle)?;
+    let watched = WatchedDir {
+        path: dir.path.clone(),
+        dev: stat.st_dev,
+        ino: stat.st_ino,
+    };
+    Ok((watched, handle))
 }
