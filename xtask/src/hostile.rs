@@ -79,9 +79,7 @@ impl Case {
     fn describe(self) -> &'static str {
         match self {
             Case::Dirs => "1,000 directories made by absolute path",
-            Case::Flood => {
-                "2 threads binding/unlinking sockets; canary 5 s in, flood still running"
-            }
+            Case::Flood => "2 threads binding/unlinking sockets for 30 s; canary 5 s in",
             Case::Stale => "1,000 stale sockets + 300 servers that accept and hang up",
             Case::Metrics => "1,000 slow metrics connections from uid 65534",
             Case::Deep => "a tree 2,039 directories deep, safety pass every 1 s, for 20 s",
@@ -322,6 +320,8 @@ struct Attack {
     mount: Option<PathBuf>,
     /// What the attack itself measured, for the row's note.
     note: String,
+    /// The attack runs at least until then before the agent is stopped and measured.
+    until: Option<Instant>,
 }
 
 impl Drop for Attack {
@@ -374,7 +374,8 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
                     }
                 }));
             }
-            // The canary starts 5 s into the flood, as in the report.
+            // The canary starts 5 s into a flood of 30 s, as in the report.
+            attack.until = Some(Instant::now() + Duration::from_secs(30));
             std::thread::sleep(Duration::from_secs(5));
         }
         Case::Stale => {
@@ -556,6 +557,9 @@ fn run_case(bin: &Path, base: &Path, case: Case, source: &str) -> anyhow::Result
         .unwrap_or_else(|| "not listed".into());
     let live_deregistered = setup.deregistrations_of("live.example.com");
 
+    if let Some(until) = attack.until {
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+    }
     // One partial request and one idle admin connection held open across SIGTERM.
     let mut partial = std::net::TcpStream::connect(setup.metrics)?;
     partial.write_all(b"GET /metrics HTTP/1.1\r\n")?;
