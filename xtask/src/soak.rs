@@ -7,7 +7,8 @@
 //! faults, round robin every --fault-every:        (SIGKILL+restart    (SIGKILL+restart)
 //!   agent SIGKILL/restart (first half only), handler SIGKILL/restart, a hung plugin or a flood
 //!   of 300 half-sent requests to the metrics port from uid 65534 (in turn), a lying plugin,
-//!   noise in turn: 500 files, a tree 1,000 directories deep, 1,000 directories, 300 stale sockets
+//!   noise in turn: 500 files, a tree 1,000 directories deep, 1,000 directories, 300 stale sockets,
+//!   5 s of a bind/unlink flood
 //! RSS of the agent sampled from /proc every second: never above 64 MiB, flat in the second half
 //! end: churn paused, bad plugins stopped -> `plugin-agent list` must equal the live sockets,
 //!      all registered
@@ -588,14 +589,17 @@ enum Noise {
     ManyDirs,
     /// 300 sockets bound and closed, like plugins that crashed.
     StaleSockets,
+    /// Two threads binding and unlinking sockets as fast as they can for 5 s.
+    SocketFlood,
 }
 
 impl Noise {
-    const ALL: [Noise; 4] = [
+    const ALL: [Noise; 5] = [
         Noise::Files,
         Noise::DeepTree,
         Noise::ManyDirs,
         Noise::StaleSockets,
+        Noise::SocketFlood,
     ];
 
     fn describe(self) -> &'static str {
@@ -604,6 +608,7 @@ impl Noise {
             Noise::DeepTree => "a tree 1,000 directories deep",
             Noise::ManyDirs => "1,000 directories",
             Noise::StaleSockets => "300 stale sockets",
+            Noise::SocketFlood => "5 s of sockets bound and unlinked by 2 threads",
         }
     }
 
@@ -632,6 +637,23 @@ impl Noise {
                     drop(std::os::unix::net::UnixListener::bind(
                         dir.join(format!("stale-{i}.sock")),
                     )?);
+                }
+            }
+            Noise::SocketFlood => {
+                for t in 0..2 {
+                    let base = dir.join(format!("flood-{t}"));
+                    // Ends by itself; a round that removes the directory meanwhile only makes
+                    // its binds fail.
+                    std::thread::spawn(move || {
+                        let started = Instant::now();
+                        let mut made = 0u64;
+                        while started.elapsed() < Duration::from_secs(5) {
+                            let path = base.with_extension(format!("{}.sock", made % 64));
+                            drop(std::os::unix::net::UnixListener::bind(&path));
+                            let _ = std::fs::remove_file(&path);
+                            made += 1;
+                        }
+                    });
                 }
             }
         }
@@ -705,7 +727,7 @@ fn report(options: &Options, churn: &Churn, end: &End) -> Verdict {
         options.duration, options.source, options.plugins, options.churn
     );
     println!(
-        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} metrics floods (300 slow connections), {} lying plugins, {} noise rounds (files, deep tree, directories, stale sockets in turn)",
+        "faults: {} agent SIGKILL+restart, {} handler SIGKILL+restart, {} hung plugins, {} metrics floods (300 slow connections), {} lying plugins, {} noise rounds (files, deep tree, directories, stale sockets, socket flood in turn)",
         counts[0],
         counts[1],
         counts[2] - floods,
