@@ -46,7 +46,9 @@ impl Watcher {
     /// sub-directories still to visit): a lookup by path resolves every component again, so a
     /// safety pass over a tree 2,039 levels deep cost ~0.5 s of CPU, during which events waited.
     /// The descriptors held are those of directories with sub-directories still to visit: one
-    /// or two for a chain, at most the tree's depth.
+    /// or two for a chain, at most the tree's depth, which PATH_MAX bounds (2,048 levels: the
+    /// walk does not go below it); the agent raises its descriptor limit to the hard one at
+    /// start.
     pub(super) fn walk(
         &mut self,
         dir: &Path,
