@@ -175,6 +175,7 @@ fn statx(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc::statx> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd as _;
 
     #[test]
     fn handle_hash_is_fnv1a_so_it_stays_the_same_across_builds() {
@@ -183,5 +184,32 @@ mod tests {
         assert_eq!(fnv1a(&[]), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(&[b"a"]), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(&[b"fo", b"obar"]), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn an_entry_looked_up_in_its_directory_is_what_its_path_says() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("p.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
+        std::os::unix::fs::symlink("p.sock", dir.path().join("link")).expect("symlink");
+        let opened = std::fs::File::open(dir.path()).expect("open");
+        for name in ["p.sock", "sub", "link"] {
+            let c_name = CString::new(name).expect("name");
+            let at = EntryKind::at(opened.as_fd(), &c_name).expect("at");
+            let of = EntryKind::of(&dir.path().join(name)).expect("of");
+            assert_eq!(at, of, "{name}");
+        }
+        let c_name = CString::new("p.sock").expect("name");
+        match EntryKind::at(opened.as_fd(), &c_name).expect("at") {
+            EntryKind::Socket(id) => assert!(id.handle.is_some() || id.birth_ns.is_some()),
+            other => panic!("a socket looked up as {other:?}"),
+        }
+        let c_name = CString::new("link").expect("name");
+        assert_eq!(
+            EntryKind::at(opened.as_fd(), &c_name).expect("at"),
+            EntryKind::Other,
+            "a symlink to a socket is not followed"
+        );
     }
 }
