@@ -15,7 +15,7 @@
 //! that misses one says so; the command fails if any does. The soak (`cargo xtask soak`) mixes
 //! the same faults into churn for minutes; this runs each alone so its figure is its own.
 
-use crate::soak::{Guard, rss_kib, target_dir};
+use crate::soak::{Guard, Run, rss_kib, target_dir};
 use crate::{build, shell};
 use anyhow::{Context, bail};
 use std::io::{BufRead, Read, Write};
@@ -110,71 +110,23 @@ impl Case {
 
 /// Where one case's processes and files are.
 struct Setup {
-    bin: PathBuf,
-    dir: PathBuf,
-    registry: PathBuf,
-    admin: PathBuf,
-    handler_socket: PathBuf,
-    metrics: std::net::SocketAddr,
+    run: Run,
+}
+
+impl std::ops::Deref for Setup {
+    type Target = Run;
+    fn deref(&self) -> &Run {
+        &self.run
+    }
 }
 
 impl Setup {
     fn new(bin: &Path, base: &Path, case: Case, source: &str) -> anyhow::Result<Setup> {
         let dir = base.join(format!("{}-{source}", case.name()));
         std::fs::create_dir_all(&dir)?;
-        let registry = dir.join("registry");
-        std::fs::create_dir_all(&registry)?;
         Ok(Setup {
-            bin: bin.to_path_buf(),
-            registry,
-            admin: dir.join("admin.sock"),
-            handler_socket: dir.join("handler.sock"),
-            metrics: std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .context("a free port for the agent's metrics")?,
-            dir,
+            run: Run::new(bin.to_path_buf(), dir, source)?,
         })
-    }
-
-    fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
-        Ok(std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join(name))?)
-    }
-
-    fn start_handler(&self) -> anyhow::Result<Guard> {
-        let child = Command::new(self.bin.join("dra-handler"))
-            .arg("--listen")
-            .arg(format!("unix://{}", self.handler_socket.display()))
-            .stdin(Stdio::null())
-            .stdout(self.log("handler.log")?)
-            .stderr(self.log("handler.log")?)
-            .spawn()
-            .context("starting dra-handler")?;
-        Ok(Guard(child))
-    }
-
-    fn start_agent(&self, source: &str, flags: &[&str]) -> anyhow::Result<Guard> {
-        let child = Command::new(self.bin.join("plugin-agent"))
-            .args(["--log-format", "json", "run", "--plugin-dir"])
-            .arg(&self.registry)
-            .args(["--source", source, "--metrics-addr"])
-            .arg(self.metrics.to_string())
-            .arg("--admin-socket")
-            .arg(&self.admin)
-            .arg("--handler")
-            .arg(format!(
-                "DRAPlugin=unix://{}",
-                self.handler_socket.display()
-            ))
-            .args(flags)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(self.log("agent.log")?)
-            .spawn()
-            .context("starting plugin-agent")?;
-        Ok(Guard(child))
     }
 
     /// Waits (at most 30 s) for `/readyz` to answer 200.
@@ -235,19 +187,12 @@ impl Setup {
         })
     }
 
-    /// `plugin-agent list -o json`: the state of the entry at `socket`.
+    /// The state `plugin-agent list` gives the entry at `socket`.
     fn listed_state(&self, socket: &Path) -> Option<String> {
-        let output = Command::new(self.bin.join("plugin-agent"))
-            .arg("--admin-socket")
-            .arg(&self.admin)
-            .args(["list", "-o", "json"])
-            .output()
-            .ok()?;
-        let rows: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
-        rows.as_array()?
-            .iter()
-            .find(|r| r["socket_path"].as_str() == socket.to_str())
-            .and_then(|r| r["state"].as_str().map(str::to_string))
+        self.list()?
+            .into_iter()
+            .find(|(path, _)| path == socket)
+            .map(|(_, state)| state)
     }
 
     /// Deregistrations of `name` the handler answered.
@@ -403,24 +348,10 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
             }
         }
         Case::Metrics => {
-            let mut client = Command::new("setpriv");
-            client
-                .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-                .arg(setup.bin.join("slow-client"))
-                .arg("--tcp")
-                .arg(setup.metrics.to_string())
-                .args([
-                    "--connections",
-                    "1000",
-                    "--send",
-                    "GET /metrics HTTP/1.1\\r\\n",
-                ])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(setup.log("slow-client.log")?);
-            let mut child = client.spawn().context("starting slow-client")?;
-            let stdout = child.stdout.take().context("stdout")?;
-            attack.processes.push(Guard(child));
+            // From uid 65534 (the case runs as root): an unprivileged process on the node.
+            let mut flood = setup.start_flood(1000, Stdio::piped())?;
+            let stdout = flood.0.stdout.take().context("stdout")?;
+            attack.processes.push(flood);
             let mut line = String::new();
             std::io::BufReader::new(stdout).read_line(&mut line)?;
             let scrape = http_get(setup.metrics, "/metrics");
@@ -536,7 +467,7 @@ fn peak_kib(pid: u32) -> u64 {
 fn run_case(bin: &Path, base: &Path, case: Case, source: &str) -> anyhow::Result<Row> {
     let setup = Setup::new(bin, base, case, source)?;
     let _handler = setup.start_handler()?;
-    let mut agent = setup.start_agent(source, case.agent_flags())?;
+    let mut agent = setup.start_agent_with(case.agent_flags())?;
     setup.wait_ready(&mut agent)?;
     let live_socket = setup.registry.join("live.sock");
     let mut live = setup.start_plugin(&live_socket, "live.example.com")?;

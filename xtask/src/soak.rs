@@ -107,27 +107,45 @@ impl Drop for Guard {
     }
 }
 
-/// Where things are for one run.
-struct Run {
-    bin: PathBuf,
-    dir: PathBuf,
-    registry: PathBuf,
-    admin: PathBuf,
-    handler_socket: PathBuf,
-    source: String,
+/// Where things are for one run (of the soak, or of one hostile case).
+pub(crate) struct Run {
+    pub(crate) bin: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) registry: PathBuf,
+    pub(crate) admin: PathBuf,
+    pub(crate) handler_socket: PathBuf,
+    pub(crate) source: String,
     /// Where the agent serves metrics (floods are aimed there).
-    metrics: std::net::SocketAddr,
+    pub(crate) metrics: std::net::SocketAddr,
 }
 
 impl Run {
-    fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
+    /// A run of the binaries in `bin` with everything under `dir`: the plugin directory, the
+    /// admin and handler sockets, the logs; metrics on a free loopback port.
+    pub(crate) fn new(bin: PathBuf, dir: PathBuf, source: &str) -> anyhow::Result<Run> {
+        let registry = dir.join("registry");
+        std::fs::create_dir_all(&registry)?;
+        Ok(Run {
+            bin,
+            registry,
+            admin: dir.join("admin.sock"),
+            handler_socket: dir.join("handler.sock"),
+            source: source.to_string(),
+            metrics: std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .context("a free port for the agent's metrics")?,
+            dir,
+        })
+    }
+
+    pub(crate) fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
         Ok(std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join(name))?)
     }
 
-    fn start_handler(&self) -> anyhow::Result<Guard> {
+    pub(crate) fn start_handler(&self) -> anyhow::Result<Guard> {
         let child = Command::new(self.bin.join("dra-handler"))
             .arg("--listen")
             .arg(format!("unix://{}", self.handler_socket.display()))
@@ -140,6 +158,11 @@ impl Run {
     }
 
     fn start_agent(&self) -> anyhow::Result<Guard> {
+        self.start_agent_with(&[])
+    }
+
+    /// The agent with `flags` added to `run`'s.
+    pub(crate) fn start_agent_with(&self, flags: &[&str]) -> anyhow::Result<Guard> {
         let child = Command::new(self.bin.join("plugin-agent"))
             .args([
                 "--log-format",
@@ -159,6 +182,7 @@ impl Run {
                 "DRAPlugin=unix://{}",
                 self.handler_socket.display()
             ))
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(self.log("agent.log")?)
@@ -167,9 +191,10 @@ impl Run {
         Ok(Guard(child))
     }
 
-    /// 300 connections to the metrics port, each sent half a request and held open (until the
-    /// guard goes), by uid 65534 when the soak runs as root: an unprivileged process on the node.
-    fn start_flood(&self) -> anyhow::Result<Guard> {
+    /// `connections` connections to the metrics port, each sent half a request and held open (until the
+    /// guard goes), by uid 65534 when run as root: an unprivileged process on the node; `stdout`
+    /// gets its line once every connection was tried.
+    pub(crate) fn start_flood(&self, connections: usize, stdout: Stdio) -> anyhow::Result<Guard> {
         let client = self.bin.join("slow-client");
         // SAFETY: geteuid has no preconditions.
         let mut command = if unsafe { libc::geteuid() } == 0 {
@@ -184,14 +209,10 @@ impl Run {
         let child = command
             .arg("--tcp")
             .arg(self.metrics.to_string())
-            .args([
-                "--connections",
-                "300",
-                "--send",
-                "GET /metrics HTTP/1.1\\r\\n",
-            ])
+            .args(["--connections", &connections.to_string()])
+            .args(["--send", "GET /metrics HTTP/1.1\\r\\n"])
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(self.log("slow-client.log")?)
             .spawn()
             .context("starting slow-client")?;
@@ -215,7 +236,7 @@ impl Run {
 
     /// `plugin-agent list -o json`: (socket, state) of every entry, or None while the agent
     /// is not answering (restarting).
-    fn list(&self) -> Option<Vec<(PathBuf, String)>> {
+    pub(crate) fn list(&self) -> Option<Vec<(PathBuf, String)>> {
         let output = Command::new(self.bin.join("plugin-agent"))
             .arg("--admin-socket")
             .arg(&self.admin)
@@ -353,17 +374,7 @@ pub fn soak(options: &Options) -> anyhow::Result<()> {
 
     let dir = std::env::temp_dir().join(format!("plugin-agent-soak-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let run = Run {
-        bin: target_dir().join("debug"),
-        registry: dir.join("registry"),
-        admin: dir.join("admin.sock"),
-        handler_socket: dir.join("handler.sock"),
-        source: options.source.clone(),
-        dir: dir.clone(),
-        metrics: std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .context("a free port for the agent's metrics")?,
-    };
+    let run = Run::new(target_dir().join("debug"), dir.clone(), &options.source)?;
     eprintln!(
         "xtask: soak: {:?} in {} (logs there)",
         options.duration,
@@ -542,7 +553,7 @@ impl<'a> Churn<'a> {
                     "xtask: soak: {:>4}s 300 slow connections to the metrics port",
                     elapsed.as_secs()
                 );
-                self.bad.push(run.start_flood()?);
+                self.bad.push(run.start_flood(300, Stdio::null())?);
                 self.floods += 1;
             }
             2 => {
