@@ -26,6 +26,8 @@ per_source!(
     registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path,
     registers_a_plugin_made_during_a_sustained_socket_flood_before_the_flood_ends,
     follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again,
+    reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_readyz,
+    reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_status,
 );
 
 /// The DaemonSet's memory limit: the agent's peak resident set must stay below it.
@@ -662,20 +664,31 @@ const NOBODY: [&str; 4] = [
 /// An agent on inotify serving metrics on a free loopback port, with a 1 s safety pass (so
 /// safety passes run while the test attacks it); returns the agent and the metrics address.
 async fn agent_with_metrics(test: &str, dir: &PluginDir) -> (AgentProcess, std::net::SocketAddr) {
+    agent_with_metrics_on(test, dir, Source::Inotify)
+        .await
+        .expect("inotify")
+}
+
+/// [`agent_with_metrics`] on `source`; `None` where the source cannot run (skipped).
+async fn agent_with_metrics_on(
+    test: &str,
+    dir: &PluginDir,
+    source: Source,
+) -> Option<(AgentProcess, std::net::SocketAddr)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port();
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    let mut options = AgentOptions::new(source, &dir.root());
     options.extra = vec![
         "--metrics-addr".into(),
         addr.to_string(),
         "--safety-period".into(),
         "1s".into(),
     ];
-    let agent = AgentProcess::start(test, options).await.expect("inotify");
-    (agent, addr)
+    let agent = AgentProcess::start(test, options).await?;
+    Some((agent, addr))
 }
 
 /// One HTTP GET on a fresh connection: the status code and body.
@@ -1108,11 +1121,14 @@ async fn escapes_control_characters_of_plugin_names_in_text_logs_and_operator_ta
 
 /// Issue 22, item 10: the plugin directory swapped for a symlink left nothing watched, nothing
 /// logged, and `/readyz` at 200.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_readyz() {
-    let test = "reports_a_plugin_directory_swapped_for_a_symlink";
+async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_readyz(
+    source: Source,
+) {
+    let test = &test_name();
     let dir = PluginDir::new();
-    let (agent, addr) = agent_with_metrics(test, &dir).await;
+    let Some((agent, addr)) = agent_with_metrics_on(test, &dir, source).await else {
+        return;
+    };
     let _good = good_plugins_register(&dir, &agent).await;
     wait_for_http(addr, "/readyz", 200).await;
     // Swap atomically: a symlink takes the directory's name, the directory the symlink's, and the
@@ -1162,11 +1178,10 @@ async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_
 
 /// Issue 22, item 10: a socket whose path exceeds PATH_MAX was never listed nor logged. It still
 /// cannot be registered (no path names it), but the agent says so, and `status` shows it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_status() {
+async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_status(source: Source) {
     use nix::fcntl::{OFlag, openat};
     use nix::sys::stat::{Mode, mkdirat};
-    let test = "reports_a_socket_below_a_path_longer_than_path_max";
+    let test = &test_name();
     let dir = PluginDir::new();
     // Directories of 250-byte names, made relative to each other (no path names them all).
     let name = "d".repeat(250);
@@ -1194,9 +1209,9 @@ async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_statu
         .name("deep.example.com")
         .start_listening()
         .await;
-    let agent = AgentProcess::start_default(test, Source::Inotify, &dir.root())
-        .await
-        .expect("inotify");
+    let Some(agent) = AgentProcess::start_default(test, source, &dir.root()).await else {
+        return;
+    };
     let line = agent
         .wait_for_log("the over-long path reported", EVENT_TIMEOUT, |l| {
             l.message().starts_with("path longer than PATH_MAX")
