@@ -169,6 +169,15 @@ impl Step {
             Step::Notify => "notify",
         }
     }
+
+    /// The name of the step's span.
+    pub fn span_name(self) -> &'static str {
+        match self {
+            Step::Dial => "dial",
+            Step::GetInfo => "GetInfo",
+            Step::Notify => "NotifyRegistrationStatus",
+        }
+    }
 }
 
 /// Told how long each step of a connection's calls took and whether it succeeded, while the

@@ -688,8 +688,15 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
     fast_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     slow_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     failed_plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
-    agent
+    let slow_line = agent
         .wait_for_log("slow registered", EVENT_TIMEOUT, logs::registered(&slow))
+        .await;
+    let failed_line = agent
+        .wait_for_log(
+            "failed registration",
+            EVENT_TIMEOUT,
+            logs::registration_failed(&failed),
+        )
         .await;
     agent
         .wait_for_log("fast registered", EVENT_TIMEOUT, logs::registered(&fast))
@@ -740,6 +747,47 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
     assert!(
         registers(&fast).is_empty(),
         "{test}: a fast successful registration was exported though not sampled"
+    );
+    // Unsampled operations are built only once kept, with the IDs their log lines named while
+    // they ran, under their discovery, with their steps' real times.
+    for (line, span) in [(&slow_line, slow_spans[0]), (&failed_line, failed_spans[0])] {
+        assert_eq!(
+            line.field("trace_id").as_deref(),
+            Some(hex(&span.trace_id).as_str()),
+            "{test}: {line}"
+        );
+        assert_eq!(
+            line.field("span_id").as_deref(),
+            Some(hex(&span.span_id).as_str()),
+            "{test}: {line}"
+        );
+        let discovery = received
+            .iter()
+            .find(|s| s.name == "discovery" && s.trace_id == span.trace_id)
+            .unwrap_or_else(|| panic!("{test}: no discovery in the kept trace"));
+        assert_eq!(span.parent_span_id, discovery.span_id, "{test}");
+    }
+    let slow_get_info = received
+        .iter()
+        .find(|s| {
+            s.name == "GetInfo"
+                && s.trace_id == slow_spans[0].trace_id
+                && s.parent_span_id == slow_spans[0].span_id
+        })
+        .unwrap_or_else(|| panic!("{test}: the slow registration's GetInfo was not exported"));
+    let took = slow_get_info
+        .end_time_unix_nano
+        .saturating_sub(slow_get_info.start_time_unix_nano);
+    assert!(
+        took >= 600_000_000,
+        "{test}: the slow GetInfo span lasted {took} ns, the plugin waited 650 ms"
+    );
+    let register_took = slow_spans[0]
+        .end_time_unix_nano
+        .saturating_sub(slow_spans[0].start_time_unix_nano);
+    assert!(
+        register_took >= took,
+        "{test}: the step outlasts its operation"
     );
 }
 

@@ -110,6 +110,8 @@ struct Mode {
     agent_args: &'static [&'static str],
     /// For loadgen itself (`--otlp-sink`: a trace receiver for the agent).
     loadgen_args: &'static [&'static str],
+    /// Environment for loadgen and the agent it starts (the standard OpenTelemetry sampler).
+    env: &'static [(&'static str, &'static str)],
     /// Run when no `--modes` are given (the others are for a question of their own).
     by_default: bool,
 }
@@ -119,24 +121,28 @@ const MODES: &[Mode] = &[
         name: "ebpf",
         agent_args: &["--source", "ebpf"],
         loadgen_args: &[],
+        env: &[],
         by_default: true,
     },
     Mode {
         name: "fanotify",
         agent_args: &["--source", "fanotify"],
         loadgen_args: &[],
+        env: &[],
         by_default: true,
     },
     Mode {
         name: "inotify",
         agent_args: &["--source", "inotify"],
         loadgen_args: &[],
+        env: &[],
         by_default: true,
     },
     Mode {
         name: "polling",
         agent_args: &["--source", "inotify", "--reconcile-mode", "polling"],
         loadgen_args: &[],
+        env: &[],
         by_default: true,
     },
     // What provenance (the /proc reads naming each socket's creator and server) costs: the
@@ -145,12 +151,14 @@ const MODES: &[Mode] = &[
         name: "ebpf-no-provenance",
         agent_args: &["--source", "ebpf", "--provenance", "false"],
         loadgen_args: &[],
+        env: &[],
         by_default: false,
     },
     Mode {
         name: "fanotify-no-provenance",
         agent_args: &["--source", "fanotify", "--provenance", "false"],
         loadgen_args: &[],
+        env: &[],
         by_default: false,
     },
     // What tracing costs (issue 21): every operation's trace exported over OTLP to a receiver
@@ -159,14 +167,38 @@ const MODES: &[Mode] = &[
         name: "ebpf-traced",
         agent_args: &["--source", "ebpf"],
         loadgen_args: &["--otlp-sink"],
+        env: &[],
         by_default: false,
     },
     Mode {
         name: "fanotify-traced",
         agent_args: &["--source", "fanotify"],
         loadgen_args: &["--otlp-sink"],
+        env: &[],
         by_default: false,
     },
+    // The same with one trace in ten sampled at the head (the tail rule still exports failed and
+    // slow operations): what tracing costs as a busy node would run it.
+    Mode {
+        name: "ebpf-traced-sampled",
+        agent_args: &["--source", "ebpf"],
+        loadgen_args: &["--otlp-sink"],
+        env: SAMPLE_ONE_IN_TEN,
+        by_default: false,
+    },
+    Mode {
+        name: "fanotify-traced-sampled",
+        agent_args: &["--source", "fanotify"],
+        loadgen_args: &["--otlp-sink"],
+        env: SAMPLE_ONE_IN_TEN,
+        by_default: false,
+    },
+];
+
+/// The standard sampler variables for one trace in ten.
+const SAMPLE_ONE_IN_TEN: &[(&str, &str)] = &[
+    ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+    ("OTEL_TRACES_SAMPLER_ARG", "0.1"),
 ];
 
 /// Builds (release, eBPF embedded), runs every scenario in every mode, writes the results.
@@ -251,6 +283,7 @@ fn run_one(
         .arg("--per-plugin-out")
         .arg(csv)
         .args(mode.loadgen_args)
+        .envs(mode.env.iter().copied())
         .args(args)
         .arg("--")
         // The agent's default concurrency (256 operations): on 2 cores more buys no throughput

@@ -2,6 +2,10 @@
 //! an exemplar when that trace is exported), the outcome on the operation's span, and the tail
 //! rule's mark (failed or slow: export this trace even if the head sampler did not pick it).
 //! Telemetry is a sink: nothing here decides anything about the operation.
+//!
+//! An operation the head sampler did not sample has no OpenTelemetry spans while it runs
+//! (`sampling::Unsampled`): what is written on its span here is written on its record too, its
+//! steps are recorded there, and when it ends the tail rule's verdict builds its spans or not.
 
 use super::OperationExecutor;
 use super::operation::RegisterFailure;
@@ -10,15 +14,21 @@ use crate::handler::Plugin;
 use crate::registration::StepTimer;
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::metrics::TraceExemplar;
-use crate::telemetry::sampling;
+use crate::telemetry::sampling::{self, Unsampled};
 use std::time::Duration;
 use tokio::time::Instant;
 
 /// The exemplar for an observation made in `span`: its trace and span IDs when the trace is
-/// exported (sampled, or `kept` by the tail rule), so every exemplar leads to a trace.
+/// exported (sampled, or `kept` by the tail rule), so every exemplar leads to a trace. Inside an
+/// unsampled operation, the operation's own IDs.
 pub(super) fn exemplar(span: &tracing::Span, kept: bool) -> Option<TraceExemplar> {
     if !crate::telemetry::otlp::enabled() {
         return None;
+    }
+    if let Some(operation) = Unsampled::current() {
+        return kept
+            .then(|| TraceExemplar::of(operation.span_context()))
+            .flatten();
     }
     let cx = sampling::span_context(span);
     sampling::exported(&cx, kept)
@@ -26,13 +36,30 @@ pub(super) fn exemplar(span: &tracing::Span, kept: bool) -> Option<TraceExemplar
         .flatten()
 }
 
+/// The exemplar for a step named `name` (its span, current now) that ended after `took`:
+/// inside an unsampled operation the step is recorded there, and the exemplar names the span
+/// it would be exported as.
+pub(super) fn step_exemplar(
+    name: &'static str,
+    took: Duration,
+    failed: bool,
+) -> Option<TraceExemplar> {
+    let kept = sampling::tail_reason(failed, took).is_some();
+    match Unsampled::current() {
+        Some(operation) => {
+            let step = operation.step(name, took, failed);
+            kept.then(|| TraceExemplar::of(&step)).flatten()
+        }
+        None => exemplar(&tracing::Span::current(), kept),
+    }
+}
+
 /// Records every plugin call step in `telemetry`'s metrics, with the step's span (current when
 /// the registration room reports it) as the exemplar; a failed or slow step's trace is exported
 /// by the tail rule, so its exemplar leads to it.
 pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>) -> StepTimer {
     StepTimer::new(move |step, took, ok| {
-        let kept = sampling::tail_reason(!ok, took).is_some();
-        let exemplar = exemplar(&tracing::Span::current(), kept);
+        let exemplar = step_exemplar(step.span_name(), took, !ok);
         let outcome = if ok { "ok" } else { "error" };
         telemetry
             .metrics
@@ -40,12 +67,32 @@ pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>)
     })
 }
 
+/// Writes `value` as the operation span's field `key` (and on its record, when unsampled).
+pub(super) fn record(span: &tracing::Span, key: &'static str, value: &str) {
+    span.record(key, value);
+    if let Some(operation) = Unsampled::current() {
+        operation.record(key, value.to_string());
+    }
+}
+
+/// [`record`] for a number.
+pub(super) fn record_number(span: &tracing::Span, key: &'static str, value: i64) {
+    span.record(key, value);
+    if let Some(operation) = Unsampled::current() {
+        operation.record(key, value);
+    }
+}
+
 /// Marks the current operation span for the tail rule when it keeps an operation that
-/// `failed` after `took`; says whether it did.
+/// `failed` after `took`; says whether it did. An unsampled operation ends here: its spans are
+/// built if it is kept.
 fn mark_tail(span: &tracing::Span, failed: bool, took: Duration) -> bool {
     let reason = sampling::tail_reason(failed, took);
     if let Some(reason) = reason {
         span.record(sampling::TAIL_FIELD, reason);
+    }
+    if let Some(operation) = Unsampled::current() {
+        operation.finish(reason, failed);
     }
     reason.is_some()
 }
@@ -67,9 +114,9 @@ impl OperationExecutor {
         let metrics = &self.telemetry.metrics;
         metrics.operation("register", outcome);
         let span = tracing::Span::current();
-        span.record("outcome", outcome);
+        record(&span, "outcome", outcome);
         if let Err(error) = result {
-            span.record("error", error.to_string());
+            record(&span, "error", &error.to_string());
             span.record("otel.status_code", "error");
         }
         let kept = mark_tail(&span, result.is_err(), took);
@@ -115,9 +162,9 @@ impl OperationExecutor {
         let took = started.elapsed();
         self.telemetry.metrics.operation("deregister", outcome);
         let span = tracing::Span::current();
-        span.record("outcome", outcome);
+        record(&span, "outcome", outcome);
         if let Some(error) = error {
-            span.record("error", error);
+            record(&span, "error", error);
             span.record("otel.status_code", "error");
         }
         let kept = mark_tail(&span, error.is_some(), took);

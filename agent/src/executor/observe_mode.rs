@@ -50,8 +50,8 @@ impl OperationExecutor {
             }
         };
         let span = tracing::Span::current();
-        span.record("plugin_name", plugin.name.as_str());
-        span.record("plugin_type", plugin.plugin_type.as_str());
+        super::observe::record(&span, "plugin_name", &plugin.name);
+        super::observe::record(&span, "plugin_type", &plugin.plugin_type);
         // Observing tells nobody anything, so a refusal is only recorded (and shown). Without
         // contact there is no server and no name to judge: what is known is shown.
         let provenance = match contact {

@@ -4,6 +4,7 @@
 
 use super::OperationExecutor;
 use super::admission::Rejection;
+use super::observe::{record, record_number};
 use super::slots::Slot;
 use crate::handler::{HandlerError, Plugin};
 use crate::liveness::Server;
@@ -84,6 +85,15 @@ impl HandlerCall {
         }
     }
 
+    /// The name of the call's span.
+    fn span_name(self) -> &'static str {
+        match self {
+            HandlerCall::Validate => "ValidatePlugin",
+            HandlerCall::Register => "RegisterPlugin",
+            HandlerCall::Deregister => "DeRegisterPlugin",
+        }
+    }
+
     fn span(self, plugin_type: &str) -> tracing::Span {
         match self {
             HandlerCall::Validate => {
@@ -140,8 +150,8 @@ impl OperationExecutor {
         let (mut connection, info) = answer?;
         let plugin = plugin_of(path, info);
         let span = tracing::Span::current();
-        span.record("plugin_name", plugin.name.as_str());
-        span.record("plugin_type", plugin.plugin_type.as_str());
+        super::observe::record(&span, "plugin_name", &plugin.name);
+        super::observe::record(&span, "plugin_type", &plugin.plugin_type);
         debug!(plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, "GetInfo answered");
         let provenance = match self.admit_described(desired, connection.server(), &plugin) {
             Ok(provenance) => provenance,
@@ -335,8 +345,7 @@ impl OperationExecutor {
         };
         // A failed or slow call makes its operation failed or slow: its trace is exported.
         let took = started.elapsed();
-        let kept = crate::telemetry::sampling::tail_reason(result.is_err(), took).is_some();
-        let exemplar = super::observe::exemplar(&span, kept);
+        let exemplar = super::observe::step_exemplar(call.span_name(), took, result.is_err());
         self.telemetry
             .metrics
             .handler_call(plugin_type, call.label(), outcome, took, exemplar);
@@ -401,10 +410,10 @@ pub(super) fn record_provenance(span: &tracing::Span, provenance: &Provenance) {
         record_process(span, &SERVER_KEYS, server);
         if let Some(cgroup) = server.cgroup.as_deref() {
             if let Some(id) = &cgroup.container_id {
-                span.record("container.id", &**id);
+                record(span, "container.id", id);
             }
             if let Some(uid) = &cgroup.pod_uid {
-                span.record("k8s.pod.uid", &**uid);
+                record(span, "k8s.pod.uid", uid);
             }
         }
     }
@@ -412,7 +421,7 @@ pub(super) fn record_provenance(span: &tracing::Span, provenance: &Provenance) {
         Some(creator) => record_process(span, &CREATOR_KEYS, creator),
         None => {
             let why = provenance.creator.unknown_because().unwrap_or_default();
-            span.record("plugin_agent.creator.unknown", why);
+            record(span, "plugin_agent.creator.unknown", why);
         }
     }
 }
@@ -441,15 +450,15 @@ const CREATOR_KEYS: ProcessKeys = ProcessKeys {
 
 fn record_process(span: &tracing::Span, keys: &ProcessKeys, process: &crate::provenance::Process) {
     if let Some(pid) = process.pid {
-        span.record(keys.pid, i64::from(pid));
+        record_number(span, keys.pid, i64::from(pid));
     }
     if let Some(command) = &process.command {
-        span.record(keys.command, &**command);
+        record(span, keys.command, command);
     }
     if let Some(uid) = process.uid {
-        span.record(keys.uid, i64::from(uid));
+        record_number(span, keys.uid, i64::from(uid));
     }
     if let Some(path) = process.cgroup_path() {
-        span.record(keys.cgroup, path);
+        record(span, keys.cgroup, path);
     }
 }

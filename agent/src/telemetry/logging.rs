@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! tracing events and spans ─┬─> fmt layer (stderr; text or JSON; filter: --log-level, else RUST_LOG, else info)
-//!                           └─> OpenTelemetry layer (when traces are on; filter: plugin_agent at info)
+//!                           └─> OpenTelemetry layer (when traces are on; filter: plugin_agent at info,
+//!                               outside operations the head sampler did not sample)
 //! ```
 //!
 //! The two layers filter separately, so `--log-level warn` quiets the log without emptying the
@@ -18,7 +19,7 @@
 
 use super::otlp::{self, Traces};
 use tracing::level_filters::LevelFilter;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{FilterExt as _, Targets};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -100,7 +101,7 @@ pub fn init(
             // instrumented future, for two attributes nothing here reads (cargo xtask bench
             // burst: about half of what tracing cost the agent).
             .with_tracked_inactivity(false)
-            .with_filter(Targets::new().with_target("plugin_agent", LevelFilter::INFO))
+            .with_filter(otel_filter())
     });
     tracing_subscriber::registry().with(fmt).with(otel).init();
     match (&traces, failure) {
@@ -112,6 +113,21 @@ pub fn init(
         (None, None) => {}
     }
     Logging { traces, log_flush }
+}
+
+/// What the OpenTelemetry layer sees: the agent's spans at `info`, outside operations the head
+/// sampler did not sample (their spans are built only if the tail rule keeps them, see
+/// `sampling::Unsampled`). Asked for every span: a `filter_fn` is asked once per call site and
+/// its answer cached, so the first operation to reach a call site would decide for all.
+fn otel_filter<S>() -> impl tracing_subscriber::layer::Filter<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    Targets::new()
+        .with_target("plugin_agent", LevelFilter::INFO)
+        .and(tracing_subscriber::filter::dynamic_filter_fn(|_, _| {
+            super::sampling::traced_here()
+        }))
 }
 
 /// The text format's field formatter: the default's `name=value` layout (the message bare), with
@@ -203,5 +219,44 @@ impl Logging {
             traces.shutdown();
         }
         drop(self.log_flush);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Names of the spans a layer saw.
+    #[derive(Clone, Default)]
+    struct Seen(Arc<Mutex<Vec<&'static str>>>);
+
+    impl<S: tracing::Subscriber> Layer<S> for Seen {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _id: &tracing::span::Id,
+            _ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            self.0.lock().expect("lock").push(attrs.metadata().name());
+        }
+    }
+
+    #[test]
+    fn the_opentelemetry_layer_skips_unsampled_operations_each_time_not_per_call_site() {
+        let seen = Seen::default();
+        let subscriber =
+            tracing_subscriber::registry().with(seen.clone().with_filter(otel_filter()));
+        tracing::subscriber::with_default(subscriber, || {
+            let step = |unsampled: bool| {
+                let _in = unsampled.then(|| super::super::sampling::unsampled_for_tests().attach());
+                let _span = tracing::info_span!("register").entered();
+            };
+            // The call site is first reached inside an unsampled operation, then outside one.
+            step(true);
+            step(false);
+            step(true);
+        });
+        assert_eq!(*seen.0.lock().expect("lock"), ["register"]);
     }
 }

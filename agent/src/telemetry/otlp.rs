@@ -6,6 +6,7 @@
 //! discovery spans (telemetry::discovery) ───────────────────────────────────────────┤
 //!                                                                                   v
 //!               head sampler + tail rule (telemetry::sampling): which traces go on
+//!               (an unsampled operation's spans are built only if the tail rule keeps it)
 //!                                                                                   v
 //!               bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
 //!                                                                                   v
@@ -119,6 +120,7 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
     // Every span is recorded; the head sampler and the tail rule decide what is exported.
     let provider = SdkTracerProvider::builder()
         .with_sampler(super::sampling::RecordEverything::from_env())
+        .with_id_generator(super::sampling::PresetIds::default())
         .with_span_processor(super::sampling::TailProcessor::new(processor))
         .with_resource(resource.build())
         .build();

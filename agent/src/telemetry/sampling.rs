@@ -21,17 +21,30 @@
 //! Held spans are bounded ([`MAX_HELD_TRACES`] traces of at most [`MAX_HELD_SPANS`] spans): past
 //! that, the oldest traces are dropped unexported, so a burst with sampling off costs a bounded
 //! amount of memory.
+//!
+//! An operation whose trace the head sampler did not sample costs next to nothing
+//! ([`Unsampled`]): the executor runs it in an OpenTelemetry context that carries its trace and
+//! span IDs (so its log lines and exemplars name them) and keeps the OpenTelemetry layer off its
+//! spans ([`traced_here`]); the operation keeps its steps' times and its attributes, and only if
+//! the tail rule keeps it are its spans built, with those IDs and times, and exported. Recording
+//! every span of every operation (as before) cost a traced burst a fifth of the agent's CPU,
+//! sampled or not.
 
-use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt as _, TraceFlags, TraceId};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
+    TraceState, Tracer as _,
+};
+use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{
-    Sampler, SamplingDecision, SamplingResult, ShouldSample, Span, SpanData, SpanProcessor,
+    IdGenerator, RandomIdGenerator, Sampler, SamplingDecision, SamplingResult, ShouldSample, Span,
+    SpanData, SpanProcessor,
 };
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
 
 /// The operation span field the executor records when the tail rule keeps an operation: its
 /// value says why (`failed`, `slow`).
@@ -124,7 +137,16 @@ impl ShouldSample for RecordEverything {
 #[derive(Debug)]
 pub struct TailProcessor<P> {
     inner: P,
-    held: Mutex<Held>,
+    held: Arc<Mutex<Held>>,
+}
+
+/// The installed tail processor's held spans, so an unsampled operation that is not kept can
+/// drop its trace's (its discovery) at once instead of leaving them to the bound.
+static HELD: OnceLock<Arc<Mutex<Held>>> = OnceLock::new();
+
+fn lock_held(held: &Mutex<Held>) -> std::sync::MutexGuard<'_, Held> {
+    // Inserts and removes of whole entries: a poisoned map is still consistent.
+    held.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[derive(Debug, Default)]
@@ -162,15 +184,14 @@ impl Held {
 impl<P: SpanProcessor> TailProcessor<P> {
     /// Puts the tail rule in front of `inner` (the batch processor).
     pub fn new(inner: P) -> Self {
-        TailProcessor {
-            inner,
-            held: Mutex::new(Held::default()),
-        }
+        let held = Arc::new(Mutex::new(Held::default()));
+        // The first processor made is the installed one (tests make their own, unshared).
+        let _ = HELD.set(held.clone());
+        TailProcessor { inner, held }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
-        // Inserts and removes of whole entries: a poisoned map is still consistent.
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        lock_held(&self.held)
     }
 
     /// Exports `span` as sampled: the backend sees one consistent trace.
@@ -238,6 +259,207 @@ impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
     }
 }
 
+/// Span IDs handed out by the provider: random, or the one an unsampled operation drew before
+/// its span is built ([`Unsampled`]), so the span exported has the IDs its log lines and
+/// exemplars named. (The SDK's span builder does not take a span ID.)
+#[derive(Debug, Default)]
+pub struct PresetIds(RandomIdGenerator);
+
+thread_local! {
+    static PRESET_SPAN_ID: Cell<Option<SpanId>> = const { Cell::new(None) };
+}
+
+impl IdGenerator for PresetIds {
+    fn new_trace_id(&self) -> TraceId {
+        self.0.new_trace_id()
+    }
+
+    fn new_span_id(&self) -> SpanId {
+        PRESET_SPAN_ID
+            .with(Cell::take)
+            .unwrap_or_else(|| self.0.new_span_id())
+    }
+}
+
+fn random_span_id() -> SpanId {
+    RandomIdGenerator::default().new_span_id()
+}
+
+/// Builds a span with the ID `id` (see [`PresetIds`]).
+fn with_span_id<T>(id: SpanId, build: impl FnOnce() -> T) -> T {
+    PRESET_SPAN_ID.with(|preset| preset.set(Some(id)));
+    let built = build();
+    PRESET_SPAN_ID.with(|preset| preset.set(None));
+    built
+}
+
+/// The context value that marks an unsampled operation (see the module docs).
+#[derive(Clone, Debug)]
+struct UnsampledOperation(Arc<Unsampled>);
+
+/// Whether spans and events made here go to the OpenTelemetry layer: not inside an unsampled
+/// operation. The layer's filter; read per span and event (a thread-local lookup).
+pub fn traced_here() -> bool {
+    Context::map_current(|cx| cx.get::<UnsampledOperation>().is_none())
+}
+
+/// A context marked as inside an unsampled operation, for the logging layer's tests.
+#[cfg(test)]
+pub(crate) fn unsampled_for_tests() -> Context {
+    let operation = Arc::new(Unsampled {
+        name: "register",
+        parent: Context::new(),
+        span: SpanContext::empty_context(),
+        started: SystemTime::now(),
+        attributes: Mutex::new(Vec::new()),
+        steps: Mutex::new(Vec::new()),
+    });
+    Context::new().with_value(UnsampledOperation(operation))
+}
+
+/// An operation the head sampler did not sample: what its spans would have said, kept until
+/// the tail rule decides (see the module docs).
+#[derive(Debug)]
+pub struct Unsampled {
+    name: &'static str,
+    parent: Context,
+    span: SpanContext,
+    started: SystemTime,
+    attributes: Mutex<Vec<KeyValue>>,
+    steps: Mutex<Vec<Step>>,
+}
+
+/// A step of an unsampled operation: a span to build if it is kept.
+#[derive(Debug)]
+struct Step {
+    name: &'static str,
+    span: SpanId,
+    started: SystemTime,
+    ended: SystemTime,
+    failed: bool,
+}
+
+/// Most steps kept per operation (a registration has about six; a dial retried in a loop could
+/// have more).
+const MAX_STEPS: usize = 32;
+
+impl Unsampled {
+    /// The operation `name`, and the context to run it in, when its parent (`parent`, its
+    /// socket's discovery) was not sampled; `None` when it was (the operation is traced as
+    /// usual) or when traces are off.
+    pub fn start(name: &'static str, parent: &Context) -> Option<(Context, Arc<Unsampled>)> {
+        let parent_span = parent.span();
+        let parent_cx = parent_span.span_context();
+        if !super::otlp::enabled() || !parent_cx.is_valid() || parent_cx.is_sampled() {
+            return None;
+        }
+        let span = SpanContext::new(
+            parent_cx.trace_id(),
+            random_span_id(),
+            TraceFlags::default(),
+            false,
+            TraceState::default(),
+        );
+        let operation = Arc::new(Unsampled {
+            name,
+            parent: parent.clone(),
+            span: span.clone(),
+            started: SystemTime::now(),
+            attributes: Mutex::new(Vec::new()),
+            steps: Mutex::new(Vec::new()),
+        });
+        let context = parent
+            .with_remote_span_context(span)
+            .with_value(UnsampledOperation(operation.clone()));
+        Some((context, operation))
+    }
+
+    /// The unsampled operation running here, if any.
+    pub fn current() -> Option<Arc<Unsampled>> {
+        Context::map_current(|cx| cx.get::<UnsampledOperation>().map(|op| op.0.clone()))
+    }
+
+    /// The operation's span context (its trace, and the span ID it is exported with if kept).
+    pub fn span_context(&self) -> &SpanContext {
+        &self.span
+    }
+
+    /// Sets the operation span's attribute `key`.
+    pub fn record(&self, key: &'static str, value: impl Into<Value>) {
+        let mut attributes = self.attributes.lock().unwrap_or_else(|p| p.into_inner());
+        let value = value.into();
+        match attributes.iter_mut().find(|kv| kv.key.as_str() == key) {
+            Some(kv) => kv.value = value,
+            None => attributes.push(KeyValue::new(key, value)),
+        }
+    }
+
+    /// A step named `name` that just ended after `took`: its span context, for an exemplar.
+    pub fn step(&self, name: &'static str, took: Duration, failed: bool) -> SpanContext {
+        let id = random_span_id();
+        let ended = SystemTime::now();
+        let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        if steps.len() < MAX_STEPS {
+            steps.push(Step {
+                name,
+                span: id,
+                started: ended.checked_sub(took).unwrap_or(ended),
+                ended,
+                failed,
+            });
+        }
+        SpanContext::new(
+            self.span.trace_id(),
+            id,
+            TraceFlags::default(),
+            false,
+            TraceState::default(),
+        )
+    }
+
+    /// The operation ended; `kept` is the tail rule's reason, if it keeps it. Kept: its spans
+    /// are built with the IDs and times it recorded and go to the exporter (its held discovery
+    /// with them). Not kept: its trace's held spans are dropped.
+    pub fn finish(&self, kept: Option<&'static str>, failed: bool) {
+        let Some(reason) = kept else {
+            if let Some(held) = HELD.get() {
+                lock_held(held).traces.remove(&self.span.trace_id());
+            }
+            return;
+        };
+        let tracer = opentelemetry::global::tracer("plugin-agent");
+        let mut attributes =
+            std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|p| p.into_inner()));
+        attributes.push(KeyValue::new(TAIL_FIELD, reason));
+        let operation = with_span_id(self.span.span_id(), || {
+            tracer
+                .span_builder(self.name)
+                .with_start_time(self.started)
+                .with_attributes(attributes)
+                .start_with_context(&tracer, &self.parent)
+        });
+        let operation = self.parent.with_span(operation);
+        let steps = std::mem::take(&mut *self.steps.lock().unwrap_or_else(|p| p.into_inner()));
+        for step in steps {
+            let mut span = with_span_id(step.span, || {
+                tracer
+                    .span_builder(step.name)
+                    .with_start_time(step.started)
+                    .start_with_context(&tracer, &operation)
+            });
+            if step.failed {
+                span.set_status(Status::error(""));
+            }
+            span.end_with_timestamp(step.ended);
+        }
+        let span = operation.span();
+        if failed {
+            span.set_status(Status::error(""));
+        }
+        span.end();
+    }
+}
+
 /// The OpenTelemetry span context of a `tracing` span (invalid when traces are off).
 pub fn span_context(span: &tracing::Span) -> SpanContext {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
@@ -247,7 +469,7 @@ pub fn span_context(span: &tracing::Span) -> SpanContext {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::{Span as _, Tracer as _, TracerProvider as _};
+    use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_sdk::trace::SdkTracerProvider;
     use std::sync::Arc;
 
@@ -357,6 +579,28 @@ mod tests {
             "oldest dropped"
         );
         assert!(held.order.len() <= 2 * MAX_HELD_TRACES);
+    }
+
+    #[test]
+    fn a_span_built_with_a_drawn_id_is_exported_with_it() {
+        let exporter = Exported::default();
+        let provider = SdkTracerProvider::builder()
+            .with_id_generator(PresetIds::default())
+            .with_span_processor(exporter.clone())
+            .build();
+        let tracer = provider.tracer("test");
+        let drawn = random_span_id();
+        let mut span = with_span_id(drawn, || tracer.start("register"));
+        span.end();
+        let mut other = tracer.start("register");
+        other.end();
+        let spans = exporter.get_finished_spans().expect("spans");
+        assert_eq!(spans[0].span_context.span_id(), drawn);
+        assert_ne!(
+            spans[1].span_context.span_id(),
+            drawn,
+            "the preset is used once"
+        );
     }
 
     #[test]
