@@ -47,10 +47,8 @@ use crate::state::desired::DesiredPlugin;
 use crate::state::queue::ReconcileQueue;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::Via;
-use crate::telemetry::sampling::Unsampled;
 pub use admission::PolicyReload;
 use claims::NameLocks;
-use opentelemetry::trace::FutureExt as _;
 use operation::RegisterFailure;
 use slots::Slots;
 use std::collections::HashMap;
@@ -292,40 +290,33 @@ impl OperationExecutor {
         });
         // An operation the head sampler did not sample runs in its own OpenTelemetry context,
         // with the OpenTelemetry layer off (see `telemetry::sampling::Unsampled`).
-        let parent = self.telemetry.discovery.parent_of(&path);
-        let unsampled = parent
-            .as_ref()
-            .and_then(|parent| Unsampled::start("register", parent));
         let slot_wait_ms = queued.elapsed().as_millis() as u64;
-        let span = {
-            let _unsampled = unsampled.as_ref().map(|(cx, _)| cx.clone().attach());
-            info_span!(
-                "register", socket_path = %path.display(), generation = %desired.generation,
-                plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
-                slot_wait_ms,
-                outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty,
-                process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
-                process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
-                plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,
-                plugin_agent.creator.user.id = Empty, plugin_agent.creator.linux.cgroup = Empty,
-                plugin_agent.creator.unknown = Empty
-            )
-        };
-        let unsampled = match (unsampled, parent) {
-            (Some((cx, operation)), _) => {
-                operation.record("socket_path", path.display().to_string());
-                operation.record("generation", desired.generation.to_string());
-                operation.record("event_source", source);
-                operation.record("attempt", i64::from(attempt));
-                operation.record("slot_wait_ms", slot_wait_ms as i64);
-                Some(cx)
-            }
-            (None, Some(parent)) => {
-                let _ = span.set_parent(parent);
-                None
-            }
-            (None, None) => None,
-        };
+        let (span, context) = observe::operation_span(
+            &self.telemetry,
+            "register",
+            &path,
+            || {
+                info_span!(
+                    "register", socket_path = %path.display(), generation = %desired.generation,
+                    plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
+                    slot_wait_ms,
+                    outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty,
+                    process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
+                    process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
+                    plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,
+                    plugin_agent.creator.user.id = Empty, plugin_agent.creator.linux.cgroup = Empty,
+                    plugin_agent.creator.unknown = Empty
+                )
+            },
+            || {
+                vec![
+                    ("generation", desired.generation.to_string().into()),
+                    ("event_source", source.into()),
+                    ("attempt", i64::from(attempt).into()),
+                    ("slot_wait_ms", (slot_wait_ms as i64).into()),
+                ]
+            },
+        );
         let this = self;
         let operation = async move {
             let started = Instant::now();
@@ -376,10 +367,7 @@ impl OperationExecutor {
             }
         }
         .instrument(span);
-        match unsampled {
-            Some(cx) => operation.with_context(cx).await,
-            None => operation.await,
-        }
+        observe::in_context(context, operation).await
     }
 
     /// A registration of `desired` finished: journalled (if a journal is kept); returns who
@@ -435,36 +423,29 @@ impl OperationExecutor {
             let Some(_slot) = this.slots.acquire().await else {
                 return;
             };
-            let parent = this.telemetry.discovery.parent_of(&path);
-            let unsampled = parent
-                .as_ref()
-                .and_then(|parent| Unsampled::start("deregister", parent));
-            let span = {
-                let _unsampled = unsampled.as_ref().map(|(cx, _)| cx.clone().attach());
-                info_span!(
-                    "deregister", socket_path = %path.display(), plugin_name = %registered.plugin.name,
-                    plugin_type = %registered.plugin.plugin_type, outcome = Empty, error = Empty,
-                    otel.status_code = Empty, tail_kept = Empty
-                )
-            };
-            let unsampled = match (unsampled, parent) {
-                (Some((cx, operation)), _) => {
-                    operation.record("socket_path", path.display().to_string());
-                    operation.record("plugin_name", registered.plugin.name.clone());
-                    operation.record("plugin_type", registered.plugin.plugin_type.clone());
-                    Some(cx)
-                }
-                (None, Some(parent)) => {
-                    let _ = span.set_parent(parent);
-                    None
-                }
-                (None, None) => None,
-            };
-            let operation = this.run_deregister(&path, registered, created).instrument(span);
-            match unsampled {
-                Some(cx) => Box::pin(operation.with_context(cx)).await,
-                None => Box::pin(operation).await,
-            }
+            let plugin = &registered.plugin;
+            let (span, context) = observe::operation_span(
+                &this.telemetry,
+                "deregister",
+                &path,
+                || {
+                    info_span!(
+                        "deregister", socket_path = %path.display(), plugin_name = %plugin.name,
+                        plugin_type = %plugin.plugin_type, outcome = Empty, error = Empty,
+                        otel.status_code = Empty, tail_kept = Empty
+                    )
+                },
+                || {
+                    vec![
+                        ("plugin_name", plugin.name.clone().into()),
+                        ("plugin_type", plugin.plugin_type.clone().into()),
+                    ]
+                },
+            );
+            let operation = this
+                .run_deregister(&path, registered, created)
+                .instrument(span);
+            Box::pin(observe::in_context(context, operation)).await;
         });
         Start::Started
     }

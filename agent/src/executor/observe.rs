@@ -67,6 +67,53 @@ pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>)
     })
 }
 
+/// The span of the operation `name` on `path`, made by `make`, and the context to run it in when
+/// the head sampler did not sample its socket's trace (its OpenTelemetry layer off, its record
+/// kept instead: `sampling::Unsampled`, which gets the span's first `fields`). A sampled one
+/// is the child of its socket's discovery.
+pub(super) fn operation_span(
+    telemetry: &crate::telemetry::Telemetry,
+    name: &'static str,
+    path: &std::path::Path,
+    make: impl FnOnce() -> tracing::Span,
+    fields: impl FnOnce() -> Vec<(&'static str, opentelemetry::Value)>,
+) -> (tracing::Span, Option<opentelemetry::Context>) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let Some(parent) = telemetry.discovery.parent_of(path) else {
+        return (make(), None);
+    };
+    match Unsampled::start(name, &parent) {
+        Some((cx, operation)) => {
+            let span = {
+                let _unsampled = cx.clone().attach();
+                make()
+            };
+            operation.record("socket_path", path.display().to_string());
+            for (key, value) in fields() {
+                operation.record(key, value);
+            }
+            (span, Some(cx))
+        }
+        None => {
+            let span = make();
+            let _ = span.set_parent(parent);
+            (span, None)
+        }
+    }
+}
+
+/// Runs `operation` in `context` (an unsampled operation's, from [`operation_span`]), if any.
+pub(super) async fn in_context<F: std::future::Future>(
+    context: Option<opentelemetry::Context>,
+    operation: F,
+) -> F::Output {
+    use opentelemetry::trace::FutureExt as _;
+    match context {
+        Some(cx) => operation.with_context(cx).await,
+        None => operation.await,
+    }
+}
+
 /// Writes `value` as the operation span's field `key` (and on its record, when unsampled).
 pub(super) fn record(span: &tracing::Span, key: &'static str, value: &str) {
     span.record(key, value);
