@@ -43,7 +43,7 @@ mod programs {
     use aya_ebpf::helpers::generated::bpf_probe_read_kernel as raw_probe_read_kernel;
     use aya_ebpf::helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
-        bpf_get_current_uid_gid, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_get_current_uid_gid, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     };
     use aya_ebpf::macros::{fentry, fexit, map, tracepoint};
@@ -69,8 +69,12 @@ mod programs {
     #[map]
     static NAMES: HashMap<NameKey, u32> = HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
 
+    /// Each CPU's counter per reason, at `cpu * loss::COUNT + reason`; the loader sizes it to the
+    /// possible CPUs. A plain array, not a per-CPU one, because it can be mapped: the agent reads
+    /// it after every drain of the ring from its own memory, where a per-CPU array costs a `bpf`
+    /// syscall per counter. Each CPU writes only its own slots.
     #[map]
-    static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
+    static LOSSES: Array<u64> = Array::with_max_entries(loss::COUNT, BPF_F_MMAPABLE);
 
     /// `bind` arguments between entry and exit, keyed by `pid_tgid` (the thread).
     #[map]
@@ -130,6 +134,7 @@ mod programs {
     }
 
     const BPF_F_NO_PREALLOC: u32 = 1;
+    const BPF_F_MMAPABLE: u32 = 1 << 10;
     const BPF_NOEXIST: u64 = 1;
     const BPF_RB_NO_WAKEUP: u64 = 1;
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
@@ -179,8 +184,12 @@ mod programs {
     }
 
     fn count_loss(index: u32) {
-        if let Some(counter) = LOSSES.get_ptr_mut(index) {
-            // SAFETY: per-CPU slot, and a tracepoint program is not re-entered on one CPU.
+        // SAFETY: a helper without arguments, valid in every tracing program.
+        let cpu = unsafe { bpf_get_smp_processor_id() };
+        if let Some(counter) = LOSSES.get_ptr_mut(cpu.wrapping_mul(loss::COUNT).wrapping_add(index))
+        {
+            // SAFETY: this CPU's slot (a tracepoint program is not re-entered on one CPU); an
+            // aligned u64, which the agent reads whole.
             unsafe { *counter += 1 };
         }
     }

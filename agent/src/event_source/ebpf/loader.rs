@@ -348,6 +348,14 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         vfs: vfs.clone().unwrap_or_default(),
         ..Config::UNSET
     };
+    // A loss counter per possible CPU and reason (see `stats::LossCounters`).
+    let possible_cpus = aya::util::nr_cpus().map_err(|(file, err)| {
+        anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
+    })?;
+    let loss_slots = u32::try_from(possible_cpus)
+        .ok()
+        .and_then(|cpus| cpus.checked_mul(agent_ebpf::loss::COUNT))
+        .context("too many possible CPUs for the loss counters")?;
     // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
     // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
     // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
@@ -358,6 +366,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
         .map_max_entries(names::WATCHED, params.watched_capacity)
         .map_max_entries(names::NAMES, params.names_capacity)
+        .map_max_entries(names::LOSSES, loss_slots)
         .load(object)
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
     timings.object = started.elapsed();

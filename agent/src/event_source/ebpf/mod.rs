@@ -53,7 +53,7 @@ use std::time::Duration;
 
 use agent_ebpf::{DirKey, NameKey, names};
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, RingBuf};
 use tokio::sync::mpsc::Sender;
 use tokio_util::sync::CancellationToken;
 
@@ -289,7 +289,7 @@ struct Maps {
     watched: BpfHashMap<MapData, DirKey, u8>,
     names: BpfHashMap<MapData, NameKey, u32>,
     ring: RingBuf<MapData>,
-    losses: PerCpuArray<MapData, u64>,
+    losses: Array<MapData, u64>,
 }
 
 /// Runs this executable (`/proc/self/exe`: the running binary, even after an upgrade replaced
@@ -466,7 +466,7 @@ fn start(
     options: &EbpfOptions,
     runtime: &tokio::runtime::Handle,
 ) -> anyhow::Result<EbpfSource> {
-    let losses = Arc::new(LossCounters::new(maps.losses));
+    let losses = Arc::new(LossCounters::new(&maps.losses)?);
     let ring_occupancy = RingOccupancy::new(&maps.ring)?;
     let filters = Arc::new(Filters::new(
         maps.watched,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use agent_ebpf::{DirKey, META_BYTES, NameKey, names};
 use anyhow::{Context, bail};
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, RingBuf};
 
 /// Where every tree's pins live.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/plugin-agent";
@@ -111,7 +111,7 @@ pub struct Adopted {
     pub events: RingBuf<MapData>,
     pub watched: BpfHashMap<MapData, DirKey, u8>,
     pub names: BpfHashMap<MapData, NameKey, u32>,
-    pub losses: PerCpuArray<MapData, u64>,
+    pub losses: Array<MapData, u64>,
     pub meta: Meta,
     /// Time to find and open the set.
     pub opened_in: Duration,
@@ -137,7 +137,6 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
             Ok(match name {
                 names::EVENTS => Map::RingBuf(data),
                 names::WATCHED | names::NAMES => Map::HashMap(data),
-                names::LOSSES => Map::PerCpuArray(data),
                 _ => Map::Array(data),
             })
         };

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! EVENTS ring buffer --(epoll via AsyncFd)--> drain --record::translate--> FsEvent --> sink
-//! LOSSES per-CPU counters --read after every drain--> moved? --> FsEvent::Rescan
+//! LOSSES counters (mapped) --read after every drain--> moved? --> FsEvent::Rescan
 //! ```
 //!
 //! Wake-ups are batched by the kernel side (see `wake_flags` in agent-ebpf): an event is announced
@@ -297,10 +297,6 @@ fn new_losses(
     let mut parts = Vec::new();
     let mut names_full = false;
     for (index, total) in (0..loss::COUNT).zip(losses.totals()) {
-        let Some(total) = total else {
-            tracing::warn!(index, "cannot read an eBPF loss counter");
-            continue;
-        };
         let slot = &mut seen[index as usize];
         let lost = total.wrapping_sub(*slot);
         *slot = total;

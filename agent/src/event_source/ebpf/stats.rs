@@ -2,7 +2,7 @@
 //! by the reader (to decide on a rescan) and by metrics scrapes ([`SourceStats`]).
 //!
 //! ```text
-//! kernel programs --count_loss--> LOSSES (per-CPU u64 per reason) --LossCounters::totals--> reader, metrics
+//! kernel programs --count_loss--> LOSSES (u64 per CPU and reason) --LossCounters::totals (mmap)--> reader, metrics
 //! EVENTS ring: consumer page | producer page --RingOccupancy (read-only mmap)--> bytes queued, metrics
 //! ```
 //!
@@ -16,31 +16,43 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use agent_ebpf::loss;
 use anyhow::Context;
-use aya::maps::{MapData, PerCpuArray};
+use aya::maps::{Array, IterableMap, MapData};
 
 use crate::event_source::SourceStats;
 
-/// The programs' per-CPU loss counters, one per [`agent_ebpf::loss`] reason.
+/// The programs' loss counters: for each CPU, one per [`agent_ebpf::loss`] reason, at
+/// `cpu * loss::COUNT + reason`, read from a read-only mapping of the map. The reader reads them
+/// after every drain; through `bpf` syscalls (a per-CPU array) that was three syscalls per drain,
+/// a tenth of the agent's syscalls under churn.
 pub struct LossCounters {
-    map: PerCpuArray<MapData, u64>,
+    counters: Mapped,
+    slots: usize,
 }
 
 impl LossCounters {
-    /// Wraps the `LOSSES` map taken from the loaded object.
-    pub fn new(map: PerCpuArray<MapData, u64>) -> Self {
-        LossCounters { map }
+    /// Maps the `LOSSES` array read-only.
+    pub fn new(map: &Array<MapData, u64>) -> anyhow::Result<Self> {
+        let data = map.map();
+        let info = data
+            .info()
+            .context("cannot read the eBPF loss counters' map info")?;
+        anyhow::ensure!(
+            info.value_size() == 8,
+            "the eBPF loss counters are {} bytes each, not 8",
+            info.value_size()
+        );
+        let slots = usize::try_from(info.max_entries()).unwrap_or(usize::MAX);
+        let counters = Mapped::new(data.fd(), slots * 8)
+            .context("cannot map the eBPF loss counters read-only")?;
+        Ok(LossCounters { counters, slots })
     }
 
-    /// Each reason's count summed over CPUs since the programs were loaded. A counter that cannot
-    /// be read is reported as `None`, so the caller can say so instead of assuming no loss.
-    pub fn totals(&self) -> [Option<u64>; loss::COUNT as usize] {
-        let mut totals = [None; loss::COUNT as usize];
-        for (index, total) in (0..loss::COUNT).zip(totals.iter_mut()) {
-            *total = self
-                .map
-                .get(&index, 0)
-                .ok()
-                .map(|per_cpu| per_cpu.iter().copied().fold(0, u64::wrapping_add));
+    /// Each reason's count summed over CPUs since the programs were loaded.
+    pub fn totals(&self) -> [u64; loss::COUNT as usize] {
+        let mut totals = [0u64; loss::COUNT as usize];
+        for slot in 0..self.slots {
+            let reason = slot % loss::COUNT as usize;
+            totals[reason] = totals[reason].wrapping_add(self.counters.u64_at(slot * 8));
         }
         totals
     }
@@ -51,9 +63,78 @@ impl LossCounters {
         let totals = self.totals();
         [loss::RING_FULL, loss::PENDING_FULL]
             .iter()
-            .filter_map(|&index| totals[index as usize])
+            .map(|&index| totals[index as usize])
             .fold(0, u64::wrapping_add)
     }
+}
+
+/// A shared read-only mapping of the start of a map (an mmapable array, or a ring buffer's
+/// position pages), read only through atomic loads of whole u64s.
+struct Mapped {
+    base: NonNull<libc::c_void>,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and only read through atomic loads; it is unmapped once, on
+// drop, by the owner.
+unsafe impl Send for Mapped {}
+// SAFETY: as above; concurrent atomic loads are fine.
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    /// Maps the first `len` bytes of the map behind `fd` (rounded up to whole pages) read-only.
+    fn new(fd: &impl AsFd, len: usize) -> anyhow::Result<Self> {
+        let len = len.max(1).next_multiple_of(page_size()?);
+        // SAFETY: a fresh shared read-only mapping of a map fd; the kernel checks the range
+        // against the map and the protection against its flags.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        let base = NonNull::new(base).context("mmap returned a null mapping")?;
+        Ok(Mapped { base, len })
+    }
+
+    /// The u64 at byte `offset`, which must be 8-aligned and inside the mapping.
+    fn u64_at(&self, offset: usize) -> u64 {
+        assert!(
+            offset.is_multiple_of(8) && offset + 8 <= self.len,
+            "read outside the mapping"
+        );
+        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned), mapped for
+        // the lifetime of self, and the kernel only ever stores whole u64s there.
+        let value = unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .cast::<u8>()
+                .add(offset)
+                .cast::<AtomicU64>()
+        };
+        value.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped exactly once.
+        unsafe { libc::munmap(self.base.as_ptr(), self.len) };
+    }
+}
+
+fn page_size() -> anyhow::Result<usize> {
+    // SAFETY: sysconf has no preconditions.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .context("cannot read the page size")
 }
 
 /// A read-only view of the ring buffer's consumer and producer positions.
@@ -61,69 +142,25 @@ impl LossCounters {
 /// A BPF ring buffer map's mmap layout is: page 0 the consumer position (written by the reader),
 /// page 1 the producer position (written by the kernel), then the data pages twice.
 pub struct RingOccupancy {
-    base: NonNull<libc::c_void>,
+    positions: Mapped,
     page: usize,
 }
-
-// SAFETY: the mapping is read-only and only read through atomic loads; it is unmapped once, on
-// drop, by the owner.
-unsafe impl Send for RingOccupancy {}
-// SAFETY: as above; concurrent atomic loads are fine.
-unsafe impl Sync for RingOccupancy {}
 
 impl RingOccupancy {
     /// Maps the position pages of the ring buffer behind `ring` (its map fd) read-only.
     pub fn new(ring: &impl AsFd) -> anyhow::Result<Self> {
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-            .context("cannot read the page size")?;
-        // SAFETY: a fresh shared read-only mapping of a ring buffer map fd; the kernel checks the
-        // range (two pages from offset 0 always exist) and the protection.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                2 * page,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                ring.as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error())
-                .context("cannot map the eBPF ring buffer's positions read-only");
-        }
-        let base = NonNull::new(base).context("mmap returned a null mapping")?;
-        Ok(RingOccupancy { base, page })
-    }
-
-    fn position(&self, page_index: usize) -> u64 {
-        // SAFETY: both pages are mapped for the lifetime of self, page-aligned (so the u64 at the
-        // start of each is aligned), and the kernel and the reader only ever store whole u64s there.
-        let position = unsafe {
-            &*self
-                .base
-                .as_ptr()
-                .cast::<u8>()
-                .add(page_index * self.page)
-                .cast::<AtomicU64>()
-        };
-        position.load(Ordering::Acquire)
+        let page = page_size()?;
+        let positions = Mapped::new(ring, 2 * page)
+            .context("cannot map the eBPF ring buffer's positions read-only")?;
+        Ok(RingOccupancy { positions, page })
     }
 
     /// Bytes committed or reserved by the kernel and not yet consumed by the reader (record headers
     /// included).
     pub fn used_bytes(&self) -> u64 {
-        let consumer = self.position(0);
-        let producer = self.position(1);
+        let consumer = self.positions.u64_at(0);
+        let producer = self.positions.u64_at(self.page);
         producer.saturating_sub(consumer)
-    }
-}
-
-impl Drop for RingOccupancy {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, unmapped exactly once.
-        unsafe { libc::munmap(self.base.as_ptr(), 2 * self.page) };
     }
 }
 
