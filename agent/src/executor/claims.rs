@@ -16,13 +16,29 @@ impl OperationExecutor {
     ) -> Result<InFlight, OperationKind> {
         let mut in_flight = self.lock_in_flight();
         if let Some(running) = in_flight.get(path) {
-            return Err(*running);
+            return Err(running.kind);
         }
-        in_flight.insert(path.to_path_buf(), kind);
+        let listened = Arc::new(tokio::sync::Notify::new());
+        in_flight.insert(
+            path.to_path_buf(),
+            Claim {
+                kind,
+                listened: listened.clone(),
+            },
+        );
         Ok(InFlight {
             executor: self.clone(),
             path: path.to_path_buf(),
+            listened,
         })
+    }
+
+    /// The kernel reported a `listen` on `path`: the operation that holds it, if it is waiting
+    /// for the socket to listen, stops waiting now (or at its next wait, if it is between two).
+    pub(super) fn listened(&self, path: &Path) {
+        if let Some(claim) = self.lock_in_flight().get(path) {
+            claim.listened.notify_one();
+        }
     }
 
     fn finish(&self, path: &Path) {
@@ -36,13 +52,17 @@ impl OperationExecutor {
         self.trimmer.finished(idle);
     }
 
-    pub(super) fn lock_in_flight(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, OperationKind>> {
+    pub(super) fn lock_in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim>> {
         self.in_flight
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// What holds a path: the operation's kind, and how a `listen` the kernel reports reaches it.
+pub(super) struct Claim {
+    kind: OperationKind,
+    listened: Arc<tokio::sync::Notify>,
 }
 
 /// An operation's claim on its socket path. Released when the operation ends, however it ends (a
@@ -51,6 +71,14 @@ impl OperationExecutor {
 pub(super) struct InFlight {
     executor: Arc<OperationExecutor>,
     path: PathBuf,
+    listened: Arc<tokio::sync::Notify>,
+}
+
+impl InFlight {
+    /// Notified when the kernel reports a `listen` on the path (eBPF source only).
+    pub(super) fn listened(&self) -> Arc<tokio::sync::Notify> {
+        self.listened.clone()
+    }
 }
 
 impl Drop for InFlight {
@@ -104,5 +132,55 @@ impl Drop for NameGuard<'_> {
         if Arc::strong_count(&self.lock) == 2 {
             map.remove(&self.key);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event_source::SourceKind;
+    use futures::FutureExt as _;
+
+    fn executor() -> Arc<OperationExecutor> {
+        OperationExecutor::new(
+            Arc::default(),
+            Arc::default(),
+            Arc::default(),
+            super::super::ExecutorConfig::default(),
+            crate::notifications::NotificationBus::default(),
+            crate::telemetry::Telemetry::new(SourceKind::Ebpf),
+            tokio_util::sync::CancellationToken::new(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_listen_the_kernel_reports_reaches_the_operation_that_holds_the_path() {
+        let executor = executor();
+        let path = Path::new("/plugins/a.sock");
+        let claim = executor
+            .claim(path, OperationKind::Register)
+            .unwrap_or_else(|_| panic!("the path was free"));
+        let listened = claim.listened();
+
+        // Another path's listen is not this operation's.
+        executor
+            .liveness()
+            .kernel_hint(Path::new("/plugins/b.sock"), true);
+        assert!(
+            listened.notified().now_or_never().is_none(),
+            "woken by another socket's listen"
+        );
+
+        // Its own is, also when it comes before the operation waits (kept until then).
+        executor.liveness().kernel_hint(path, true);
+        assert!(
+            listened.notified().now_or_never().is_some(),
+            "the listen did not reach the operation"
+        );
+
+        // Once the operation ended, a listen on the path reaches nothing (and costs nothing).
+        drop(claim);
+        executor.liveness().kernel_hint(path, true);
+        assert!(listened.notified().now_or_never().is_none());
     }
 }

@@ -142,7 +142,7 @@ pub struct OperationExecutor {
     handlers: Arc<HandlerRegistry>,
     queue: Arc<ReconcileQueue>,
     config: ExecutorConfig,
-    in_flight: Mutex<HashMap<PathBuf, OperationKind>>,
+    in_flight: Mutex<HashMap<PathBuf, claims::Claim>>,
     backoff: Arc<BackoffTable>,
     slots: Slots,
     name_locks: NameLocks,
@@ -213,9 +213,14 @@ impl OperationExecutor {
         });
         let weak = Arc::downgrade(&executor);
         executor.liveness.on_listen(move |path| {
-            if let Some(executor) = weak.upgrade()
-                && executor.backoff.release_unserved(path)
-            {
+            let Some(executor) = weak.upgrade() else {
+                return;
+            };
+            // A registration dialling a socket that refused (bound, not listening yet) retries
+            // on a timer; the kernel's word ends its wait, so it registers within a millisecond
+            // of the listen rather than up to 50 ms after it.
+            executor.listened(path);
+            if executor.backoff.release_unserved(path) {
                 info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
                 executor.queue.mark(path.to_path_buf());
             }
@@ -256,7 +261,6 @@ impl OperationExecutor {
         let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
-            let _claim = claim;
             // Shutdown starts no operation: those still waiting for a slot end here. Waiting
             // costs only this small future: the operation's own state (span, connection, the
             // calls' futures) is allocated once it may run, so thousands of sockets queued
@@ -265,6 +269,8 @@ impl OperationExecutor {
             let Some(slot) = this.slots.acquire().await else {
                 return;
             };
+            let slot = slot.waking_on(claim.listened());
+            let _claim = claim;
             Box::pin(
                 this.clone()
                     .register_in_slot(path, desired, slot, attempt, queued),

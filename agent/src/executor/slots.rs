@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::registration::Pause;
@@ -45,6 +45,7 @@ impl Slots {
         Some(Slot {
             pool: self.pool.clone(),
             permit: Some(permit),
+            listened: None,
         })
     }
 
@@ -59,6 +60,19 @@ impl Slots {
 pub struct Slot {
     pool: Arc<Semaphore>,
     permit: Option<OwnedSemaphorePermit>,
+    /// Ends a pause early: the kernel reported that the socket listens now.
+    listened: Option<Arc<Notify>>,
+}
+
+impl Slot {
+    /// The same slot, whose pauses end as soon as `listened` is notified (or were notified since
+    /// the last pause): the dial they wait to retry would now succeed.
+    pub fn waking_on(self, listened: Arc<Notify>) -> Self {
+        Slot {
+            listened: Some(listened),
+            ..self
+        }
+    }
 }
 
 impl Pause for Slot {
@@ -67,7 +81,15 @@ impl Pause for Slot {
     fn pause(&mut self, duration: Duration) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async move {
             self.permit = None;
-            tokio::time::sleep(duration).await;
+            match &self.listened {
+                Some(listened) => {
+                    tokio::select! {
+                        () = tokio::time::sleep(duration) => {}
+                        () = listened.notified() => {}
+                    }
+                }
+                None => tokio::time::sleep(duration).await,
+            }
             self.permit = self.pool.clone().acquire_owned().await.ok();
         })
     }
@@ -113,6 +135,50 @@ mod tests {
         assert!(
             slots.acquire().await.is_none(),
             "a slot was handed out after stop"
+        );
+    }
+
+    /// Paused, unnotified: this pause runs its full length (paused clock: no real wait).
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_ends_when_the_kernel_reports_the_listen() {
+        let slots = Slots::new(1, CancellationToken::new());
+        let listened = Arc::new(Notify::new());
+        let mut slot = slots
+            .acquire()
+            .await
+            .expect("open")
+            .waking_on(listened.clone());
+        let long = Duration::from_secs(3600);
+
+        // Reported while the operation waits: the wait ends then, not an hour later.
+        let started = tokio::time::Instant::now();
+        let pause = tokio::spawn(async move {
+            slot.pause(long).await;
+            slot
+        });
+        tokio::task::yield_now().await;
+        listened.notify_one();
+        let mut slot = pause.await.expect("pause task");
+        assert!(started.elapsed() < long, "the pause ran its full length");
+
+        // Reported between two waits (the dial was refused just before the listen): the next
+        // wait does not start.
+        listened.notify_one();
+        let started = tokio::time::Instant::now();
+        slot.pause(long).await;
+        assert!(
+            started.elapsed() < long,
+            "a listen reported before the pause was lost"
+        );
+
+        // Nothing reported: the pause is the dial's backoff, as without the kernel's word.
+        let started = tokio::time::Instant::now();
+        slot.pause(Duration::from_millis(50)).await;
+        assert_eq!(started.elapsed(), Duration::from_millis(50));
+        assert_eq!(
+            slots.available(),
+            0,
+            "the slot was taken back after each pause"
         );
     }
 }

@@ -213,8 +213,12 @@ impl Watcher {
                         listening,
                         observed,
                     } => {
-                        if listening {
-                            // Served now: also a socket the watcher may not know yet.
+                        if listening && !self.desired.contains(&path) {
+                            // Served now: also a socket the watcher may not know yet (bound in
+                            // a directory not watched at the time). A known one was looked at
+                            // when its bind was reported, and a socket bound there since has a
+                            // bind event of its own: looking again would be a `statx` and a
+                            // `name_to_handle_at` per plugin for nothing.
                             self.check(&path, observed);
                         }
                         if let Some(liveness) = &self.liveness
