@@ -105,9 +105,10 @@ pub fn init(
     });
     tracing_subscriber::registry().with(fmt).with(otel).init();
     match (&traces, failure) {
-        (Some(_), _) => tracing::info!(
+        (Some(traces), _) => tracing::info!(
             endpoint = otlp_endpoint.unwrap_or("from OTEL_EXPORTER_OTLP_*"),
-            "exporting traces over OTLP/gRPC"
+            sampler = %traces.sampler,
+            "exporting traces over OTLP/gRPC (failed and slow operations always)"
         ),
         (None, Some(error)) => tracing::warn!(%error, "traces are off"),
         (None, None) => {}
