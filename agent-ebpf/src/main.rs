@@ -123,8 +123,6 @@ mod programs {
         parent: NameKey,
         /// The NAMES value of `parent` when [`parent_known`] found it (0: none).
         parent_id: u64,
-        /// A reported entry's name on its way into its ring record (see [`report_dentry`]).
-        name: NameKey,
         start: u64,
         len: u64,
         dfd: i64,
@@ -291,8 +289,12 @@ mod programs {
         kptr(fs, offset!(fs_pwd_dentry))
     }
 
-    /// Bytes one record takes in the ring: its 8-byte header and the event, 8-aligned.
-    const RECORD_BYTES: u64 = ((core::mem::size_of::<Event>() + 8 + 7) & !7) as u64;
+    /// Bytes of a whole event, and where its name starts (a record is cut after the name).
+    const EVENT_BYTES: u64 = core::mem::size_of::<Event>() as u64;
+    const NAME_OFFSET: u64 = core::mem::offset_of!(Event, name) as u64;
+
+    /// Bytes the largest record takes in the ring: its 8-byte header and a whole event, 8-aligned.
+    const RECORD_BYTES: u64 = (EVENT_BYTES + 8 + 7) & !7;
 
     /// Ring-buffer wake-up policy, called with this record reserved: wake the reader at once when
     /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
@@ -439,35 +441,54 @@ mod programs {
     fn report_dentry(dentry: usize, parent: DirKey, what: u32) -> Option<()> {
         let name = kptr(dentry, offset!(dentry_name))?;
         let name_len = kread::<u32>(dentry, offset!(dentry_name_len))?;
-        // The name is read into scratch memory, not into the ring record: older verifiers (6.1's)
-        // do not take ring-buffer memory as a map key ("R2 type=alloc_mem expected=...").
+        // Built in scratch memory and copied into the ring at its used length (see `submit`).
         let scratch = SCRATCH.get_ptr_mut(0)?;
         // SAFETY: the per-CPU scratch slot is ours for the duration of this program run, and no
-        // caller of this function holds a reference into its `name`.
-        let key = unsafe { &mut *addr_of_mut!((*scratch).name) };
-        key.bytes = [0; NAME_LEN];
+        // caller of this function holds a reference into its `event`.
+        let event = unsafe { &mut *addr_of_mut!((*scratch).event) };
+        event.name.bytes = [0; NAME_LEN];
         // SAFETY: bpf_probe_read_kernel_str fails instead of faulting.
-        let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut key.bytes) };
-        let caller = Caller::current();
-        let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
-            count_loss(loss::RING_FULL);
-            return None;
-        };
-        let event = entry.as_mut_ptr();
-        // SAFETY: `event` points at a reserved, exclusively owned ring-buffer record.
-        unsafe {
-            (*event).kind = what;
-            (*event).scope = scope::EXACT;
-            caller.stamp(event);
-            (*event).name_len = name_len;
-            (*event).ktime_ns = now_ns();
-            (*event).parent = parent;
-            core::ptr::copy_nonoverlapping(key, addr_of_mut!((*event).name), 1);
-        }
-        entry.submit(wake_flags_when(
-            what == kind::LISTEN || what == kind::RELEASE,
-        ));
+        let _ =
+            unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut event.name.bytes) };
+        event.kind = what;
+        event.scope = scope::EXACT;
+        // SAFETY: `event` is this program run's per-CPU scratch record.
+        unsafe { Caller::current().stamp(event) };
+        event.name_len = name_len;
+        event.ktime_ns = now_ns();
+        event.parent = parent;
+        submit(event, what == kind::LISTEN || what == kind::RELEASE);
         Some(())
+    }
+
+    /// Copies `event` into the ring as a record of its used length: the fixed fields and the
+    /// name's bytes (rounded up to 8), not the whole name buffer, so a record of a 20-byte name
+    /// takes 104 bytes of the ring rather than 336, and a ring holds three times the events
+    /// (the reader zero-fills the rest: `record::decode`). `bpf_ringbuf_output` rather than a
+    /// reservation, whose size the verifier wants constant.
+    #[inline(always)]
+    fn submit(event: &Event, prompt: bool) {
+        let name_len = u64::from(event.name_len);
+        let name_len = if name_len > NAME_LEN as u64 {
+            NAME_LEN as u64
+        } else {
+            name_len
+        };
+        let used = (NAME_OFFSET + name_len + 7) & !7;
+        let len = if used > EVENT_BYTES {
+            EVENT_BYTES
+        } else {
+            used
+        };
+        let flags = wake_flags_when(prompt);
+        // SAFETY: `event` is a live Event (in map memory: scratch or a parked value), and `len`
+        // is at most its size.
+        let used = unsafe {
+            core::slice::from_raw_parts(event as *const Event as *const u8, len as usize)
+        };
+        if EVENTS.output::<[u8]>(used, flags).is_err() {
+            count_loss(loss::RING_FULL);
+        }
     }
 
     // ---------------------------------------------------------------------------------------------
@@ -931,21 +952,14 @@ mod programs {
         // A known name's removal, or a listener's release (see `wake_flags_when`).
         let prompt = by_name || unsafe { (*pending).kind } == kind::RELEASE;
         if succeeded && concerns_tree {
-            match EVENTS.reserve::<Event>(0) {
-                Some(mut entry) => {
-                    // SAFETY: `pending` is a live map value of this thread; `entry` is reserved
-                    // and exclusively ours. Copied in place: two Events do not fit the BPF stack.
-                    unsafe {
-                        let event = entry.as_mut_ptr();
-                        core::ptr::copy_nonoverlapping(pending, event, 1);
-                        (*event).ktime_ns = now_ns();
-                        if by_name {
-                            (*event).scope = scope::NAME_ONLY;
-                        }
-                    }
-                    entry.submit(wake_flags_when(prompt));
+            let pending = pending.cast_mut();
+            // SAFETY: `pending` is a live map value of this thread, removed below: its last use.
+            unsafe {
+                (*pending).ktime_ns = now_ns();
+                if by_name {
+                    (*pending).scope = scope::NAME_ONLY;
                 }
-                None => count_loss(loss::RING_FULL),
+                submit(&*pending, prompt);
             }
         }
         let _ = map.remove(&thread);

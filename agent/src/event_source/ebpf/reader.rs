@@ -256,7 +256,9 @@ fn drain(
 /// flood that refills the ring as fast as it is emptied cannot keep the reader here). Returns
 /// how many, and whether it stopped at the bound (more may be queued).
 fn discard(ring: &mut RingBuf<MapData>, ring_buffer_bytes: u32) -> (usize, bool) {
-    let most = ring_buffer_bytes as usize / size_of::<agent_ebpf::Event>();
+    // The smallest record: the event cut before its name (see `record::decode`), and its header.
+    let smallest = std::mem::offset_of!(agent_ebpf::Event, name) + 8;
+    let most = ring_buffer_bytes as usize / smallest;
     let mut discarded = 0;
     while discarded < most {
         if ring.next().is_none() {

@@ -17,14 +17,20 @@ use crate::event_source::{FsEvent, Observed};
 use crate::provenance::{Actor, Comm};
 
 /// Reads an [`Event`] from a ring-buffer record, or `None` if the record is too short (an object
-/// and agent from different builds).
+/// and agent from different builds). The kernel cuts a record after the name's used bytes (see
+/// `submit` in agent-ebpf): what it left out is zeros, so the name stays NUL-terminated.
 pub fn decode(bytes: &[u8]) -> Option<Event> {
-    if bytes.len() < size_of::<Event>() {
+    if bytes.len() < std::mem::offset_of!(Event, name) {
         return None;
     }
-    // SAFETY: `bytes` holds at least size_of::<Event>() bytes, Event is `repr(C)` plain data for
-    // which every bit pattern is valid (aya::Pod), and read_unaligned copes with any alignment.
-    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Event>()) })
+    let used = bytes.len().min(size_of::<Event>());
+    let mut event = std::mem::MaybeUninit::<Event>::zeroed();
+    // SAFETY: at most size_of::<Event>() bytes copied into the Event's own storage; Event is
+    // `repr(C)` plain data for which every bit pattern (zeros included) is valid (aya::Pod).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), event.as_mut_ptr().cast::<u8>(), used);
+        Some(event.assume_init())
+    }
 }
 
 /// The entry name an event carries.
@@ -277,7 +283,10 @@ mod tests {
             bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2 * size_of::<Event>())
         ) {
             let decoded = decode(&bytes);
-            proptest::prop_assert_eq!(decoded.is_some(), bytes.len() >= size_of::<Event>());
+            proptest::prop_assert_eq!(
+                decoded.is_some(),
+                bytes.len() >= std::mem::offset_of!(Event, name)
+            );
             if let Some(event) = decoded {
                 proptest::prop_assert!(names_one_entry(translate(&event, watched, no_name)));
             }
@@ -296,5 +305,27 @@ mod tests {
         assert!(decode(&[0u8; 8]).is_none());
         let bytes = [0u8; size_of::<Event>()];
         assert_eq!(decode(&bytes).map(|e| e.kind), Some(0));
+    }
+
+    /// The kernel writes a record up to its name's used bytes (rounded up to 8): decoded, it is
+    /// the event it was cut from, whatever the name buffer held beyond.
+    #[test]
+    fn a_record_cut_after_its_name_is_the_whole_event() {
+        fn bytes_of(event: &Event) -> &[u8] {
+            // SAFETY: Event is repr(C) plain data without padding; its bytes are only compared.
+            unsafe {
+                std::slice::from_raw_parts((event as *const Event).cast::<u8>(), size_of::<Event>())
+            }
+        }
+        let whole = event(kind::BIND, scope::EXACT, "plugin-with-a-long-name.sock");
+        let cut = (std::mem::offset_of!(Event, name) + whole.name_len as usize + 7) & !7;
+        assert!(cut < size_of::<Event>());
+        let decoded = decode(&bytes_of(&whole)[..cut]).expect("a cut record decodes");
+        assert_eq!(bytes_of(&decoded), bytes_of(&whole));
+        assert_eq!(name(&decoded), "plugin-with-a-long-name.sock");
+        assert_eq!(
+            translate(&decoded, watched, no_name),
+            translate(&whole, watched, no_name)
+        );
     }
 }
