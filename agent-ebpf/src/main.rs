@@ -293,14 +293,12 @@ mod programs {
     const EVENT_BYTES: u64 = core::mem::size_of::<Event>() as u64;
     const NAME_OFFSET: u64 = core::mem::offset_of!(Event, name) as u64;
 
-    /// Bytes the largest record takes in the ring: its 8-byte header and a whole event, 8-aligned.
-    const RECORD_BYTES: u64 = (EVENT_BYTES + 8 + 7) & !7;
-
-    /// Ring-buffer wake-up policy, called with this record reserved: wake the reader at once when
+    /// Ring-buffer wake-up policy, called just before this record is written: wake the reader at
+    /// once when
     /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
     /// - or it was last woken at least `batch_ns / 16` ago and either it has consumed everything
-    ///   but this record (it is idle or about to be: a steady trickle under load is not held back
-    ///   a whole batch delay) or the record is `prompt`, whatever is queued;
+    ///   (it is idle or about to be: a steady trickle under load is not held back a whole batch
+    ///   delay) or the record is `prompt`, whatever is queued;
     /// - or `wakeup_bytes` are queued (a burst: drain before the ring fills);
     ///
     /// otherwise let the record ride along with the previous wake-up: the reader drains once more
@@ -322,7 +320,7 @@ mod programs {
         // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
         let elapsed = now.wrapping_sub(unsafe { *last });
         let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
-        let caught_up = (prompt || queued <= RECORD_BYTES) && elapsed >= batch_ns / 16;
+        let caught_up = (prompt || queued == 0) && elapsed >= batch_ns / 16;
         if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
             // SAFETY: as above.
             unsafe { *last = now };

@@ -75,12 +75,22 @@ impl Slot {
     }
 }
 
+/// Pauses up to this long keep the slot: a plugin caught between its bind and its listen (the
+/// eBPF source sees the bind first and often dials that early) listens within microseconds, and a
+/// registration that gave its slot back for that would queue again behind every other one waiting
+/// (a burst of 10,000: behind thousands). Longer pauses (a socket still refusing after the first
+/// three retries, 7 ms) give it back, so stale sockets never hold up good plugins.
+const KEEP_SLOT_FOR: Duration = Duration::from_millis(4);
+
 impl Pause for Slot {
-    /// Sleeps without the slot, then waits for one again. A closed pool ends the wait at once;
-    /// the operation then finds its next step refused by the stopping agent.
+    /// Sleeps, without the slot unless the pause is short, then waits for one again. A closed
+    /// pool ends the wait at once; the operation then finds its next step refused by the
+    /// stopping agent.
     fn pause(&mut self, duration: Duration) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async move {
-            self.permit = None;
+            if duration > KEEP_SLOT_FOR {
+                self.permit = None;
+            }
             match &self.listened {
                 Some(listened) => {
                     tokio::select! {
@@ -90,7 +100,9 @@ impl Pause for Slot {
                 }
                 None => tokio::time::sleep(duration).await,
             }
-            self.permit = self.pool.clone().acquire_owned().await.ok();
+            if self.permit.is_none() {
+                self.permit = self.pool.clone().acquire_owned().await.ok();
+            }
         })
     }
 }
@@ -180,5 +192,25 @@ mod tests {
             0,
             "the slot was taken back after each pause"
         );
+    }
+
+    /// A pause for a plugin between its bind and its listen keeps the slot, so the registration
+    /// does not queue again behind everything that waits for one.
+    #[tokio::test(start_paused = true)]
+    async fn a_short_pause_keeps_the_slot() {
+        let slots = Slots::new(1, CancellationToken::new());
+        let mut slot = slots.acquire().await.expect("open");
+        let other = tokio::spawn({
+            let slots = slots.clone();
+            async move { slots.acquire().await.is_some() }
+        });
+        tokio::task::yield_now().await;
+        slot.pause(Duration::from_millis(1)).await;
+        assert!(
+            !other.is_finished(),
+            "another operation took the slot during a short pause"
+        );
+        drop(slot);
+        assert!(other.await.expect("task"), "the slot was not handed on");
     }
 }
