@@ -108,9 +108,6 @@ impl AgentProcess {
         }
         command
             .env("PLUGIN_AGENT_ADMIN_SOCKET", &options.admin_socket)
-            // Tests read the traces of fast registrations, which the agent's default head sampler
-            // (one in ten) would mostly not export; a test's own `env` overrides it.
-            .env("OTEL_TRACES_SAMPLER", "parentbased_always_on")
             .envs(options.env.iter().map(|(k, v)| (k, v)))
             .args(&options.extra)
             .stdin(Stdio::null())

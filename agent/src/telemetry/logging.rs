@@ -105,10 +105,9 @@ pub fn init(
     });
     tracing_subscriber::registry().with(fmt).with(otel).init();
     match (&traces, failure) {
-        (Some(traces), _) => tracing::info!(
+        (Some(_), _) => tracing::info!(
             endpoint = otlp_endpoint.unwrap_or("from OTEL_EXPORTER_OTLP_*"),
-            sampler = %traces.sampler,
-            "exporting traces over OTLP/gRPC (failed and slow operations always)"
+            "exporting traces over OTLP/gRPC"
         ),
         (None, Some(error)) => tracing::warn!(%error, "traces are off"),
         (None, None) => {}

@@ -17,8 +17,8 @@
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
 //! turn it off again. The other standard variables are honoured by the OpenTelemetry crates:
 //! `OTEL_EXPORTER_OTLP_{TRACES_,}{TIMEOUT,HEADERS,COMPRESSION}`, `OTEL_BSP_*`,
-//! `OTEL_TRACES_SAMPLER{,_ARG}` (the head sampler, one trace in ten when unset; failed and slow
-//! operations are exported whatever it says, see [`super::sampling`]), `OTEL_SERVICE_NAME` (default `plugin-agent`) and
+//! `OTEL_TRACES_SAMPLER{,_ARG}` (the head sampler; failed and slow operations are exported
+//! whatever it says, see [`super::sampling`]), `OTEL_SERVICE_NAME` (default `plugin-agent`) and
 //! `OTEL_RESOURCE_ATTRIBUTES`.
 //!
 //! A collector that is down never slows registration: ending a span only puts it in the queue,
@@ -66,8 +66,6 @@ pub struct Traces {
     provider: SdkTracerProvider,
     /// The tracer the `tracing` layer feeds.
     pub tracer: SdkTracer,
-    /// The head sampler in use, for the start-up log line.
-    pub sampler: String,
 }
 
 impl Traces {
@@ -120,9 +118,8 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
         resource = resource.with_service_name("plugin-agent");
     }
     // Every span is recorded; the head sampler and the tail rule decide what is exported.
-    let (sampler, described) = super::sampling::RecordEverything::from_env();
     let provider = SdkTracerProvider::builder()
-        .with_sampler(sampler)
+        .with_sampler(super::sampling::RecordEverything::from_env())
         .with_id_generator(super::sampling::PresetIds::default())
         .with_span_processor(super::sampling::TailProcessor::new(processor))
         .with_resource(resource.build())
@@ -130,9 +127,5 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
     let tracer = provider.tracer("plugin-agent");
     opentelemetry::global::set_tracer_provider(provider.clone());
     ENABLED.store(true, Ordering::Relaxed);
-    Ok(Traces {
-        provider,
-        tracer,
-        sampler: described,
-    })
+    Ok(Traces { provider, tracer })
 }

@@ -89,49 +89,19 @@ pub fn exported(cx: &SpanContext, tail_kept: bool) -> bool {
     cx.is_valid() && (cx.is_sampled() || tail_kept)
 }
 
-/// The head sampler's ratio when `OTEL_TRACES_SAMPLER` is not set: one trace in ten, parent-based,
-/// where the OpenTelemetry SDK's own default exports every trace (`parentbased_always_on`). A
-/// node agent's busiest moment is a burst (a kubelet or node restart registers every plugin
-/// again), and exporting each registration's spans then costs the agent +16 % CPU against +5 %
-/// (docs/benchmarks.md, "What tracing costs"); the tail rule exports every failed and slow
-/// operation whatever the head decided, so a latency spike's exemplars still lead to the traces
-/// that explain it. Kubernetes' own components sample none by default (kubelet's
-/// `samplingRatePerMillion: 0`). `OTEL_TRACES_SAMPLER=parentbased_always_on` exports them all.
-pub const DEFAULT_RATIO: f64 = 0.1;
-
-/// The sampler used when `OTEL_TRACES_SAMPLER` is not set (see [`DEFAULT_RATIO`]).
-fn default_sampler() -> Sampler {
-    Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(DEFAULT_RATIO)))
-}
-
 /// The operator's sampler (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`, as the SDK reads
-/// them; unset, [`DEFAULT_RATIO`]), made to record what it would drop instead of dropping it, so
-/// the tail rule can still keep it.
+/// them; default `parentbased_always_on`), made to record what it would drop instead of
+/// dropping it, so the tail rule can still keep it.
 #[derive(Debug, Clone)]
 pub struct RecordEverything {
     inner: Box<dyn ShouldSample>,
 }
 
 impl RecordEverything {
-    /// The sampler the standard environment variables configure, and how to say which it is.
-    pub fn from_env() -> (Self, String) {
-        match std::env::var("OTEL_TRACES_SAMPLER") {
-            Ok(name) if !name.trim().is_empty() => {
-                let arg = std::env::var("OTEL_TRACES_SAMPLER_ARG").unwrap_or_default();
-                let sampler = RecordEverything {
-                    inner: opentelemetry_sdk::trace::Config::default().sampler,
-                };
-                (
-                    sampler,
-                    format!("{name} {arg} (OTEL_TRACES_SAMPLER)")
-                        .trim_end()
-                        .into(),
-                )
-            }
-            _ => (
-                RecordEverything::new(default_sampler()),
-                format!("parentbased_traceidratio {DEFAULT_RATIO} (default)"),
-            ),
+    /// The sampler the standard environment variables configure.
+    pub fn from_env() -> Self {
+        RecordEverything {
+            inner: opentelemetry_sdk::trace::Config::default().sampler,
         }
     }
 
@@ -639,41 +609,5 @@ mod tests {
         assert_eq!(tail_reason(true, Duration::ZERO), Some("failed"));
         assert_eq!(tail_reason(false, Duration::from_secs(1)), Some("slow"));
         assert_eq!(tail_reason(false, Duration::from_millis(10)), None);
-    }
-
-    /// The default head sampler: one root trace in ten, decided by the trace ID (so every agent
-    /// and collector agrees), and a sampled parent's children sampled whatever their ID.
-    #[test]
-    fn the_default_sampler_samples_one_root_in_ten_and_follows_a_sampled_parent() {
-        let sampler = default_sampler();
-        let decide = |trace_id: TraceId, parent: Option<&Context>| {
-            sampler
-                .should_sample(parent, trace_id, "discovery", &SpanKind::Internal, &[], &[])
-                .decision
-        };
-        // Trace IDs spread evenly over the ratio sampler's range (the low 64 bits), each in the
-        // middle of its tenth-of-a-thousandth.
-        let roots = 10_000u64;
-        let step = u64::MAX / roots;
-        let sampled = (0..roots)
-            .filter(|i| {
-                let id = TraceId::from(u128::from(i * step + step / 2));
-                decide(id, None) == SamplingDecision::RecordAndSample
-            })
-            .count();
-        assert_eq!(sampled, 1_000, "{sampled} of {roots} roots sampled");
-
-        let parent = Context::new().with_remote_span_context(SpanContext::new(
-            TraceId::from(u128::MAX),
-            SpanId::from(1u64),
-            TraceFlags::SAMPLED,
-            true,
-            TraceState::default(),
-        ));
-        assert_eq!(
-            decide(TraceId::from(u128::MAX), Some(&parent)),
-            SamplingDecision::RecordAndSample,
-            "a sampled parent's child was not sampled"
-        );
     }
 }
