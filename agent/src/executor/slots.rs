@@ -4,9 +4,10 @@
 //! A socket that is bound but not listening (a crashed plugin's leftover, say) or a peer that has
 //! not started serving is retried within the 10 s dial budget. Holding a slot through those
 //! pauses let a few hundred stale sockets occupy every slot for their whole budget while good
-//! plugins queued behind them (1,000 stale sockets: 28.5 s before a good plugin registered). The
-//! pause gives the slot back and queues for one again afterwards; the semaphore is fair, so
-//! operations that were waiting for a slot go first.
+//! plugins queued behind them (1,000 stale sockets: 28.5 s before a good plugin registered). A
+//! pause (past the first few milliseconds) gives the slot back and queues for one again
+//! afterwards; the semaphore is fair, so operations that were waiting for a slot go first. A
+//! pause ends early when the kernel reports the socket's `listen()` (eBPF source).
 
 use std::future::Future;
 use std::pin::Pin;
