@@ -1365,7 +1365,15 @@ async fn a_full_ring_buffer_becomes_a_rescan_and_counted_drops() {
     let before = f.source.stats();
     assert_eq!(before.dropped, 0);
     assert_eq!(before.ring_buffer_size_bytes, Some(4096));
-    assert_eq!(before.ring_buffer_used_bytes, Some(0));
+    // Far from full before the binds, which is all the test needs. Not necessarily empty: once
+    // in CI one record (104 bytes: one short name) was already queued when the test began, with
+    // the suite's other tests running beside it; where from is not known yet.
+    assert!(
+        before
+            .ring_buffer_used_bytes
+            .is_some_and(|used| used < 4096 / 2),
+        "{before:?}"
+    );
     let actions: Vec<Action> = (0..64)
         .map(|i| Action::Bind(f.in_watched(&format!("{i}.sock"))))
         .collect();
