@@ -766,6 +766,17 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
             .find(|s| s.name == "discovery" && s.trace_id == span.trace_id)
             .unwrap_or_else(|| panic!("{test}: no discovery in the kept trace"));
         assert_eq!(span.parent_span_id, discovery.span_id, "{test}");
+        // Built only once kept, it still says what the watcher saw.
+        assert_eq!(
+            attribute(discovery, "socket_path"),
+            attribute(span, "socket_path"),
+            "{test}"
+        );
+        assert_eq!(
+            attribute(discovery, "change").as_deref(),
+            Some("created"),
+            "{test}"
+        );
     }
     let slow_get_info = received
         .iter()
