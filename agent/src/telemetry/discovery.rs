@@ -14,16 +14,11 @@
 //! eBPF, a `first_contact` span runs from the socket's creation to the first connect by another
 //! process (kubelet's first GetInfo, beside it), as another child.
 //!
-//! A trace the head sampler does not sample gets no `discovery` span here: its IDs are drawn and
-//! the span waits unbuilt in the record's context until the tail rule keeps one of its
-//! operations (`sampling::UnbuiltRoot`).
-//!
 //! One entry per desired path, replaced on every discovery, and only while traces are exported:
 //! the table is as bounded as the desired state, and empty otherwise (the `event_source` label
 //! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
 use super::metrics::TraceExemplar;
-use super::sampling::{self, UnbuiltRoot};
 use crate::event_source::{SourceKind, monotonic_now_ns};
 use crate::provenance::Contact;
 use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
@@ -111,30 +106,22 @@ impl Discoveries {
             return;
         };
         let source = self.label(via);
-        let started = kernel_ns.map_or_else(SystemTime::now, |ns| {
-            wall_time_of(ns, monotonic_now_ns(), SystemTime::now())
-        });
-        let attributes = vec![
-            KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
-            KeyValue::new("change", found.as_str()),
-            KeyValue::new("event_source", source),
-            KeyValue::new("kernel_timestamp", kernel_ns.is_some()),
-        ];
-        // The head sampler decides the trace here, before a span exists: an unsampled one is
-        // built only if the tail rule keeps one of its operations (see `sampling`).
-        let ids = sampling::draw_root_ids();
-        let context = if sampling::head_samples(ids.0, "discovery") {
-            let mut span = sampling::with_ids(ids.0, ids.1, || {
-                tracer
-                    .span_builder("discovery")
-                    .with_start_time(started)
-                    .with_attributes(attributes)
-                    .start(tracer)
+        let context = {
+            let started = kernel_ns.map_or_else(SystemTime::now, |ns| {
+                wall_time_of(ns, monotonic_now_ns(), SystemTime::now())
             });
+            let mut span = tracer
+                .span_builder("discovery")
+                .with_start_time(started)
+                .with_attributes([
+                    KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+                    KeyValue::new("change", found.as_str()),
+                    KeyValue::new("event_source", source),
+                    KeyValue::new("kernel_timestamp", kernel_ns.is_some()),
+                ])
+                .start(tracer);
             span.end();
             Context::new().with_remote_span_context(span.span_context().clone())
-        } else {
-            UnbuiltRoot::context("discovery", ids, started, attributes)
         };
         self.lock().insert(path.to_path_buf(), Record { context });
     }
@@ -258,11 +245,7 @@ mod tests {
         d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
         d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, None);
         assert_eq!(d.len(), 2);
-        let parent = d.parent_of(Path::new("/r/b.sock")).expect("parent");
-        // No head sampler installed here: not sampled, so the root waits unbuilt.
-        assert!(parent.get::<UnbuiltRoot>().is_some());
-        let span = parent.span();
-        assert!(span.span_context().is_valid() && !span.span_context().is_sampled());
+        assert!(d.parent_of(Path::new("/r/b.sock")).is_some());
         d.forget(Path::new("/r/a.sock"));
         d.forget(Path::new("/r/b.sock"));
         assert!(d.is_empty());

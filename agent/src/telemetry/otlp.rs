@@ -6,8 +6,7 @@
 //! discovery spans (telemetry::discovery) ───────────────────────────────────────────┤
 //!                                                                                   v
 //!               head sampler + tail rule (telemetry::sampling): which traces go on
-//!               (an unsampled trace's spans, its discovery too, are built only if the
-//!               tail rule keeps one of its operations)
+//!               (an unsampled operation's spans are built only if the tail rule keeps it)
 //!                                                                                   v
 //!               bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
 //!                                                                                   v

@@ -28,10 +28,7 @@
 //! spans ([`traced_here`]); the operation keeps its steps' times and its attributes, and only if
 //! the tail rule keeps it are its spans built, with those IDs and times, and exported. Recording
 //! every span of every operation (as before) cost a traced burst a fifth of the agent's CPU,
-//! sampled or not. The trace's root goes the same way: the watcher asks the head sampler
-//! ([`head_samples`]) before it builds a socket's `discovery` span, and an unsampled one waits
-//! in its context as an [`UnbuiltRoot`] (IDs drawn, times and attributes kept) until the first
-//! operation under it that the tail rule keeps builds it; most never are.
+//! sampled or not.
 
 use opentelemetry::trace::{
     Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
@@ -101,14 +98,11 @@ pub struct RecordEverything {
 }
 
 impl RecordEverything {
-    /// The sampler the standard environment variables configure. The first one made is the
-    /// installed one: [`head_samples`] asks it (tests make their own with [`Self::new`]).
+    /// The sampler the standard environment variables configure.
     pub fn from_env() -> Self {
-        let sampler = RecordEverything {
+        RecordEverything {
             inner: opentelemetry_sdk::trace::Config::default().sampler,
-        };
-        let _ = HEAD.set(sampler.clone());
-        sampler
+        }
     }
 
     /// Wraps `sampler` (for tests).
@@ -273,14 +267,11 @@ pub struct PresetIds(RandomIdGenerator);
 
 thread_local! {
     static PRESET_SPAN_ID: Cell<Option<SpanId>> = const { Cell::new(None) };
-    static PRESET_TRACE_ID: Cell<Option<TraceId>> = const { Cell::new(None) };
 }
 
 impl IdGenerator for PresetIds {
     fn new_trace_id(&self) -> TraceId {
-        PRESET_TRACE_ID
-            .with(Cell::take)
-            .unwrap_or_else(|| self.0.new_trace_id())
+        self.0.new_trace_id()
     }
 
     fn new_span_id(&self) -> SpanId {
@@ -300,97 +291,6 @@ fn with_span_id<T>(id: SpanId, build: impl FnOnce() -> T) -> T {
     let built = build();
     PRESET_SPAN_ID.with(|preset| preset.set(None));
     built
-}
-
-/// Builds a root span with the IDs `trace` and `span` (see [`PresetIds`]; a root span draws
-/// its trace ID, a child takes its parent's).
-pub(super) fn with_ids<T>(trace: TraceId, span: SpanId, build: impl FnOnce() -> T) -> T {
-    PRESET_TRACE_ID.with(|preset| preset.set(Some(trace)));
-    let built = with_span_id(span, build);
-    PRESET_TRACE_ID.with(|preset| preset.set(None));
-    built
-}
-
-/// The installed head sampler, for roots decided before any span is built ([`head_samples`]).
-static HEAD: OnceLock<RecordEverything> = OnceLock::new();
-
-/// Whether the operator's head sampler samples a new trace `trace` whose root is `name`: what
-/// the SDK would decide when building it. False when no sampler is installed (traces off).
-pub fn head_samples(trace: TraceId, name: &str) -> bool {
-    HEAD.get().is_some_and(|head| {
-        head.inner
-            .should_sample(None, trace, name, &SpanKind::Internal, &[], &[])
-            .decision
-            == SamplingDecision::RecordAndSample
-    })
-}
-
-/// A trace ID and a root span ID, drawn before the root is built (or instead of it).
-pub fn draw_root_ids() -> (TraceId, SpanId) {
-    let ids = RandomIdGenerator::default();
-    (ids.new_trace_id(), ids.new_span_id())
-}
-
-/// A trace's root that the head sampler did not sample, not built (yet): what the span would
-/// say, under the IDs its children already carry. The first of its operations the tail rule
-/// keeps builds it ([`Unsampled::finish`]); most never are, and then it cost no span at all.
-#[derive(Debug)]
-pub struct UnbuiltRoot {
-    name: &'static str,
-    span: SpanContext,
-    started: SystemTime,
-    ended: SystemTime,
-    /// Taken when the span is built: built once, however many operations are kept.
-    attributes: Mutex<Option<Vec<KeyValue>>>,
-}
-
-impl UnbuiltRoot {
-    /// The context children of the root span `name` (`trace`, `span`: drawn with
-    /// [`draw_root_ids`]) run in, the span kept unbuilt in it.
-    pub fn context(
-        name: &'static str,
-        (trace, span): (TraceId, SpanId),
-        started: SystemTime,
-        attributes: Vec<KeyValue>,
-    ) -> Context {
-        let span = SpanContext::new(
-            trace,
-            span,
-            TraceFlags::default(),
-            false,
-            TraceState::default(),
-        );
-        Context::new()
-            .with_remote_span_context(span.clone())
-            .with_value(UnbuiltRoot {
-                name,
-                span,
-                started,
-                ended: SystemTime::now(),
-                attributes: Mutex::new(Some(attributes)),
-            })
-    }
-
-    /// Builds and ends the span (unsampled, so the tail processor holds it with its trace),
-    /// unless it was built already.
-    fn build(&self, tracer: &impl opentelemetry::trace::Tracer) {
-        let taken = self
-            .attributes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let Some(attributes) = taken else {
-            return;
-        };
-        let mut span = with_ids(self.span.trace_id(), self.span.span_id(), || {
-            tracer
-                .span_builder(self.name)
-                .with_start_time(self.started)
-                .with_attributes(attributes)
-                .start_with_context(tracer, &Context::new())
-        });
-        span.end_with_timestamp(self.ended);
-    }
 }
 
 /// The context value that marks an unsampled operation (see the module docs).
@@ -528,10 +428,6 @@ impl Unsampled {
             return;
         };
         let tracer = opentelemetry::global::tracer("plugin-agent");
-        // Its root first, if that waited unbuilt too: held, it goes out with the operation.
-        if let Some(root) = self.parent.get::<UnbuiltRoot>() {
-            root.build(&tracer);
-        }
         let mut attributes =
             std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|p| p.into_inner()));
         attributes.push(KeyValue::new(TAIL_FIELD, reason));
@@ -604,7 +500,6 @@ mod tests {
         let exporter = Exported::default();
         let provider = SdkTracerProvider::builder()
             .with_sampler(RecordEverything::new(sampler))
-            .with_id_generator(PresetIds::default())
             .with_span_processor(TailProcessor::new(exporter.clone()))
             .build();
         (provider, exporter)
@@ -650,45 +545,6 @@ mod tests {
         assert!(spans.iter().all(|s| s.span_context.is_sampled()));
         let trace = spans[0].span_context.trace_id();
         assert!(spans.iter().all(|s| s.span_context.trace_id() == trace));
-    }
-
-    #[test]
-    fn an_unbuilt_root_is_built_once_with_its_drawn_ids_when_an_operation_under_it_is_kept() {
-        let (provider, exporter) = provider(Sampler::TraceIdRatioBased(0.0));
-        let tracer = provider.tracer("test");
-        let (trace, root_span) = draw_root_ids();
-        let started = SystemTime::now() - Duration::from_millis(3);
-        let root = UnbuiltRoot::context(
-            "discovery",
-            (trace, root_span),
-            started,
-            vec![KeyValue::new("socket_path", "/r/a.sock")],
-        );
-        // What `Unsampled::finish` does: the root first when the operation is kept.
-        let operation = |kept: Option<&'static str>| {
-            let op = root.with_span(tracer.start_with_context("register", &root));
-            if let Some(reason) = kept {
-                root.get::<UnbuiltRoot>().expect("unbuilt").build(&tracer);
-                op.span().set_attribute(KeyValue::new(TAIL_FIELD, reason));
-            }
-            op.span().end();
-        };
-        operation(None);
-        assert!(names(&exporter).is_empty(), "not kept: nothing built");
-        operation(Some("failed"));
-        operation(Some("slow"));
-        assert_eq!(names(&exporter), ["discovery", "register", "register"]);
-        let spans = exporter.get_finished_spans().expect("spans");
-        let discovery = spans.iter().find(|s| s.name == "discovery").expect("root");
-        assert_eq!(discovery.span_context.trace_id(), trace);
-        assert_eq!(discovery.span_context.span_id(), root_span);
-        assert_eq!(discovery.start_time, started);
-        assert!(discovery.span_context.is_sampled(), "exported as sampled");
-        assert_eq!(discovery.attributes.len(), 1);
-        for register in spans.iter().filter(|s| s.name == "register") {
-            assert_eq!(register.parent_span_id, root_span);
-            assert_eq!(register.span_context.trace_id(), trace);
-        }
     }
 
     #[test]
