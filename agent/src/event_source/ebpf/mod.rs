@@ -41,9 +41,11 @@ mod hooks;
 mod layout;
 mod load_child;
 mod loader;
+mod mapping;
 mod pins;
 mod reader;
 mod record;
+mod ring;
 mod stats;
 mod tracefs;
 
@@ -53,7 +55,8 @@ use std::time::Duration;
 
 use agent_ebpf::{DirKey, NameKey, names};
 use anyhow::Context;
-use aya::maps::{Array, HashMap as BpfHashMap, MapData, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData};
+use ring::Ring;
 use tokio::sync::mpsc::Sender;
 use tokio_util::sync::CancellationToken;
 
@@ -247,7 +250,10 @@ pub fn open(
     let maps = Maps {
         watched: take_map(ebpf, names::WATCHED)?,
         names: take_map(ebpf, names::NAMES)?,
-        ring: take_map(ebpf, names::EVENTS)?,
+        ring: Ring::from_map(
+            ebpf.take_map(names::EVENTS)
+                .context("the eBPF object has no map EVENTS")?,
+        )?,
         losses: take_map(ebpf, names::LOSSES)?,
     };
     let description = format!(
@@ -288,7 +294,7 @@ pub fn open(
 struct Maps {
     watched: BpfHashMap<MapData, DirKey, u8>,
     names: BpfHashMap<MapData, NameKey, u32>,
-    ring: RingBuf<MapData>,
+    ring: Ring,
     losses: Array<MapData, u64>,
 }
 

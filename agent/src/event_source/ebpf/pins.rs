@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use agent_ebpf::{DirKey, META_BYTES, NameKey, names};
 use anyhow::{Context, bail};
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
+
+use super::ring::Ring;
 
 /// Where every tree's pins live.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/plugin-agent";
@@ -108,7 +110,7 @@ pub fn tree_dir(root: &Path) -> PathBuf {
 
 /// The maps of an adopted set, and what the loader that made it computed.
 pub struct Adopted {
-    pub events: RingBuf<MapData>,
+    pub events: Ring,
     pub watched: BpfHashMap<MapData, DirKey, u8>,
     pub names: BpfHashMap<MapData, NameKey, u32>,
     pub losses: Array<MapData, u64>,
@@ -142,7 +144,7 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
         };
         let agent: Array<MapData, u32> = open(names::AGENT)?.try_into()?;
         let adopted = Adopted {
-            events: open(names::EVENTS)?.try_into()?,
+            events: Ring::from_map(open(names::EVENTS)?)?,
             watched: open(names::WATCHED)?.try_into()?,
             names: open(names::NAMES)?.try_into()?,
             losses: open(names::LOSSES)?.try_into()?,

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_ebpf::loss;
-use aya::maps::{MapData, RingBuf};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc::Sender;
@@ -29,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::filters::Filters;
 use super::record;
+use super::ring::Ring;
 use super::stats::LossCounters;
 use crate::event_source::{FsEvent, monotonic_now_ns};
 
@@ -44,7 +44,7 @@ const DRAIN_BUDGET: usize = 8 * MAX_BATCH;
 /// Everything the reader task owns.
 pub struct Reader {
     /// The ring buffer the programs write [`agent_ebpf::Event`]s into.
-    pub ring: RingBuf<MapData>,
+    pub ring: Ring,
     /// The per-CPU loss counters the programs bump (shared with the source's stats).
     pub losses: Arc<LossCounters>,
     /// Filters, to map directory identities back to paths and to clear names after a loss.
@@ -72,7 +72,7 @@ struct Losses<'a> {
 async fn report_losses(
     losses: Losses<'_>,
     filters: &Filters,
-    ring: &mut RingBuf<MapData>,
+    ring: &mut Ring,
     sink: &Sender<FsEvent>,
     cancel: &CancellationToken,
 ) -> Option<bool> {
@@ -122,8 +122,8 @@ impl Reader {
             batch_delay,
             ring_buffer_bytes,
         } = self;
-        // SAFETY: the ring buffer owns its map fd, which stays open and refers to the same map for as
-        // long as the RingBuf lives, and the RingBuf lives inside the AsyncFd.
+        // SAFETY: the ring owns its map fd, which stays open and refers to the same map for as
+        // long as the ring lives, and the ring lives inside the AsyncFd.
         let registered = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) };
         let mut ring = match registered.map_err(|err| err.into_parts().1) {
             Ok(ring) => ring,
@@ -217,11 +217,7 @@ async fn send(sink: &Sender<FsEvent>, cancel: &CancellationToken, event: FsEvent
 
 /// Moves up to [`MAX_BATCH`] records into `batch`. Returns whether it stopped at the cap (more may
 /// be queued) and how many records it consumed.
-fn drain(
-    ring: &mut RingBuf<MapData>,
-    filters: &Filters,
-    batch: &mut Vec<FsEvent>,
-) -> (bool, usize) {
+fn drain(ring: &mut Ring, filters: &Filters, batch: &mut Vec<FsEvent>) -> (bool, usize) {
     let mut consumed = 0;
     // One clock read per drain: what the reader adds to an event's latency starts here.
     let read_ns = Some(monotonic_now_ns());
@@ -255,7 +251,7 @@ fn drain(
 /// Consumes, without reading them, at most one ring's worth of queued records (a bound, so a
 /// flood that refills the ring as fast as it is emptied cannot keep the reader here). Returns
 /// how many, and whether it stopped at the bound (more may be queued).
-fn discard(ring: &mut RingBuf<MapData>, ring_buffer_bytes: u32) -> (usize, bool) {
+fn discard(ring: &mut Ring, ring_buffer_bytes: u32) -> (usize, bool) {
     // The smallest record: the event cut before its name (see `record::decode`), and its header.
     let smallest = std::mem::offset_of!(agent_ebpf::Event, name) + 8;
     let most = ring_buffer_bytes as usize / smallest;

@@ -10,14 +10,12 @@
 //! kernel allows any number of read-only mappings), so a scrape never touches the reader's mapping.
 
 use std::os::fd::AsFd;
-use std::os::fd::AsRawFd;
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use agent_ebpf::loss;
 use anyhow::Context;
 use aya::maps::{Array, IterableMap, MapData};
 
+use super::mapping::{Mapped, page_size};
 use crate::event_source::SourceStats;
 
 /// The programs' loss counters: for each CPU, one per [`agent_ebpf::loss`] reason, at
@@ -42,7 +40,7 @@ impl LossCounters {
             info.value_size()
         );
         let slots = usize::try_from(info.max_entries()).unwrap_or(usize::MAX);
-        let counters = Mapped::new(data.fd(), slots * 8)
+        let counters = Mapped::read_only(data.fd(), 0, slots * 8)
             .context("cannot map the eBPF loss counters read-only")?;
         Ok(LossCounters { counters, slots })
     }
@@ -68,75 +66,6 @@ impl LossCounters {
     }
 }
 
-/// A shared read-only mapping of the start of a map (an mmapable array, or a ring buffer's
-/// position pages), read only through atomic loads of whole u64s.
-struct Mapped {
-    base: NonNull<libc::c_void>,
-    len: usize,
-}
-
-// SAFETY: the mapping is read-only and only read through atomic loads; it is unmapped once, on
-// drop, by the owner.
-unsafe impl Send for Mapped {}
-// SAFETY: as above; concurrent atomic loads are fine.
-unsafe impl Sync for Mapped {}
-
-impl Mapped {
-    /// Maps the first `len` bytes of the map behind `fd` (rounded up to whole pages) read-only.
-    fn new(fd: &impl AsFd, len: usize) -> anyhow::Result<Self> {
-        let len = len.max(1).next_multiple_of(page_size()?);
-        // SAFETY: a fresh shared read-only mapping of a map fd; the kernel checks the range
-        // against the map and the protection against its flags.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error().into());
-        }
-        let base = NonNull::new(base).context("mmap returned a null mapping")?;
-        Ok(Mapped { base, len })
-    }
-
-    /// The u64 at byte `offset`, which must be 8-aligned and inside the mapping.
-    fn u64_at(&self, offset: usize) -> u64 {
-        assert!(
-            offset.is_multiple_of(8) && offset + 8 <= self.len,
-            "read outside the mapping"
-        );
-        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned), mapped for
-        // the lifetime of self, and the kernel only ever stores whole u64s there.
-        let value = unsafe {
-            &*self
-                .base
-                .as_ptr()
-                .cast::<u8>()
-                .add(offset)
-                .cast::<AtomicU64>()
-        };
-        value.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, unmapped exactly once.
-        unsafe { libc::munmap(self.base.as_ptr(), self.len) };
-    }
-}
-
-fn page_size() -> anyhow::Result<usize> {
-    // SAFETY: sysconf has no preconditions.
-    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-        .context("cannot read the page size")
-}
-
 /// A read-only view of the ring buffer's consumer and producer positions.
 ///
 /// A BPF ring buffer map's mmap layout is: page 0 the consumer position (written by the reader),
@@ -150,7 +79,7 @@ impl RingOccupancy {
     /// Maps the position pages of the ring buffer behind `ring` (its map fd) read-only.
     pub fn new(ring: &impl AsFd) -> anyhow::Result<Self> {
         let page = page_size()?;
-        let positions = Mapped::new(ring, 2 * page)
+        let positions = Mapped::read_only(ring, 0, 2 * page)
             .context("cannot map the eBPF ring buffer's positions read-only")?;
         Ok(RingOccupancy { positions, page })
     }
