@@ -1365,9 +1365,10 @@ async fn a_full_ring_buffer_becomes_a_rescan_and_counted_drops() {
     let before = f.source.stats();
     assert_eq!(before.dropped, 0);
     assert_eq!(before.ring_buffer_size_bytes, Some(4096));
-    // Far from full before the binds, which is all the test needs. Not necessarily empty: once
-    // in CI one record (104 bytes: one short name) was already queued when the test began, with
-    // the suite's other tests running beside it; where from is not known yet.
+    // Far from full before the binds, which is all the test needs. Not necessarily empty: a
+    // socket `mknod` by a path the tracepoints cannot resolve is reported by name to every loaded
+    // source (see `collect_until`), and the suite's other tests make some beside this one; once
+    // in CI one such record (104 bytes: one short name) was queued when this test began.
     assert!(
         before
             .ring_buffer_used_bytes
