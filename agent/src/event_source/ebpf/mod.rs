@@ -493,7 +493,6 @@ fn start(
             sink,
             cancel: stop_reader.clone(),
             batch_delay: options.batch_delay,
-            ring_buffer_bytes: options.ring_buffer_bytes,
         }
         .run(),
     );

@@ -55,15 +55,12 @@ pub struct Reader {
     pub cancel: CancellationToken,
     /// The kernel side's batching delay; the reader drains again this long after a busy drain.
     pub batch_delay: Duration,
-    /// Ring size, for the rescan reason.
-    pub ring_buffer_bytes: u32,
 }
 
 /// The loss counters and what the reader has already reported of them.
 struct Losses<'a> {
     counters: &'a LossCounters,
     seen: &'a mut [u64; loss::COUNT as usize],
-    ring_buffer_bytes: u32,
 }
 
 /// Reads the loss counters and the name table's overflow flag after a drain; on any new loss,
@@ -76,7 +73,8 @@ async fn report_losses(
     sink: &Sender<FsEvent>,
     cancel: &CancellationToken,
 ) -> Option<bool> {
-    let mut report = new_losses(losses.counters, losses.seen, losses.ring_buffer_bytes);
+    let ring_bytes = u32::try_from(ring.size()).unwrap_or(u32::MAX);
+    let mut report = new_losses(losses.counters, losses.seen, ring_bytes);
     if filters.take_names_overflow() {
         report = Some(LossReport::merge(
             report,
@@ -92,7 +90,7 @@ async fn report_losses(
     // What is still queued was committed before the rescan's walk starts (the walk follows this
     // send), so the walk sees its effects: handling it would only delay the walk, which under a
     // flood is what makes progress.
-    let (superseded, left_queued) = discard(ring, losses.ring_buffer_bytes);
+    let (superseded, left_queued) = discard(ring);
     if superseded > 0 {
         reason.text.push_str(&format!(
             "; {superseded} queued events superseded by the rescan"
@@ -120,7 +118,6 @@ impl Reader {
             sink,
             cancel,
             batch_delay,
-            ring_buffer_bytes,
         } = self;
         // SAFETY: the ring owns its map fd, which stays open and refers to the same map for as
         // long as the ring lives, and the ring lives inside the AsyncFd.
@@ -178,7 +175,6 @@ impl Reader {
             let losses = Losses {
                 counters: &losses,
                 seen: &mut seen_losses,
-                ring_buffer_bytes,
             };
             match report_losses(losses, &filters, ring.get_mut(), &sink, &cancel).await {
                 None => return,
@@ -251,10 +247,10 @@ fn drain(ring: &mut Ring, filters: &Filters, batch: &mut Vec<FsEvent>) -> (bool,
 /// Consumes, without reading them, at most one ring's worth of queued records (a bound, so a
 /// flood that refills the ring as fast as it is emptied cannot keep the reader here). Returns
 /// how many, and whether it stopped at the bound (more may be queued).
-fn discard(ring: &mut Ring, ring_buffer_bytes: u32) -> (usize, bool) {
+fn discard(ring: &mut Ring) -> (usize, bool) {
     // The smallest record: the event cut before its name (see `record::decode`), and its header.
     let smallest = std::mem::offset_of!(agent_ebpf::Event, name) + 8;
-    let most = ring_buffer_bytes as usize / smallest;
+    let most = ring.size() / smallest;
     let mut discarded = 0;
     while discarded < most {
         if ring.next().is_none() {

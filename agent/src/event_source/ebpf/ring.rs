@@ -62,7 +62,7 @@ struct Data {
 impl Ring {
     /// The consumer of the ring buffer map `map`, from the consumer position stored in the
     /// map (a pinned ring adopted from an earlier agent resumes where that one stopped).
-    pub fn new(map: MapData) -> anyhow::Result<Self> {
+    fn new(map: MapData) -> anyhow::Result<Self> {
         let info = map
             .info()
             .context("cannot read the eBPF ring buffer's map info")?;
@@ -100,6 +100,12 @@ impl Ring {
             aya::maps::Map::RingBuf(data) => Self::new(data),
             _ => anyhow::bail!("the eBPF events map is not a ring buffer"),
         }
+    }
+
+    /// The ring's data bytes, as the kernel made it (a pinned ring keeps the size it was made
+    /// with).
+    pub fn size(&self) -> usize {
+        self.data.size
     }
 
     /// The next committed record, if any; it is consumed when the returned item is dropped.
