@@ -20,7 +20,9 @@
 //!   attempt is repeated on a fresh connection, again within the dial budget. The request waits in
 //!   the socket's queue, so the plugin is answered the moment it starts serving.
 //!
-//! A peer that sent bytes but no `GetInfo` answer within 1 s is a hung plugin: that is a failure.
+//! A peer that sent bytes but no `GetInfo` answer within 1 s of its first bytes is a hung plugin:
+//! that is a failure. (From its first bytes, not from the request: a server that starts serving
+//! near the end of the request's second is not a hung one.)
 
 mod unary;
 
@@ -286,9 +288,10 @@ impl PluginConnection {
             let span = info_span!("GetInfo");
             let asked = Instant::now();
             let called = Box::pin(
-                tokio::time::timeout(
-                    timeouts.get_info,
+                answer_within(
                     client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
+                    &peer,
+                    timeouts.get_info,
                 )
                 .instrument(span.clone()),
             )
@@ -557,6 +560,30 @@ async fn connect_when_listening(
     }
 }
 
+/// Waits for `call`'s answer for `deadline`, counted from the request or, when the peer only
+/// began to speak meanwhile, from its first bytes: a gRPC server speaks first (its SETTINGS), so
+/// one that starts serving while the request waits in its socket gets the whole `deadline` to
+/// answer, and only a server that spoke and then left the request unanswered that long is hung.
+/// (Counted from the request alone, a plugin that began serving just before the deadline was
+/// taken for a hung one.)
+async fn answer_within<F: std::future::Future>(
+    call: F,
+    peer: &PeerBytes,
+    deadline: Duration,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut call = std::pin::pin!(call);
+    let mut end = Instant::now() + deadline;
+    loop {
+        match tokio::time::timeout_at(end, &mut call).await {
+            Ok(answer) => return Ok(answer),
+            Err(elapsed) => match peer.heard_at() {
+                Some(heard) if heard + deadline > end => end = heard + deadline,
+                _ => return Err(elapsed),
+            },
+        }
+    }
+}
+
 /// A Unix stream that records what the peer has sent first.
 struct HeardStream {
     inner: UnixStream,
@@ -569,6 +596,8 @@ struct HeardStream {
 #[derive(Debug, Default)]
 struct PeerBytes {
     first: std::sync::Mutex<Vec<u8>>,
+    /// When the first bytes arrived.
+    heard_at: std::sync::OnceLock<Instant>,
 }
 
 /// Length of an HTTP/2 frame header: 3 bytes length, type, flags, 4 bytes stream id.
@@ -578,17 +607,20 @@ const SETTINGS: u8 = 0x4;
 
 impl PeerBytes {
     fn record(&self, data: &[u8]) {
+        if !data.is_empty() {
+            let _ = self.heard_at.set(Instant::now());
+        }
         let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
         let room = FRAME_HEADER.saturating_sub(first.len());
         first.extend_from_slice(&data[..room.min(data.len())]);
     }
 
     fn heard(&self) -> bool {
-        !self
-            .first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        self.heard_at.get().is_some()
+    }
+
+    fn heard_at(&self) -> Option<Instant> {
+        self.heard_at.get().copied()
     }
 
     /// Why the peer is not an HTTP/2 server, if its first bytes prove it.
@@ -640,6 +672,76 @@ impl AsyncWrite for HeardStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A plugin whose server starts 700 ms after the agent's `GetInfo` waits in its socket, and
+    /// answers 600 ms after that: 1.3 s after the request, 0.6 s after it first spoke. It is not
+    /// hung: it gets its second from its first word. (Counted from the request, the attempt
+    /// failed at 1 s with "GetInfo: no answer within 1s".)
+    #[tokio::test]
+    async fn a_plugin_that_starts_serving_late_in_the_get_info_window_gets_its_whole_second() {
+        use plugin_agent_proto::pluginregistration::registration_server::{
+            Registration, RegistrationServer,
+        };
+
+        struct Late;
+        #[tonic::async_trait]
+        impl Registration for Late {
+            async fn get_info(
+                &self,
+                _: tonic::Request<InfoRequest>,
+            ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                Ok(tonic::Response::new(PluginInfo {
+                    r#type: "CSIPlugin".into(),
+                    name: "late.example.com".into(),
+                    endpoint: "/csi.sock".into(),
+                    supported_versions: vec!["1.0.0".into()],
+                }))
+            }
+            async fn notify_registration_status(
+                &self,
+                _: tonic::Request<RegistrationStatus>,
+            ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+                Ok(tonic::Response::new(RegistrationStatusResponse {}))
+            }
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("late.sock");
+        // Listening from the start (the agent's connection waits in the backlog), serving later.
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            let incoming = futures::stream::unfold(listener, |listener| async move {
+                let accepted = listener.accept().await.map(|(stream, _)| stream);
+                Some((accepted, listener))
+            });
+            tonic::transport::Server::builder()
+                .add_service(RegistrationServer::new(Late))
+                .serve_with_incoming(incoming)
+                .await
+        });
+        let Ok(EntryKind::Socket(socket)) = EntryKind::of(&path) else {
+            panic!("no socket at {}", path.display());
+        };
+        let asked = std::time::Instant::now();
+        let (_connection, info) = PluginConnection::get_info(
+            &path,
+            socket,
+            Timeouts::default(),
+            &mut Sleep,
+            OnInvalid::Notify,
+            &StepTimer::default(),
+        )
+        .await
+        .expect("answered, not taken for hung");
+        assert_eq!(info.name, "late.example.com");
+        assert!(
+            asked.elapsed() > Timeouts::default().get_info,
+            "answered after the request's own second: {:?}",
+            asked.elapsed()
+        );
+    }
 
     #[test]
     fn an_http2_settings_frame_is_not_mistaken_for_garbage() {
