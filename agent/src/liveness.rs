@@ -240,7 +240,8 @@ struct Watch {
 
 /// The servers being watched, one per registered path; see the module docs.
 pub struct Liveness {
-    watches: Mutex<HashMap<PathBuf, Watch>>,
+    /// Keyed by the desired state's allocation of the path, shared with the watch's task.
+    watches: Mutex<HashMap<Arc<Path>, Watch>>,
     on_loss: OnceLock<OnLoss>,
     on_listen: OnceLock<OnListen>,
     attaches: Arc<Semaphore>,
@@ -272,7 +273,7 @@ impl Liveness {
     /// replacing any watch of the path. Call from within the runtime.
     pub fn watch(
         self: &Arc<Self>,
-        path: &Path,
+        path: Arc<Path>,
         generation: Uuid,
         socket: SocketId,
         server: Server,
@@ -282,7 +283,7 @@ impl Liveness {
             // pidfd for it: one connect now says which it matters for.
             tracing::debug!(socket_path = %path.display(), server = %DisplayPid(server.pid), "no pidfd for the plugin's server: its exit cannot be watched; checking once now");
             let this = Arc::downgrade(self);
-            let owned = path.to_path_buf();
+            let owned = path.clone();
             let pid = server.pid;
             self.spawn_watch(path, generation, socket, async move {
                 let Some(this) = this.upgrade() else { return };
@@ -292,7 +293,7 @@ impl Liveness {
             return;
         };
         let this = Arc::downgrade(self);
-        let owned = path.to_path_buf();
+        let owned = path.clone();
         let pid = server.pid;
         self.spawn_watch(path, generation, socket, async move {
             if let Err(e) = exited(pidfd).await {
@@ -309,9 +310,9 @@ impl Liveness {
 
     /// Learns the server of a restored registration with one bare connect, and watches it; a
     /// refused connect is a loss at once.
-    pub fn attach(self: &Arc<Self>, path: &Path, generation: Uuid, socket: SocketId) {
+    pub fn attach(self: &Arc<Self>, path: Arc<Path>, generation: Uuid, socket: SocketId) {
         let this = Arc::downgrade(self);
-        let owned = path.to_path_buf();
+        let owned = path.clone();
         let permits = self.attaches.clone();
         self.spawn_watch(path, generation, socket, async move {
             let Ok(_permit) = permits.acquire_owned().await else {
@@ -332,7 +333,7 @@ impl Liveness {
                     // The watch replaces this task's entry: same path and generation.
                     Ok(server) => {
                         tracing::debug!(socket_path = %owned.display(), %server, "the restored plugin's server, watched for its exit");
-                        this.watch(&owned, generation, socket, server);
+                        this.watch(owned.clone(), generation, socket, server);
                     }
                     Err(e) => {
                         tracing::debug!(socket_path = %owned.display(), error = %e, "cannot read the restored plugin's server credentials")
@@ -498,7 +499,7 @@ impl Liveness {
     /// after it, and an attach that hands over to a pidfd watch cannot be put back over it.
     fn spawn_watch(
         &self,
-        path: &Path,
+        path: Arc<Path>,
         generation: Uuid,
         socket: SocketId,
         task: impl std::future::Future<Output = ()> + Send + 'static,
@@ -511,7 +512,7 @@ impl Liveness {
                 socket,
                 task: Some(task.abort_handle()),
             };
-            watches.insert(path.to_path_buf(), watch)
+            watches.insert(path, watch)
         };
         // The same registration's attach hands over to its watch from inside the old task;
         // aborting that task only ends it after this call returns.
@@ -520,7 +521,7 @@ impl Liveness {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Watch>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Watch>> {
         self.watches.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -357,7 +357,7 @@ impl OperationExecutor {
                     if let Some(server) = server {
                         debug!(%server, "the plugin's server, watched for its exit");
                         this.liveness
-                            .watch(&path, desired.generation, desired.socket, server);
+                            .watch(desired.path.clone(), desired.generation, desired.socket, server);
                     }
                     info!(
                         plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
@@ -470,7 +470,8 @@ impl OperationExecutor {
             if entry.interrupted {
                 self.queue.mark(path);
             } else {
-                self.liveness.attach(&path, entry.generation, entry.socket);
+                self.liveness
+                    .attach(Arc::from(path), entry.generation, entry.socket);
             }
         }
     }
