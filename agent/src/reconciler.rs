@@ -146,5 +146,6 @@ impl Reconciler {
                 None => self.executor.forget(&path),
             }
         }
+        self.executor.after_pass();
     }
 }

@@ -396,6 +396,37 @@ async fn different_sockets_register_concurrently() {
     );
 }
 
+/// One slot lets four registrations wait for it (the executor's backlog); the rest of a burst
+/// waits as listed paths, handed back as waiting ones get the slot: every plugin registers.
+#[tokio::test]
+async fn a_burst_past_the_waiting_bound_registers_every_plugin() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Served before the agent starts: its first walk finds them all, for one reconcile pass.
+    let mut plugins: Vec<TestPlugin> = (0..12)
+        .map(|i| {
+            let socket = dir.path().join(format!("p{i}.sock"));
+            TestPlugin::serve(&socket, "CSIPlugin", &format!("p{i}"))
+        })
+        .collect();
+    let handlers = Arc::new(HandlerRegistry::default());
+    handlers.insert("CSIPlugin", Arc::new(RecordingHandler::default()));
+    let mut config = AgentConfig::new(dir.path().to_path_buf());
+    config.source = SourceChoice::Only(SourceKind::Inotify);
+    config.executor = ExecutorConfig {
+        max_concurrent: 1,
+        ..ExecutorConfig::default()
+    };
+    let mut agent = RunningAgent::start(config, handlers)
+        .await
+        .expect("agent starts");
+    agent.wait_ready().await;
+    for plugin in &mut plugins {
+        let status = plugin.next_notification().await;
+        assert!(status.plugin_registered, "error: {}", status.error);
+    }
+    assert_eq!(agent.actual.len(), 12);
+}
+
 #[tokio::test]
 async fn a_desired_socket_that_is_gone_backs_off_instead_of_spinning() {
     let h = start_agent(&["CSIPlugin"]).await;

@@ -9,7 +9,8 @@
 //! Guarantees: never two operations for one socket path at once (the second is refused with
 //! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); never two handler calls for one
 //! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
-//! queues rather than exhausting the agent. Every plugin and handler call has a deadline, so a hung
+//! queues rather than exhausting the agent, and at most four registrations per slot wait for one
+//! as tasks, the rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and handler call has a deadline, so a hung
 //! plugin or handler holds one slot for a bounded time and never blocks other plugins.
 //!
 //! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
@@ -134,7 +135,13 @@ pub enum Start {
     AlreadyRunning(OperationKind),
     /// The socket failed recently; it is looked at again when the backoff expires.
     BackingOff { until: Instant },
+    /// Too many registrations wait for a slot already: the path is looked at again when its
+    /// turn comes (see [`slots::Backlog`]).
+    Deferred,
 }
+
+/// Registrations waiting for a slot, per slot, before further ones wait as a listed path.
+const WAITING_PER_SLOT: usize = 4;
 
 /// See the module docs.
 pub struct OperationExecutor {
@@ -145,6 +152,7 @@ pub struct OperationExecutor {
     in_flight: Mutex<HashMap<PathBuf, claims::Claim>>,
     backoff: Arc<BackoffTable>,
     slots: Slots,
+    backlog: slots::Backlog,
     name_locks: NameLocks,
     tasks: TaskTracker,
     notifications: NotificationBus,
@@ -193,6 +201,7 @@ impl OperationExecutor {
             in_flight: Mutex::new(HashMap::new()),
             backoff: Arc::default(),
             slots: Slots::new(config.max_concurrent, cancel.clone()),
+            backlog: slots::Backlog::new(config.max_concurrent.saturating_mul(WAITING_PER_SLOT)),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
@@ -247,9 +256,15 @@ impl OperationExecutor {
         {
             return Start::BackingOff { until };
         }
+        if !self.backlog.admit(path) {
+            return Start::Deferred;
+        }
         let claim = match self.claim(path, OperationKind::Register) {
             Ok(claim) => claim,
-            Err(running) => return Start::AlreadyRunning(running),
+            Err(running) => {
+                self.left_backlog();
+                return Start::AlreadyRunning(running);
+            }
         };
         let attempt = self
             .backoff
@@ -266,7 +281,9 @@ impl OperationExecutor {
             // calls' futures) is allocated once it may run, so thousands of sockets queued
             // behind a storm of dead ones cost bytes each, not kilobytes.
             let queued = Instant::now();
-            let Some(slot) = this.slots.acquire().await else {
+            let slot = this.slots.acquire().await;
+            this.left_backlog();
+            let Some(slot) = slot else {
                 return;
             };
             let slot = slot.waking_on(claim.listened());
@@ -278,6 +295,21 @@ impl OperationExecutor {
             .await;
         });
         Start::Started
+    }
+
+    /// A registration stopped waiting for its slot: the next listed path is looked at again.
+    fn left_backlog(&self) {
+        if let Some(next) = self.backlog.left() {
+            self.queue.mark(next);
+        }
+    }
+
+    /// The reconciler finished a pass: if no registration waits for a slot, the next listed
+    /// paths are looked at again (see [`slots::Backlog::refill`]).
+    pub fn after_pass(&self) {
+        for next in self.backlog.refill() {
+            self.queue.mark(next);
+        }
     }
 
     /// A registration that holds its slot: its span, its steps, and what its outcome changes.

@@ -10,8 +10,10 @@
 //! pause ends early when the kernel reports the socket's `listen()` (eBPF source).
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -54,6 +56,92 @@ impl Slots {
     #[cfg(test)]
     fn available(&self) -> usize {
         self.pool.available_permits()
+    }
+}
+
+/// Registrations waiting for their first slot, at most [`Backlog::bound`] of them; past that a
+/// path waits in a list, and each registration that gets its slot hands the next one back to
+/// the reconciler.
+///
+/// A waiting registration is a task (its future holds the socket's desired entry, its claim and
+/// its place in the semaphore's queue: ~700 bytes); a burst that the eBPF source reports faster
+/// than the plugins answer had ~7,000 of them at once (10,000 plugins created in 0.6 s, ~4,500
+/// registered a second), which set the agent's peak memory. A listed path costs its bytes, and
+/// it is looked at again with the desired state of then (a socket gone meanwhile is never dialled).
+/// In order: what waits in the semaphore goes first (it is fair), then the list, front first.
+pub struct Backlog {
+    bound: usize,
+    inner: std::sync::Mutex<Waiting>,
+}
+
+struct Waiting {
+    tasks: usize,
+    deferred: std::collections::VecDeque<PathBuf>,
+    listed: std::collections::HashSet<PathBuf>,
+}
+
+impl Backlog {
+    /// At most `bound` (at least one) registrations waiting for a slot.
+    pub fn new(bound: usize) -> Self {
+        Backlog {
+            bound: bound.max(1),
+            inner: std::sync::Mutex::new(Waiting {
+                tasks: 0,
+                deferred: std::collections::VecDeque::new(),
+                listed: std::collections::HashSet::new(),
+            }),
+        }
+    }
+
+    /// Whether a registration of `path` may wait for a slot now (it must then call
+    /// [`Backlog::left`] once, when it stops waiting); if not, `path` is listed.
+    pub fn admit(&self, path: &Path) -> bool {
+        let mut waiting = self.lock();
+        if waiting.tasks < self.bound {
+            waiting.tasks += 1;
+            return true;
+        }
+        if waiting.listed.insert(path.to_path_buf()) {
+            waiting.deferred.push_back(path.to_path_buf());
+        }
+        false
+    }
+
+    /// An admitted registration stopped waiting (it got its slot, or never will); returns the
+    /// listed path whose turn it is, if any.
+    pub fn left(&self) -> Option<PathBuf> {
+        let mut waiting = self.lock();
+        waiting.tasks = waiting.tasks.saturating_sub(1);
+        let next = waiting.deferred.pop_front()?;
+        waiting.listed.remove(&next);
+        Some(next)
+    }
+
+    /// After a reconcile pass: when nothing waits for a slot any more, the next `bound` listed
+    /// paths (a path handed back by [`Backlog::left`] may not have been registered after all,
+    /// gone or registered meanwhile, and then nothing else would hand the others on). At most
+    /// `bound` at a time, so each listed path is handed back once, not once per pass.
+    pub fn refill(&self) -> Vec<PathBuf> {
+        let mut waiting = self.lock();
+        if waiting.tasks > 0 {
+            return Vec::new();
+        }
+        let turn = waiting.deferred.len().min(self.bound);
+        let next: Vec<PathBuf> = waiting.deferred.drain(..turn).collect();
+        for path in &next {
+            waiting.listed.remove(path);
+        }
+        next
+    }
+
+    /// Paths listed now.
+    #[cfg(test)]
+    pub fn listed(&self) -> usize {
+        self.lock().deferred.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -128,6 +216,35 @@ mod tests {
         assert_eq!(slots.available(), 0, "the pause took its slot back");
         drop(waiting);
         assert_eq!(slots.available(), 1);
+    }
+
+    #[test]
+    fn past_the_bound_paths_are_listed_once_and_handed_back_in_order() {
+        let backlog = Backlog::new(2);
+        assert!(backlog.admit(Path::new("/p/a")));
+        assert!(backlog.admit(Path::new("/p/b")));
+        assert!(!backlog.admit(Path::new("/p/c")), "past the bound");
+        assert!(!backlog.admit(Path::new("/p/d")));
+        assert!(!backlog.admit(Path::new("/p/c")), "listed already");
+        assert!(!backlog.admit(Path::new("/p/e")));
+        assert!(!backlog.admit(Path::new("/p/f")));
+        assert_eq!(backlog.listed(), 4, "each path listed once");
+        // While something waits, a pass hands nothing back: waiting ones do, one each.
+        assert!(backlog.refill().is_empty());
+        assert_eq!(backlog.left(), Some(PathBuf::from("/p/c")));
+        assert_eq!(backlog.left(), Some(PathBuf::from("/p/d")));
+        // Nothing waits (c and d were not registered after all): a pass hands back the next
+        // ones, at most the bound.
+        assert_eq!(
+            backlog.refill(),
+            [PathBuf::from("/p/e"), PathBuf::from("/p/f")]
+        );
+        assert_eq!(backlog.listed(), 0);
+        assert!(backlog.refill().is_empty());
+        // Admitted again, up to the bound.
+        assert!(backlog.admit(Path::new("/p/e")));
+        assert!(backlog.admit(Path::new("/p/f")));
+        assert!(!backlog.admit(Path::new("/p/g")));
     }
 
     #[tokio::test]
