@@ -178,6 +178,15 @@ struct Harness {
 
 async fn start_agent(handler_types: &[&str]) -> Harness {
     let dir = tempfile::tempdir().expect("temp dir");
+    start_agent_in(dir, handler_types, 64).await
+}
+
+/// An agent on `dir` (which may hold sockets already) with `max_concurrent` slots.
+async fn start_agent_in(
+    dir: tempfile::TempDir,
+    handler_types: &[&str],
+    max_concurrent: usize,
+) -> Harness {
     let handler = Arc::new(RecordingHandler::default());
     let handlers = Arc::new(HandlerRegistry::default());
     for t in handler_types {
@@ -186,7 +195,7 @@ async fn start_agent(handler_types: &[&str]) -> Harness {
     let mut config = AgentConfig::new(dir.path().to_path_buf());
     config.source = SourceChoice::Only(SourceKind::Inotify);
     config.executor = ExecutorConfig {
-        max_concurrent: 64,
+        max_concurrent,
         ..ExecutorConfig::default()
     };
     let mut agent = RunningAgent::start(config, handlers)
@@ -408,23 +417,12 @@ async fn a_burst_past_the_waiting_bound_registers_every_plugin() {
             TestPlugin::serve(&socket, "CSIPlugin", &format!("p{i}"))
         })
         .collect();
-    let handlers = Arc::new(HandlerRegistry::default());
-    handlers.insert("CSIPlugin", Arc::new(RecordingHandler::default()));
-    let mut config = AgentConfig::new(dir.path().to_path_buf());
-    config.source = SourceChoice::Only(SourceKind::Inotify);
-    config.executor = ExecutorConfig {
-        max_concurrent: 1,
-        ..ExecutorConfig::default()
-    };
-    let mut agent = RunningAgent::start(config, handlers)
-        .await
-        .expect("agent starts");
-    agent.wait_ready().await;
+    let h = start_agent_in(dir, &["CSIPlugin"], 1).await;
     for plugin in &mut plugins {
         let status = plugin.next_notification().await;
         assert!(status.plugin_registered, "error: {}", status.error);
     }
-    assert_eq!(agent.actual.len(), 12);
+    assert_eq!(h.agent.actual.len(), 12);
 }
 
 #[tokio::test]
