@@ -10,8 +10,9 @@
 //! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); never two handler calls for one
 //! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
 //! queues rather than exhausting the agent, and at most four registrations per slot wait for one
-//! as tasks, the rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and handler call has a deadline, so a hung
-//! plugin or handler holds one slot for a bounded time and never blocks other plugins.
+//! as tasks, the rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and
+//! handler call has a deadline, so a hung plugin or handler holds one slot for a bounded time
+//! and never blocks other plugins.
 //!
 //! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
 //! which wakes the reconciler: no polling.

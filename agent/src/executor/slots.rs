@@ -59,7 +59,7 @@ impl Slots {
     }
 }
 
-/// Registrations waiting for their first slot, at most [`Backlog::bound`] of them; past that a
+/// Registrations waiting for their first slot, at most `bound` of them; past that a
 /// path waits in a list, and each registration that gets its slot hands the next one back to
 /// the reconciler.
 ///
