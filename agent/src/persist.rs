@@ -211,7 +211,7 @@ struct Inner {
     /// What the files held, by path, from `open` until [`Journal::restored`] takes it.
     on_disk: HashMap<String, Entry>,
     /// Journal lines on disk when both files were read whole (the snapshot parsed, every journal
-    /// line with it): `entries` is then what they say until the start has restored, and what it
+    /// line with it): `on_disk` is then what they say until the start has restored, and what it
     /// did not restore is appended as removed. None: compact at start.
     read_whole: Option<usize>,
     /// Open for appending; none after a failure to open or write (the next compaction retries).
