@@ -712,13 +712,9 @@ mod tests {
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(700)).await;
-            let incoming = futures::stream::unfold(listener, |listener| async move {
-                let accepted = listener.accept().await.map(|(stream, _)| stream);
-                Some((accepted, listener))
-            });
             tonic::transport::Server::builder()
                 .add_service(RegistrationServer::new(Late))
-                .serve_with_incoming(incoming)
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
                 .await
         });
         let Ok(EntryKind::Socket(socket)) = EntryKind::of(&path) else {
