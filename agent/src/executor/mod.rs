@@ -548,7 +548,7 @@ impl OperationExecutor {
             reason = %loss.reason
         );
         if let Some(parent) = self.telemetry.discovery.parent_of(&loss.path) {
-            let _ = span.set_parent(parent);
+            let _ = span.set_parent(parent.context());
         }
         let _in_span = span.enter();
         self.record_unserved(

@@ -69,8 +69,8 @@ pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>)
 
 /// The span of the operation `name` on `path`, made by `make`, and the context to run it in when
 /// the head sampler did not sample its socket's trace (its OpenTelemetry layer off, its record
-/// kept instead: `sampling::Unsampled`, which gets the span's first `fields`). A sampled one
-/// is the child of its socket's discovery.
+/// kept instead: `sampling::Unsampled`, which gets the span's first `fields`, under its unbuilt
+/// discovery). A sampled one is the child of its socket's discovery.
 pub(super) fn operation_span(
     telemetry: &crate::telemetry::Telemetry,
     name: &'static str,
@@ -78,27 +78,29 @@ pub(super) fn operation_span(
     make: impl FnOnce() -> tracing::Span,
     fields: impl FnOnce() -> Vec<(&'static str, opentelemetry::Value)>,
 ) -> (tracing::Span, Option<opentelemetry::Context>) {
+    use crate::telemetry::discovery::Parent;
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    let Some(parent) = telemetry.discovery.parent_of(path) else {
-        return (make(), None);
-    };
-    match Unsampled::start(name, &parent) {
-        Some((cx, operation)) => {
-            let span = {
-                let _unsampled = cx.clone().attach();
-                make()
-            };
-            operation.record("socket_path", path.display().to_string());
-            for (key, value) in fields() {
-                operation.record(key, value);
-            }
-            (span, Some(cx))
-        }
-        None => {
+    match telemetry.discovery.parent_of(path) {
+        None => (make(), None),
+        Some(Parent::Traced(parent)) => {
             let span = make();
             let _ = span.set_parent(parent);
             (span, None)
         }
+        Some(Parent::Unsampled(root)) => match Unsampled::start(name, &root) {
+            Some((cx, operation)) => {
+                let span = {
+                    let _unsampled = cx.clone().attach();
+                    make()
+                };
+                operation.record("socket_path", path.display().to_string());
+                for (key, value) in fields() {
+                    operation.record(key, value);
+                }
+                (span, Some(cx))
+            }
+            None => (make(), None),
+        },
     }
 }
 

@@ -14,18 +14,29 @@
 //! eBPF, a `first_contact` span runs from the socket's creation to the first connect by another
 //! process (kubelet's first GetInfo, beside it), as another child.
 //!
+//! A discovery the head sampler does not pick is not built as it happens: its record keeps the
+//! IDs, times and attributes its spans would have ([`UnsampledRoot`]), and they are built only if
+//! an operation under it is kept by the tail rule (failed or slow). A burst of fast registrations
+//! with one trace in ten sampled builds a tenth of the discovery spans.
+//!
 //! One entry per desired path, replaced on every discovery, and only while traces are exported:
 //! the table is as bounded as the desired state, and empty otherwise (the `event_source` label
 //! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
 use super::metrics::TraceExemplar;
+use super::sampling::{self, UnsampledRoot};
 use crate::event_source::{SourceKind, monotonic_now_ns};
 use crate::provenance::Contact;
-use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
+use opentelemetry::global::BoxedTracer;
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceState, Tracer as _,
+};
 use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::trace::ShouldSample;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 /// How the watcher learned about an entry.
@@ -58,34 +69,122 @@ impl Found {
     }
 }
 
+/// What operations on a socket path are children of: its latest discovery.
 #[derive(Debug, Clone)]
-struct Record {
-    context: Context,
+pub enum Parent {
+    /// Sampled by the head sampler: its span was built and ended when it happened.
+    Traced(Context),
+    /// Not sampled: built only if an operation under it is kept.
+    Unsampled(Arc<dyn UnsampledRoot>),
+}
+
+impl Parent {
+    /// A context to start a span under it; a span under an unsampled discovery is recorded, not
+    /// sampled, and exported with the trace if one of its operations is kept.
+    pub fn context(&self) -> Context {
+        match self {
+            Parent::Traced(cx) => cx.clone(),
+            Parent::Unsampled(root) => {
+                Context::new().with_remote_span_context(root.span_context().clone())
+            }
+        }
+    }
+}
+
+/// A discovery the head sampler did not pick: its spans, not built (see the module docs).
+#[derive(Debug)]
+struct Unbuilt {
+    ids: SpanContext,
+    path: Arc<Path>,
+    found: Found,
+    source: &'static str,
+    kernel_timestamp: bool,
+    started: SystemTime,
+    ended: SystemTime,
+    /// The socket's `first_contact` when it came before the root was built (see
+    /// [`Discoveries::first_contact`]).
+    first_contact: Mutex<Option<(SpanId, Contact, SystemTime)>>,
+    built: AtomicBool,
+}
+
+impl UnsampledRoot for Unbuilt {
+    fn span_context(&self) -> &SpanContext {
+        &self.ids
+    }
+
+    fn build(&self) {
+        if self.built.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let tracer = opentelemetry::global::tracer("plugin-agent");
+        let mut span =
+            sampling::with_ids(Some(self.ids.trace_id()), Some(self.ids.span_id()), || {
+                discovery_span(
+                    &tracer,
+                    &self.path,
+                    self.found,
+                    self.source,
+                    self.kernel_timestamp,
+                    self.started,
+                )
+            });
+        span.end_with_timestamp(self.ended);
+        let contact = self
+            .first_contact
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((id, contact, started)) = contact {
+            let parent = Context::new().with_remote_span_context(self.ids.clone());
+            sampling::with_ids(None, Some(id), || {
+                first_contact_span(&tracer, &parent, &self.path, &contact, started);
+            });
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Record {
+    Traced(Context),
+    Unbuilt(Arc<Unbuilt>),
+}
+
+/// The tracer, and the head sampler that decides which discoveries it builds as they happen.
+struct Tracing {
+    tracer: BoxedTracer,
+    head: Box<dyn ShouldSample>,
 }
 
 /// See the module docs.
 pub struct Discoveries {
     source: SourceKind,
-    tracer: Option<opentelemetry::global::BoxedTracer>,
-    records: Mutex<HashMap<PathBuf, Record>>,
+    tracing: Option<Tracing>,
+    records: Mutex<HashMap<Arc<Path>, Record>>,
 }
 
 impl std::fmt::Debug for Discoveries {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Discoveries")
             .field("source", &self.source)
-            .field("traced", &self.tracer.is_some())
+            .field("traced", &self.tracing.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl Discoveries {
     /// Records for an agent fed by `source`; `traced` makes `discovery` spans (only worth it
-    /// when an exporter is installed, see [`super::otlp`]).
+    /// when an exporter is installed, see [`super::otlp`]), sampled by the operator's sampler.
     pub fn new(source: SourceKind, traced: bool) -> Self {
+        Self::with_sampler(source, traced.then(sampling::head_sampler))
+    }
+
+    fn with_sampler(source: SourceKind, head: Option<Box<dyn ShouldSample>>) -> Self {
         Discoveries {
             source,
-            tracer: traced.then(|| opentelemetry::global::tracer("plugin-agent")),
+            tracing: head.map(|head| Tracing {
+                tracer: opentelemetry::global::tracer("plugin-agent"),
+                head,
+            }),
             records: Mutex::new(HashMap::new()),
         }
     }
@@ -102,75 +201,89 @@ impl Discoveries {
     /// `CLOCK_MONOTONIC` timestamp when the source provides one.
     /// Without traces nothing is kept.
     pub fn record(&self, path: &Path, found: Found, via: Via, kernel_ns: Option<u64>) {
-        let Some(tracer) = self.tracer.as_ref() else {
+        let Some(Tracing { tracer, head }) = self.tracing.as_ref() else {
             return;
         };
         let source = self.label(via);
-        let context = {
-            let started = kernel_ns.map_or_else(SystemTime::now, |ns| {
-                wall_time_of(ns, monotonic_now_ns(), SystemTime::now())
+        let now = SystemTime::now();
+        let started = kernel_ns.map_or(now, |ns| wall_time_of(ns, monotonic_now_ns(), now));
+        let trace = sampling::random_trace_id();
+        let path: Arc<Path> = Arc::from(path);
+        let record = if sampling::head_samples(head.as_ref(), trace, "discovery") {
+            let mut span = sampling::with_ids(Some(trace), None, || {
+                discovery_span(tracer, &path, found, source, kernel_ns.is_some(), started)
             });
-            let mut span = tracer
-                .span_builder("discovery")
-                .with_start_time(started)
-                .with_attributes([
-                    KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
-                    KeyValue::new("change", found.as_str()),
-                    KeyValue::new("event_source", source),
-                    KeyValue::new("kernel_timestamp", kernel_ns.is_some()),
-                ])
-                .start(tracer);
             span.end();
-            Context::new().with_remote_span_context(span.span_context().clone())
+            Record::Traced(Context::new().with_remote_span_context(span.span_context().clone()))
+        } else {
+            Record::Unbuilt(Arc::new(Unbuilt {
+                ids: SpanContext::new(
+                    trace,
+                    sampling::random_span_id(),
+                    TraceFlags::default(),
+                    false,
+                    TraceState::default(),
+                ),
+                path: path.clone(),
+                found,
+                source,
+                kernel_timestamp: kernel_ns.is_some(),
+                started,
+                ended: now,
+                first_contact: Mutex::new(None),
+                built: AtomicBool::new(false),
+            }))
         };
-        self.lock().insert(path.to_path_buf(), Record { context });
+        self.lock().insert(path, record);
     }
 
     /// A `first_contact` span in the trace of the socket at `path` (a child of its discovery):
     /// from the socket's creation (`after_creation` before the contact, when an event timed it;
     /// else the contact alone) to the first connect by another process, which the span names.
-    /// Returns the span as an exemplar for the first-contact histogram, when traces are on.
+    /// Returns the span as an exemplar for the first-contact histogram when its trace is
+    /// exported. Under a discovery the head sampler did not pick, the span is kept with it, built
+    /// if the discovery is (a contact after that is not traced), and has no exemplar.
     pub fn first_contact(
         &self,
         path: &Path,
         contact: &Contact,
         after_creation: Option<Duration>,
     ) -> Option<TraceExemplar> {
-        let tracer = self.tracer.as_ref()?;
-        let parent = self.parent_of(path).unwrap_or_default();
+        let tracer = &self.tracing.as_ref()?.tracer;
         let contacted = contact.at;
         let started = after_creation
             .and_then(|after| contacted.checked_sub(after))
             .unwrap_or(contacted);
-        let by = &contact.by;
-        let mut attributes = vec![
-            KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
-            KeyValue::new("process.pid", i64::from(by.pid)),
-        ];
-        if let Some(comm) = by.comm {
-            attributes.push(KeyValue::new("process.executable.name", comm.as_string()));
-        }
-        if let Some(uid) = by.uid {
-            attributes.push(KeyValue::new("process.user.id", i64::from(uid)));
-        }
-        let mut span = tracer
-            .span_builder("first_contact")
-            .with_start_time(started)
-            .with_attributes(attributes)
-            .start_with_context(tracer, &parent);
-        span.end_with_timestamp(contacted);
-        TraceExemplar::of(span.span_context())
+        let parent = match self.lock().get(path) {
+            Some(Record::Traced(cx)) => cx.clone(),
+            Some(Record::Unbuilt(root)) => {
+                if !root.built.load(Ordering::Acquire) {
+                    *root.first_contact.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some((sampling::random_span_id(), *contact, started));
+                }
+                return None;
+            }
+            None => Context::new(),
+        };
+        let span = first_contact_span(tracer, &parent, path, contact, started);
+        let cx = span.span_context();
+        sampling::exported(cx, false)
+            .then(|| TraceExemplar::of(cx))
+            .flatten()
     }
 
-    /// The context operations at `path` are children of, when traces are on.
-    pub fn parent_of(&self, path: &Path) -> Option<Context> {
-        self.tracer.as_ref()?;
-        self.lock().get(path).map(|r| r.context.clone())
+    /// What operations at `path` are children of, when traces are on.
+    pub fn parent_of(&self, path: &Path) -> Option<Parent> {
+        self.tracing.as_ref()?;
+        self.lock().get(path).map(|record| match record {
+            Record::Traced(cx) => Parent::Traced(cx.clone()),
+            Record::Unbuilt(root) => Parent::Unsampled(root.clone()),
+        })
     }
 
     /// `path` is neither desired nor registered: drop its record.
     pub fn forget(&self, path: &Path) {
-        if self.tracer.is_none() {
+        if self.tracing.is_none() {
             return;
         }
         let mut records = self.lock();
@@ -188,12 +301,61 @@ impl Discoveries {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Record>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Record>> {
         // Single inserts and removes: a poisoned map is still consistent.
         self.records
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// A `discovery` span of `path`, started at `started` (ended by the caller).
+fn discovery_span(
+    tracer: &BoxedTracer,
+    path: &Path,
+    found: Found,
+    source: &'static str,
+    kernel_timestamp: bool,
+    started: SystemTime,
+) -> opentelemetry::global::BoxedSpan {
+    tracer
+        .span_builder("discovery")
+        .with_start_time(started)
+        .with_attributes([
+            KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+            KeyValue::new("change", found.as_str()),
+            KeyValue::new("event_source", source),
+            KeyValue::new("kernel_timestamp", kernel_timestamp),
+        ])
+        .start(tracer)
+}
+
+/// A `first_contact` span under `parent`, from `started` to the `contact`, ended.
+fn first_contact_span(
+    tracer: &BoxedTracer,
+    parent: &Context,
+    path: &Path,
+    contact: &Contact,
+    started: SystemTime,
+) -> opentelemetry::global::BoxedSpan {
+    let by = &contact.by;
+    let mut attributes = vec![
+        KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+        KeyValue::new("process.pid", i64::from(by.pid)),
+    ];
+    if let Some(comm) = by.comm {
+        attributes.push(KeyValue::new("process.executable.name", comm.as_string()));
+    }
+    if let Some(uid) = by.uid {
+        attributes.push(KeyValue::new("process.user.id", i64::from(uid)));
+    }
+    let mut span = tracer
+        .span_builder("first_contact")
+        .with_start_time(started)
+        .with_attributes(attributes)
+        .start_with_context(tracer, parent);
+    span.end_with_timestamp(contact.at);
+    span
 }
 
 /// The wall-clock time of a kernel timestamp `kernel_ns` (`bpf_ktime_get_ns`: `CLOCK_MONOTONIC`,
@@ -237,6 +399,70 @@ mod tests {
         d.record(Path::new("/r/b.sock"), Found::Created, Via::Event, Some(1));
         assert!(d.is_empty());
         assert!(d.parent_of(Path::new("/r/b.sock")).is_none());
+    }
+
+    fn contact() -> Contact {
+        Contact {
+            by: crate::provenance::Actor {
+                pid: 42,
+                ..Default::default()
+            },
+            kernel_ns: 1,
+            at: SystemTime::now(),
+        }
+    }
+
+    #[test]
+    fn discoveries_the_head_sampler_drops_are_kept_unbuilt_and_built_once() {
+        use opentelemetry_sdk::trace::Sampler;
+        let d = Discoveries::with_sampler(SourceKind::Ebpf, Some(Box::new(Sampler::AlwaysOff)));
+        let path = Path::new("/r/a.sock");
+        d.record(path, Found::Created, Via::Event, Some(monotonic_now_ns()));
+        let Some(Parent::Unsampled(root)) = d.parent_of(path) else {
+            panic!("an unsampled discovery is a parent to build later");
+        };
+        assert!(root.span_context().is_valid());
+        assert!(!root.span_context().is_sampled());
+        let Some(Record::Unbuilt(unbuilt)) = d.lock().get(path).cloned() else {
+            panic!("kept unbuilt");
+        };
+        assert_eq!(
+            d.first_contact(path, &contact(), Some(Duration::from_millis(1))),
+            None,
+            "no exemplar for a trace that may never be exported"
+        );
+        assert!(unbuilt.first_contact.lock().expect("lock").is_some());
+        root.build();
+        assert!(unbuilt.built.load(Ordering::Acquire));
+        assert!(
+            unbuilt.first_contact.lock().expect("lock").is_none(),
+            "built with its root"
+        );
+        assert_eq!(d.first_contact(path, &contact(), None), None);
+        assert!(
+            unbuilt.first_contact.lock().expect("lock").is_none(),
+            "a contact after the root was built is not kept"
+        );
+        // A new discovery of the same path is a new trace.
+        d.record(path, Found::Replaced, Via::Event, None);
+        let Some(Parent::Unsampled(again)) = d.parent_of(path) else {
+            panic!("unsampled");
+        };
+        assert_ne!(
+            again.span_context().trace_id(),
+            root.span_context().trace_id()
+        );
+    }
+
+    #[test]
+    fn discoveries_the_head_sampler_picks_are_traced_as_they_happen() {
+        use opentelemetry_sdk::trace::Sampler;
+        let d = Discoveries::with_sampler(SourceKind::Ebpf, Some(Box::new(Sampler::AlwaysOn)));
+        d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
+        assert!(matches!(
+            d.parent_of(Path::new("/r/a.sock")),
+            Some(Parent::Traced(_))
+        ));
     }
 
     #[test]

@@ -26,9 +26,11 @@
 //! ([`Unsampled`]): the executor runs it in an OpenTelemetry context that carries its trace and
 //! span IDs (so its log lines and exemplars name them) and keeps the OpenTelemetry layer off its
 //! spans ([`traced_here`]); the operation keeps its steps' times and its attributes, and only if
-//! the tail rule keeps it are its spans built, with those IDs and times, and exported. Recording
-//! every span of every operation (as before) cost a traced burst a fifth of the agent's CPU,
-//! sampled or not.
+//! the tail rule keeps it are its spans built, with those IDs and times, and exported. Its trace's
+//! root (the socket's discovery) is kept the same way, unbuilt ([`UnsampledRoot`]), and built
+//! with the first operation under it that is kept. Recording every span of every operation (as
+//! before) cost a traced burst a fifth of the agent's CPU, sampled or not; building every
+//! discovery span so that the tail rule could keep it cost another tenth.
 
 use opentelemetry::trace::{
     Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
@@ -89,8 +91,23 @@ pub fn exported(cx: &SpanContext, tail_kept: bool) -> bool {
     cx.is_valid() && (cx.is_sampled() || tail_kept)
 }
 
-/// The operator's sampler (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`, as the SDK reads
-/// them; default `parentbased_always_on`), made to record what it would drop instead of
+/// The operator's head sampler: `OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`, as the SDK
+/// reads them; default `parentbased_always_on`.
+pub fn head_sampler() -> Box<dyn ShouldSample> {
+    opentelemetry_sdk::trace::Config::default().sampler
+}
+
+/// Whether `sampler` picks the new trace `trace`, whose root span is `name`. The provider's
+/// sampler ([`RecordEverything`] around the same one) decides the same when the root is then
+/// built with that trace ID: the standard samplers decide a root by its trace ID alone.
+pub fn head_samples(sampler: &dyn ShouldSample, trace: TraceId, name: &str) -> bool {
+    sampler
+        .should_sample(None, trace, name, &SpanKind::Internal, &[], &[])
+        .decision
+        == SamplingDecision::RecordAndSample
+}
+
+/// The operator's sampler ([`head_sampler`]), made to record what it would drop instead of
 /// dropping it, so the tail rule can still keep it.
 #[derive(Debug, Clone)]
 pub struct RecordEverything {
@@ -101,7 +118,7 @@ impl RecordEverything {
     /// The sampler the standard environment variables configure.
     pub fn from_env() -> Self {
         RecordEverything {
-            inner: opentelemetry_sdk::trace::Config::default().sampler,
+            inner: head_sampler(),
         }
     }
 
@@ -259,19 +276,23 @@ impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
     }
 }
 
-/// Span IDs handed out by the provider: random, or the one an unsampled operation drew before
-/// its span is built ([`Unsampled`]), so the span exported has the IDs its log lines and
-/// exemplars named. (The SDK's span builder does not take a span ID.)
+/// IDs handed out by the provider: random, or the ones drawn before the span is built (an
+/// unsampled operation's or root's, [`Unsampled`], [`UnsampledRoot`]; a sampled discovery's
+/// trace ID, [`head_samples`]), so the span exported has the IDs its log lines and exemplars
+/// named. (The SDK's span builder takes neither ID.)
 #[derive(Debug, Default)]
 pub struct PresetIds(RandomIdGenerator);
 
 thread_local! {
+    static PRESET_TRACE_ID: Cell<Option<TraceId>> = const { Cell::new(None) };
     static PRESET_SPAN_ID: Cell<Option<SpanId>> = const { Cell::new(None) };
 }
 
 impl IdGenerator for PresetIds {
     fn new_trace_id(&self) -> TraceId {
-        self.0.new_trace_id()
+        PRESET_TRACE_ID
+            .with(Cell::take)
+            .unwrap_or_else(|| self.0.new_trace_id())
     }
 
     fn new_span_id(&self) -> SpanId {
@@ -281,16 +302,36 @@ impl IdGenerator for PresetIds {
     }
 }
 
-fn random_span_id() -> SpanId {
+/// A new random trace ID.
+pub fn random_trace_id() -> TraceId {
+    RandomIdGenerator::default().new_trace_id()
+}
+
+/// A new random span ID.
+pub fn random_span_id() -> SpanId {
     RandomIdGenerator::default().new_span_id()
 }
 
-/// Builds a span with the ID `id` (see [`PresetIds`]).
-fn with_span_id<T>(id: SpanId, build: impl FnOnce() -> T) -> T {
-    PRESET_SPAN_ID.with(|preset| preset.set(Some(id)));
+/// Builds a span with the trace ID `trace` (a root's; a child's comes from its parent) and the
+/// span ID `span`, where given (see [`PresetIds`]).
+pub fn with_ids<T>(trace: Option<TraceId>, span: Option<SpanId>, build: impl FnOnce() -> T) -> T {
+    PRESET_TRACE_ID.with(|preset| preset.set(trace));
+    PRESET_SPAN_ID.with(|preset| preset.set(span));
     let built = build();
+    PRESET_TRACE_ID.with(|preset| preset.set(None));
     PRESET_SPAN_ID.with(|preset| preset.set(None));
     built
+}
+
+/// The root of a trace the head sampler did not pick (a socket's discovery): not built while it
+/// happens, only when an operation under it is kept by the tail rule.
+pub trait UnsampledRoot: std::fmt::Debug + Send + Sync {
+    /// Its span context (not sampled): the trace its operations belong to.
+    fn span_context(&self) -> &SpanContext;
+
+    /// Builds its spans, with the IDs and times it recorded, to be exported with the kept
+    /// operation that asks (whose end exports them); only the first call builds.
+    fn build(&self);
 }
 
 /// The context value that marks an unsampled operation (see the module docs).
@@ -306,9 +347,17 @@ pub fn traced_here() -> bool {
 /// A context marked as inside an unsampled operation, for the logging layer's tests.
 #[cfg(test)]
 pub(crate) fn unsampled_for_tests() -> Context {
+    #[derive(Debug)]
+    struct NoRoot(SpanContext);
+    impl UnsampledRoot for NoRoot {
+        fn span_context(&self) -> &SpanContext {
+            &self.0
+        }
+        fn build(&self) {}
+    }
     let operation = Arc::new(Unsampled {
         name: "register",
-        parent: Context::new(),
+        root: Arc::new(NoRoot(SpanContext::empty_context())),
         span: SpanContext::empty_context(),
         started: SystemTime::now(),
         attributes: Mutex::new(Vec::new()),
@@ -322,9 +371,10 @@ pub(crate) fn unsampled_for_tests() -> Context {
 #[derive(Debug)]
 pub struct Unsampled {
     name: &'static str,
-    parent: Context,
+    root: Arc<dyn UnsampledRoot>,
     span: SpanContext,
     started: SystemTime,
+    /// In the order recorded; a later value of a key replaces an earlier one when built.
     attributes: Mutex<Vec<KeyValue>>,
     steps: Mutex<Vec<Step>>,
 }
@@ -343,18 +393,23 @@ struct Step {
 /// have more).
 const MAX_STEPS: usize = 32;
 
+/// Room made for an operation's steps and attributes up front (a registration's count), so
+/// recording them does not grow the vectors step by step.
+const STEPS_HINT: usize = 8;
+const ATTRIBUTES_HINT: usize = 24;
+
 impl Unsampled {
-    /// The operation `name`, and the context to run it in, when its parent (`parent`, its
-    /// socket's discovery) was not sampled; `None` when it was (the operation is traced as
-    /// usual) or when traces are off.
-    pub fn start(name: &'static str, parent: &Context) -> Option<(Context, Arc<Unsampled>)> {
-        let parent_span = parent.span();
-        let parent_cx = parent_span.span_context();
-        if !super::otlp::enabled() || !parent_cx.is_valid() || parent_cx.is_sampled() {
+    /// The operation `name` under `root` (its socket's discovery, which the head sampler did not
+    /// pick), and the context to run it in; `None` when traces are off.
+    pub fn start(
+        name: &'static str,
+        root: &Arc<dyn UnsampledRoot>,
+    ) -> Option<(Context, Arc<Unsampled>)> {
+        if !super::otlp::enabled() {
             return None;
         }
         let span = SpanContext::new(
-            parent_cx.trace_id(),
+            root.span_context().trace_id(),
             random_span_id(),
             TraceFlags::default(),
             false,
@@ -362,13 +417,13 @@ impl Unsampled {
         );
         let operation = Arc::new(Unsampled {
             name,
-            parent: parent.clone(),
+            root: root.clone(),
             span: span.clone(),
             started: SystemTime::now(),
-            attributes: Mutex::new(Vec::new()),
-            steps: Mutex::new(Vec::new()),
+            attributes: Mutex::new(Vec::with_capacity(ATTRIBUTES_HINT)),
+            steps: Mutex::new(Vec::with_capacity(STEPS_HINT)),
         });
-        let context = parent
+        let context = Context::new()
             .with_remote_span_context(span)
             .with_value(UnsampledOperation(operation.clone()));
         Some((context, operation))
@@ -384,14 +439,11 @@ impl Unsampled {
         &self.span
     }
 
-    /// Sets the operation span's attribute `key`.
+    /// Sets the operation span's attribute `key` (recorded as it comes: the tail rule keeps few
+    /// operations, so the last value of each key is picked only when one is built).
     pub fn record(&self, key: &'static str, value: impl Into<Value>) {
         let mut attributes = self.attributes.lock().unwrap_or_else(|p| p.into_inner());
-        let value = value.into();
-        match attributes.iter_mut().find(|kv| kv.key.as_str() == key) {
-            Some(kv) => kv.value = value,
-            None => attributes.push(KeyValue::new(key, value)),
-        }
+        attributes.push(KeyValue::new(key, value.into()));
     }
 
     /// A step named `name` that just ended after `took`: its span context, for an exemplar.
@@ -427,21 +479,24 @@ impl Unsampled {
             }
             return;
         };
+        self.root.build();
+        let parent = Context::new().with_remote_span_context(self.root.span_context().clone());
         let tracer = opentelemetry::global::tracer("plugin-agent");
-        let mut attributes =
+        let recorded =
             std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut attributes = last_of_each_key(recorded);
         attributes.push(KeyValue::new(TAIL_FIELD, reason));
-        let operation = with_span_id(self.span.span_id(), || {
+        let operation = with_ids(None, Some(self.span.span_id()), || {
             tracer
                 .span_builder(self.name)
                 .with_start_time(self.started)
                 .with_attributes(attributes)
-                .start_with_context(&tracer, &self.parent)
+                .start_with_context(&tracer, &parent)
         });
-        let operation = self.parent.with_span(operation);
+        let operation = parent.with_span(operation);
         let steps = std::mem::take(&mut *self.steps.lock().unwrap_or_else(|p| p.into_inner()));
         for step in steps {
-            let mut span = with_span_id(step.span, || {
+            let mut span = with_ids(None, Some(step.span), || {
                 tracer
                     .span_builder(step.name)
                     .with_start_time(step.started)
@@ -458,6 +513,18 @@ impl Unsampled {
         }
         span.end();
     }
+}
+
+/// `attributes` with each key once, at its last value, in the order of first appearance.
+fn last_of_each_key(attributes: Vec<KeyValue>) -> Vec<KeyValue> {
+    let mut unique: Vec<KeyValue> = Vec::with_capacity(attributes.len());
+    for kv in attributes {
+        match unique.iter_mut().find(|u| u.key == kv.key) {
+            Some(u) => u.value = kv.value,
+            None => unique.push(kv),
+        }
+    }
+    unique
 }
 
 /// The OpenTelemetry span context of a `tracing` span (invalid when traces are off).
@@ -590,16 +657,63 @@ mod tests {
             .build();
         let tracer = provider.tracer("test");
         let drawn = random_span_id();
-        let mut span = with_span_id(drawn, || tracer.start("register"));
+        let trace = random_trace_id();
+        let mut span = with_ids(Some(trace), Some(drawn), || tracer.start("register"));
         span.end();
         let mut other = tracer.start("register");
         other.end();
         let spans = exporter.get_finished_spans().expect("spans");
         assert_eq!(spans[0].span_context.span_id(), drawn);
+        assert_eq!(spans[0].span_context.trace_id(), trace);
         assert_ne!(
             spans[1].span_context.span_id(),
             drawn,
             "the preset is used once"
+        );
+        assert_ne!(spans[1].span_context.trace_id(), trace);
+    }
+
+    #[test]
+    fn the_head_decision_taken_before_a_root_is_built_is_the_one_the_provider_takes() {
+        let exporter = Exported::default();
+        let sampler = Sampler::TraceIdRatioBased(0.5);
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(RecordEverything::new(sampler.clone()))
+            .with_id_generator(PresetIds::default())
+            .with_span_processor(exporter.clone())
+            .build();
+        let tracer = provider.tracer("test");
+        let mut picked = 0;
+        for _ in 0..200 {
+            let trace = random_trace_id();
+            let head = head_samples(&sampler, trace, "discovery");
+            let span = with_ids(Some(trace), None, || tracer.start("discovery"));
+            assert_eq!(span.span_context().trace_id(), trace);
+            assert_eq!(span.span_context().is_sampled(), head, "{trace}");
+            picked += usize::from(head);
+        }
+        assert!(
+            (40..160).contains(&picked),
+            "a ratio of one half picked {picked} of 200"
+        );
+    }
+
+    #[test]
+    fn a_kept_operation_s_attributes_are_each_key_at_its_last_value() {
+        let recorded = vec![
+            KeyValue::new("socket_path", "/r/a.sock"),
+            KeyValue::new("outcome", "pending"),
+            KeyValue::new("plugin_name", "a"),
+            KeyValue::new("outcome", "success"),
+        ];
+        let built = last_of_each_key(recorded);
+        assert_eq!(
+            built,
+            vec![
+                KeyValue::new("socket_path", "/r/a.sock"),
+                KeyValue::new("outcome", "success"),
+                KeyValue::new("plugin_name", "a"),
+            ]
         );
     }
 
