@@ -34,6 +34,7 @@ use opentelemetry::trace::{
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::ShouldSample;
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -95,7 +96,7 @@ impl Parent {
 #[derive(Debug)]
 struct Unbuilt {
     ids: SpanContext,
-    path: Arc<Path>,
+    path: Arc<OsStr>,
     found: Found,
     source: &'static str,
     kernel_timestamp: bool,
@@ -121,7 +122,7 @@ impl UnsampledRoot for Unbuilt {
             sampling::with_ids(Some(self.ids.trace_id()), Some(self.ids.span_id()), || {
                 discovery_span(
                     &tracer,
-                    &self.path,
+                    Path::new(&self.path),
                     self.found,
                     self.source,
                     self.kernel_timestamp,
@@ -137,7 +138,7 @@ impl UnsampledRoot for Unbuilt {
         if let Some((id, contact, started)) = contact {
             let parent = Context::new().with_remote_span_context(self.ids.clone());
             sampling::with_ids(None, Some(id), || {
-                first_contact_span(&tracer, &parent, &self.path, &contact, started);
+                first_contact_span(&tracer, &parent, Path::new(&self.path), &contact, started);
             });
         }
     }
@@ -159,7 +160,9 @@ struct Tracing {
 pub struct Discoveries {
     source: SourceKind,
     tracing: Option<Tracing>,
-    records: Mutex<HashMap<Arc<Path>, Record>>,
+    /// Keyed by the path's bytes: `Path`'s own hash walks it component by component, which
+    /// cost a traced burst more than the rest of the record.
+    records: Mutex<HashMap<Arc<OsStr>, Record>>,
 }
 
 impl std::fmt::Debug for Discoveries {
@@ -208,10 +211,17 @@ impl Discoveries {
         let now = SystemTime::now();
         let started = kernel_ns.map_or(now, |ns| wall_time_of(ns, monotonic_now_ns(), now));
         let trace = sampling::random_trace_id();
-        let path: Arc<Path> = Arc::from(path);
+        let path: Arc<OsStr> = Arc::from(path.as_os_str());
         let record = if sampling::head_samples(head.as_ref(), trace, "discovery") {
             let mut span = sampling::with_ids(Some(trace), None, || {
-                discovery_span(tracer, &path, found, source, kernel_ns.is_some(), started)
+                discovery_span(
+                    tracer,
+                    Path::new(&path),
+                    found,
+                    source,
+                    kernel_ns.is_some(),
+                    started,
+                )
             });
             span.end();
             Record::Traced(Context::new().with_remote_span_context(span.span_context().clone()))
@@ -254,7 +264,7 @@ impl Discoveries {
         let started = after_creation
             .and_then(|after| contacted.checked_sub(after))
             .unwrap_or(contacted);
-        let parent = match self.lock().get(path) {
+        let parent = match self.lock().get(path.as_os_str()) {
             Some(Record::Traced(cx)) => cx.clone(),
             Some(Record::Unbuilt(root)) => {
                 if !root.built.load(Ordering::Acquire) {
@@ -275,10 +285,12 @@ impl Discoveries {
     /// What operations at `path` are children of, when traces are on.
     pub fn parent_of(&self, path: &Path) -> Option<Parent> {
         self.tracing.as_ref()?;
-        self.lock().get(path).map(|record| match record {
-            Record::Traced(cx) => Parent::Traced(cx.clone()),
-            Record::Unbuilt(root) => Parent::Unsampled(root.clone()),
-        })
+        self.lock()
+            .get(path.as_os_str())
+            .map(|record| match record {
+                Record::Traced(cx) => Parent::Traced(cx.clone()),
+                Record::Unbuilt(root) => Parent::Unsampled(root.clone()),
+            })
     }
 
     /// `path` is neither desired nor registered: drop its record.
@@ -287,7 +299,7 @@ impl Discoveries {
             return;
         }
         let mut records = self.lock();
-        records.remove(path);
+        records.remove(path.as_os_str());
         crate::memory::shrink_if_sparse(&mut records);
     }
 
@@ -301,7 +313,7 @@ impl Discoveries {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Record>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<OsStr>, Record>> {
         // Single inserts and removes: a poisoned map is still consistent.
         self.records
             .lock()
@@ -423,7 +435,7 @@ mod tests {
         };
         assert!(root.span_context().is_valid());
         assert!(!root.span_context().is_sampled());
-        let Some(Record::Unbuilt(unbuilt)) = d.lock().get(path).cloned() else {
+        let Some(Record::Unbuilt(unbuilt)) = d.lock().get(path.as_os_str()).cloned() else {
             panic!("kept unbuilt");
         };
         assert_eq!(
