@@ -450,6 +450,87 @@ async fn traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_ste
     );
 }
 
+/// A plugin that dies is traced in its socket's trace: an `unserved` span under its discovery, its
+/// log line carrying that span's IDs, then the `deregister` span. Built without the operations'
+/// machinery (the agent makes no span from `tracing`), so checked on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unserved_plugin_s_span_and_log_line_are_in_its_socket_s_trace() {
+    let test = "an_unserved_plugin_s_span_and_log_line_are_in_its_socket_s_trace";
+    let (endpoint, mut spans) = otlp_receiver().await;
+    let dir = PluginDir::new();
+    let agent = agent(test, &dir, &["--no-metrics", "--otlp-endpoint", &endpoint]).await;
+    let socket = dir.path("dies.sock");
+    let plugin = plugin!(&socket).name("dies.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .await;
+    plugin.kill().await;
+    let socket_text = socket.to_string_lossy().into_owned();
+    let line = agent
+        .wait_for_log("unserved", EVENT_TIMEOUT, |l| {
+            l.message() == "plugin unserved: not registered until its socket changes"
+                && l.field_is("socket_path", &socket_text)
+        })
+        .await;
+    agent
+        .wait_for_log("deregistered", EVENT_TIMEOUT, logs::deregistered(&socket))
+        .await;
+    let status = agent.stop().await;
+    assert!(status.success(), "{status:?}");
+
+    let received = drain(&mut spans);
+    let of_socket = |name: &str| -> Vec<&Span> {
+        received
+            .iter()
+            .filter(|s| {
+                s.name == name && attribute(s, "socket_path").as_deref() == Some(&*socket_text)
+            })
+            .collect()
+    };
+    let unserved = of_socket("unserved");
+    assert_eq!(
+        unserved.len(),
+        1,
+        "{test}: {:?}",
+        received.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    let unserved = unserved[0];
+    let discovery = of_socket("discovery");
+    let root = discovery
+        .iter()
+        .find(|d| d.span_id == unserved.parent_span_id)
+        .unwrap_or_else(|| {
+            panic!("{test}: the unserved span is not under a discovery of its socket")
+        });
+    assert_eq!(root.trace_id, unserved.trace_id);
+    assert_eq!(
+        attribute(unserved, "plugin_name").as_deref(),
+        Some("dies.example.com")
+    );
+    assert!(
+        attribute(unserved, "learned_by").is_some(),
+        "{test}: {unserved:?}"
+    );
+    assert_eq!(
+        line.field("trace_id").as_deref(),
+        Some(hex(&unserved.trace_id).as_str()),
+        "{test}: {line}"
+    );
+    assert_eq!(
+        line.field("span_id").as_deref(),
+        Some(hex(&unserved.span_id).as_str()),
+        "{test}: {line}"
+    );
+    let deregister = of_socket("deregister");
+    assert!(
+        deregister
+            .iter()
+            .any(|d| d.trace_id == unserved.trace_id && d.parent_span_id == root.span_id),
+        "{test}: the deregistration is in the same trace, under the same discovery"
+    );
+}
+
 /// Accepts TCP connections and never answers: a collector that hangs (worse than one that
 /// refuses). Connections are held until the listener thread ends with the test process.
 fn blackhole_collector() -> String {

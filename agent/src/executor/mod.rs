@@ -51,6 +51,7 @@ use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::Via;
 pub use admission::PolicyReload;
 use claims::NameLocks;
+use opentelemetry::KeyValue;
 use operation::RegisterFailure;
 use slots::Slots;
 use std::collections::HashMap;
@@ -62,7 +63,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
 use tracing::{Instrument, debug, info, info_span, warn};
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 /// How long a socket found by a walk (not seen being created) may refuse connections before it
 /// counts as unserved: long enough for a plugin caught between its bind and its listen, short
@@ -327,8 +327,8 @@ impl OperationExecutor {
         } else {
             Via::Scan
         });
-        // An operation the head sampler did not sample runs in its own OpenTelemetry context,
-        // with the OpenTelemetry layer off (see `telemetry::sampling::Unsampled`).
+        // The operation runs in its trace's OpenTelemetry context (see
+        // `telemetry::sampling::OperationTrace`).
         let slot_wait_ms = queued.elapsed().as_millis() as u64;
         let (span, context) = observe::operation_span(
             &self.telemetry,
@@ -339,7 +339,7 @@ impl OperationExecutor {
                     "register", socket_path = %path.display(), generation = %desired.generation,
                     plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
                     slot_wait_ms,
-                    outcome = Empty, error = Empty, otel.status_code = Empty, tail_kept = Empty,
+                    outcome = Empty, error = Empty, tail_kept = Empty,
                     process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
                     process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
                     plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,
@@ -471,7 +471,7 @@ impl OperationExecutor {
                     info_span!(
                         "deregister", socket_path = %path.display(), plugin_name = %plugin.name,
                         plugin_type = %plugin.plugin_type, outcome = Empty, error = Empty,
-                        otel.status_code = Empty, tail_kept = Empty
+                        tail_kept = Empty
                     )
                 },
                 || {
@@ -547,9 +547,19 @@ impl OperationExecutor {
             plugin_type = %registered.plugin.plugin_type, learned_by = loss.learned_by.label(),
             reason = %loss.reason
         );
-        if let Some(parent) = self.telemetry.discovery.parent_of(&loss.path) {
-            let _ = span.set_parent(parent.context());
-        }
+        // Its span in the socket's trace, and its log line in that span.
+        let traced = self.telemetry.discovery.event_span(
+            &loss.path,
+            "unserved",
+            vec![
+                KeyValue::new("socket_path", loss.path.display().to_string()),
+                KeyValue::new("plugin_name", registered.plugin.name.clone()),
+                KeyValue::new("plugin_type", registered.plugin.plugin_type.clone()),
+                KeyValue::new("learned_by", loss.learned_by.label()),
+                KeyValue::new("reason", loss.reason.clone()),
+            ],
+        );
+        let _in_trace = traced.map(opentelemetry::Context::attach);
         let _in_span = span.enter();
         self.record_unserved(
             &loss.path,

@@ -3,9 +3,9 @@
 //! rule's mark (failed or slow: export this trace even if the head sampler did not pick it).
 //! Telemetry is a sink: nothing here decides anything about the operation.
 //!
-//! An operation the head sampler did not sample has no OpenTelemetry spans while it runs
-//! (`sampling::Unsampled`): what is written on its span here is written on its record too, its
-//! steps are recorded there, and when it ends the tail rule's verdict builds its spans or not.
+//! No operation builds OpenTelemetry spans while it runs (`sampling::OperationTrace`): what is
+//! written on its `tracing` span here (which the log shows) is written on its trace too, its
+//! steps are recorded there, and when it ends its spans are built if its trace is exported.
 
 use super::OperationExecutor;
 use super::operation::RegisterFailure;
@@ -14,44 +14,36 @@ use crate::handler::Plugin;
 use crate::registration::StepTimer;
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::metrics::TraceExemplar;
-use crate::telemetry::sampling::{self, Unsampled};
+use crate::telemetry::sampling::{self, OperationTrace};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// The exemplar for an observation made in `span`: its trace and span IDs when the trace is
-/// exported (sampled, or `kept` by the tail rule), so every exemplar leads to a trace. Inside an
-/// unsampled operation, the operation's own IDs.
-pub(super) fn exemplar(span: &tracing::Span, kept: bool) -> Option<TraceExemplar> {
-    if !crate::telemetry::otlp::enabled() {
-        return None;
-    }
-    if let Some(operation) = Unsampled::current() {
-        return kept
-            .then(|| TraceExemplar::of(operation.span_context()))
-            .flatten();
-    }
-    let cx = sampling::span_context(span);
-    sampling::exported(&cx, kept)
-        .then(|| TraceExemplar::of(&cx))
+/// The exemplar for an observation made in the operation running here: its trace and span IDs
+/// when the trace is exported (sampled, or `kept` by the tail rule), so every exemplar leads to a
+/// trace.
+pub(super) fn exemplar(kept: bool) -> Option<TraceExemplar> {
+    let operation = OperationTrace::current()?;
+    let cx = operation.span_context();
+    sampling::exported(cx, kept)
+        .then(|| TraceExemplar::of(cx))
         .flatten()
 }
 
-/// The exemplar for a step named `name` (its span, current now) that ended after `took`:
-/// inside an unsampled operation the step is recorded there, and the exemplar names the span
-/// it would be exported as.
+/// The exemplar for a step named `name`, with its span's `attributes`, that ended after `took`:
+/// the step is recorded in the operation's trace, and the exemplar names the span it is exported
+/// as.
 pub(super) fn step_exemplar(
     name: &'static str,
     took: Duration,
     failed: bool,
+    attributes: impl FnOnce() -> Vec<opentelemetry::KeyValue>,
 ) -> Option<TraceExemplar> {
     let kept = sampling::tail_reason(failed, took).is_some();
-    match Unsampled::current() {
-        Some(operation) => {
-            let step = operation.step(name, took, failed);
-            kept.then(|| TraceExemplar::of(&step)).flatten()
-        }
-        None => exemplar(&tracing::Span::current(), kept),
-    }
+    let operation = OperationTrace::current()?;
+    let step = operation.step(name, took, failed, attributes());
+    sampling::exported(&step, kept)
+        .then(|| TraceExemplar::of(&step))
+        .flatten()
 }
 
 /// Records every plugin call step in `telemetry`'s metrics, with the step's span (current when
@@ -59,7 +51,7 @@ pub(super) fn step_exemplar(
 /// by the tail rule, so its exemplar leads to it.
 pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>) -> StepTimer {
     StepTimer::new(move |step, took, ok| {
-        let exemplar = step_exemplar(step.span_name(), took, !ok);
+        let exemplar = step_exemplar(step.span_name(), took, !ok, Vec::new);
         let outcome = if ok { "ok" } else { "error" };
         telemetry
             .metrics
@@ -67,10 +59,9 @@ pub(super) fn step_timer(telemetry: std::sync::Arc<crate::telemetry::Telemetry>)
     })
 }
 
-/// The span of the operation `name` on `path`, made by `make`, and the context to run it in when
-/// the head sampler did not sample its socket's trace (its OpenTelemetry layer off, its record
-/// kept instead: `sampling::Unsampled`, which gets the span's first `fields`, under its unbuilt
-/// discovery). A sampled one is the child of its socket's discovery.
+/// The span of the operation `name` on `path`, made by `make` (for the log), and the context to
+/// run it in when traces are on: its `sampling::OperationTrace`'s, under its socket's discovery,
+/// with the span's first `fields`.
 pub(super) fn operation_span(
     telemetry: &crate::telemetry::Telemetry,
     name: &'static str,
@@ -78,33 +69,21 @@ pub(super) fn operation_span(
     make: impl FnOnce() -> tracing::Span,
     fields: impl FnOnce() -> Vec<(&'static str, opentelemetry::Value)>,
 ) -> (tracing::Span, Option<opentelemetry::Context>) {
-    use crate::telemetry::discovery::Parent;
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    match telemetry.discovery.parent_of(path) {
-        None => (make(), None),
-        Some(Parent::Traced(parent)) => {
-            let span = make();
-            let _ = span.set_parent(parent);
-            (span, None)
-        }
-        Some(Parent::Unsampled(root)) => match Unsampled::start(name, &root) {
-            Some((cx, operation)) => {
-                let span = {
-                    let _unsampled = cx.clone().attach();
-                    make()
-                };
-                operation.record("socket_path", path.display().to_string());
-                for (key, value) in fields() {
-                    operation.record(key, value);
-                }
-                (span, Some(cx))
-            }
-            None => (make(), None),
-        },
+    let span = make();
+    let Some(root) = telemetry.discovery.parent_of(path) else {
+        return (span, None);
+    };
+    let Some((cx, operation)) = OperationTrace::start(name, root) else {
+        return (span, None);
+    };
+    operation.record("socket_path", path.display().to_string());
+    for (key, value) in fields() {
+        operation.record(key, value);
     }
+    (span, Some(cx))
 }
 
-/// Runs `operation` in `context` (an unsampled operation's, from [`operation_span`]), if any.
+/// Runs `operation` in `context` (its trace's, from [`operation_span`]), if any.
 pub(super) async fn in_context<F: std::future::Future>(
     context: Option<opentelemetry::Context>,
     operation: F,
@@ -116,10 +95,10 @@ pub(super) async fn in_context<F: std::future::Future>(
     }
 }
 
-/// Writes `value` as the operation span's field `key` (and on its record, when unsampled).
+/// Writes `value` as the operation span's field `key` (the log's), and on its trace.
 pub(super) fn record(span: &tracing::Span, key: &'static str, value: &str) {
     span.record(key, value);
-    if let Some(operation) = Unsampled::current() {
+    if let Some(operation) = OperationTrace::current() {
         operation.record(key, value.to_string());
     }
 }
@@ -127,20 +106,19 @@ pub(super) fn record(span: &tracing::Span, key: &'static str, value: &str) {
 /// [`record`] for a number.
 pub(super) fn record_number(span: &tracing::Span, key: &'static str, value: i64) {
     span.record(key, value);
-    if let Some(operation) = Unsampled::current() {
+    if let Some(operation) = OperationTrace::current() {
         operation.record(key, value);
     }
 }
 
-/// Marks the current operation span for the tail rule when it keeps an operation that
-/// `failed` after `took`; says whether it did. An unsampled operation ends here: its spans are
-/// built if it is kept.
+/// Ends the operation's trace, `failed` after `took`: the tail rule's mark (on the log's span
+/// too), and its spans built if its trace is exported. Says whether the tail rule kept it.
 fn mark_tail(span: &tracing::Span, failed: bool, took: Duration) -> bool {
     let reason = sampling::tail_reason(failed, took);
     if let Some(reason) = reason {
         span.record(sampling::TAIL_FIELD, reason);
     }
-    if let Some(operation) = Unsampled::current() {
+    if let Some(operation) = OperationTrace::current() {
         operation.finish(reason, failed);
     }
     reason.is_some()
@@ -166,7 +144,6 @@ impl OperationExecutor {
         record(&span, "outcome", outcome);
         if let Err(error) = result {
             record(&span, "error", &error.to_string());
-            span.record("otel.status_code", "error");
         }
         let kept = mark_tail(&span, result.is_err(), took);
         // A socket that vanished mid-attempt is not a registration that failed: no latency.
@@ -176,7 +153,7 @@ impl OperationExecutor {
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)))
                 .or_else(|| desired.seen_at.elapsed().ok())
                 .unwrap_or_default();
-            metrics.registration(source, result.is_ok(), latency, exemplar(&span, kept));
+            metrics.registration(source, result.is_ok(), latency, exemplar(kept));
         }
     }
 
@@ -191,11 +168,10 @@ impl OperationExecutor {
             return;
         };
         if let crate::state::backoff::FailureKind::Unserved { learned_by, since } = backoff.kind {
-            let span = tracing::Span::current();
             self.telemetry.metrics.unserved_deregistered(
                 learned_by,
                 since.elapsed(),
-                exemplar(&span, false),
+                exemplar(false),
             );
         }
     }
@@ -214,11 +190,10 @@ impl OperationExecutor {
         record(&span, "outcome", outcome);
         if let Some(error) = error {
             record(&span, "error", error);
-            span.record("otel.status_code", "error");
         }
         let kept = mark_tail(&span, error.is_some(), took);
         self.telemetry
             .metrics
-            .deregistration(outcome, took, exemplar(&span, kept));
+            .deregistration(outcome, took, exemplar(kept));
     }
 }

@@ -97,28 +97,13 @@ impl HandlerCall {
     fn span(self, plugin_type: &str) -> tracing::Span {
         match self {
             HandlerCall::Validate => {
-                info_span!(
-                    "ValidatePlugin",
-                    plugin_type,
-                    error = Empty,
-                    otel.status_code = Empty
-                )
+                info_span!("ValidatePlugin", plugin_type, error = Empty)
             }
             HandlerCall::Register => {
-                info_span!(
-                    "RegisterPlugin",
-                    plugin_type,
-                    error = Empty,
-                    otel.status_code = Empty
-                )
+                info_span!("RegisterPlugin", plugin_type, error = Empty)
             }
             HandlerCall::Deregister => {
-                info_span!(
-                    "DeRegisterPlugin",
-                    plugin_type,
-                    error = Empty,
-                    otel.status_code = Empty
-                )
+                info_span!("DeRegisterPlugin", plugin_type, error = Empty)
             }
         }
     }
@@ -345,13 +330,22 @@ impl OperationExecutor {
         };
         // A failed or slow call makes its operation failed or slow: its trace is exported.
         let took = started.elapsed();
-        let exemplar = super::observe::step_exemplar(call.span_name(), took, result.is_err());
+        let exemplar =
+            super::observe::step_exemplar(call.span_name(), took, result.is_err(), || {
+                let mut attributes = vec![opentelemetry::KeyValue::new(
+                    "plugin_type",
+                    plugin_type.to_string(),
+                )];
+                if let Err(e) = &result {
+                    attributes.push(opentelemetry::KeyValue::new("error", e.message.clone()));
+                }
+                attributes
+            });
         self.telemetry
             .metrics
             .handler_call(plugin_type, call.label(), outcome, took, exemplar);
         if let Err(e) = &result {
             span.record("error", e.message.as_str());
-            span.record("otel.status_code", "error");
         }
         result
     }

@@ -24,7 +24,7 @@
 //! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
 use super::metrics::TraceExemplar;
-use super::sampling::{self, UnsampledRoot};
+use super::sampling::{self, Root, UnbuiltRoot};
 use crate::event_source::{SourceKind, monotonic_now_ns};
 use crate::provenance::Contact;
 use opentelemetry::global::BoxedTracer;
@@ -70,28 +70,6 @@ impl Found {
     }
 }
 
-/// What operations on a socket path are children of: its latest discovery.
-#[derive(Debug, Clone)]
-pub enum Parent {
-    /// Sampled by the head sampler: its span was built and ended when it happened.
-    Traced(Context),
-    /// Not sampled: built only if an operation under it is kept.
-    Unsampled(Arc<dyn UnsampledRoot>),
-}
-
-impl Parent {
-    /// A context to start a span under it; a span under an unsampled discovery is recorded, not
-    /// sampled, and exported with the trace if one of its operations is kept.
-    pub fn context(&self) -> Context {
-        match self {
-            Parent::Traced(cx) => cx.clone(),
-            Parent::Unsampled(root) => {
-                Context::new().with_remote_span_context(root.span_context().clone())
-            }
-        }
-    }
-}
-
 /// A discovery the head sampler did not pick: its spans, not built (see the module docs).
 #[derive(Debug)]
 struct Unbuilt {
@@ -108,7 +86,7 @@ struct Unbuilt {
     built: AtomicBool,
 }
 
-impl UnsampledRoot for Unbuilt {
+impl UnbuiltRoot for Unbuilt {
     fn span_context(&self) -> &SpanContext {
         &self.ids
     }
@@ -146,7 +124,7 @@ impl UnsampledRoot for Unbuilt {
 
 #[derive(Debug, Clone)]
 enum Record {
-    Traced(Context),
+    Built(SpanContext),
     Unbuilt(Arc<Unbuilt>),
 }
 
@@ -224,7 +202,7 @@ impl Discoveries {
                 )
             });
             span.end();
-            Record::Traced(Context::new().with_remote_span_context(span.span_context().clone()))
+            Record::Built(span.span_context().clone())
         } else {
             Record::Unbuilt(Arc::new(Unbuilt {
                 ids: SpanContext::new(
@@ -265,7 +243,7 @@ impl Discoveries {
             .and_then(|after| contacted.checked_sub(after))
             .unwrap_or(contacted);
         let parent = match self.lock().get(path.as_os_str()) {
-            Some(Record::Traced(cx)) => cx.clone(),
+            Some(Record::Built(cx)) => Context::new().with_remote_span_context(cx.clone()),
             Some(Record::Unbuilt(root)) => {
                 if !root.built.load(Ordering::Acquire) {
                     *root.first_contact.lock().unwrap_or_else(|p| p.into_inner()) =
@@ -282,15 +260,34 @@ impl Discoveries {
             .flatten()
     }
 
-    /// What operations at `path` are children of, when traces are on.
-    pub fn parent_of(&self, path: &Path) -> Option<Parent> {
+    /// What operations at `path` are children of (its latest discovery), when traces are on.
+    pub fn parent_of(&self, path: &Path) -> Option<Root> {
         self.tracing.as_ref()?;
         self.lock()
             .get(path.as_os_str())
             .map(|record| match record {
-                Record::Traced(cx) => Parent::Traced(cx.clone()),
-                Record::Unbuilt(root) => Parent::Unsampled(root.clone()),
+                Record::Built(cx) => Root::Built(cx.clone()),
+                Record::Unbuilt(root) => Root::Unbuilt(root.clone()),
             })
+    }
+
+    /// A span `name` with `attributes` under the discovery of `path`, built and ended now (an
+    /// event in the socket's life outside any operation), and a context to log in it; `None`
+    /// when traces are off or `path` has no record.
+    pub fn event_span(
+        &self,
+        path: &Path,
+        name: &'static str,
+        attributes: Vec<KeyValue>,
+    ) -> Option<Context> {
+        let tracer = &self.tracing.as_ref()?.tracer;
+        let parent = self.parent_of(path)?.context();
+        let mut span = tracer
+            .span_builder(name)
+            .with_attributes(attributes)
+            .start_with_context(tracer, &parent);
+        span.end();
+        Some(parent.with_remote_span_context(span.span_context().clone()))
     }
 
     /// `path` is neither desired nor registered: drop its record.
@@ -430,7 +427,7 @@ mod tests {
         let d = Discoveries::with_sampler(SourceKind::Ebpf, Some(Box::new(Sampler::AlwaysOff)));
         let path = Path::new("/r/a.sock");
         d.record(path, Found::Created, Via::Event, Some(monotonic_now_ns()));
-        let Some(Parent::Unsampled(root)) = d.parent_of(path) else {
+        let Some(Root::Unbuilt(root)) = d.parent_of(path) else {
             panic!("an unsampled discovery is a parent to build later");
         };
         assert!(root.span_context().is_valid());
@@ -457,7 +454,7 @@ mod tests {
         );
         // A new discovery of the same path is a new trace.
         d.record(path, Found::Replaced, Via::Event, None);
-        let Some(Parent::Unsampled(again)) = d.parent_of(path) else {
+        let Some(Root::Unbuilt(again)) = d.parent_of(path) else {
             panic!("unsampled");
         };
         assert_ne!(
@@ -473,7 +470,7 @@ mod tests {
         d.record(Path::new("/r/a.sock"), Found::Created, Via::Scan, None);
         assert!(matches!(
             d.parent_of(Path::new("/r/a.sock")),
-            Some(Parent::Traced(_))
+            Some(Root::Built(_))
         ));
     }
 

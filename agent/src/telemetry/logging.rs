@@ -1,16 +1,17 @@
 //! The `tracing` subscriber: where log lines and spans go.
 //!
 //! ```text
-//! tracing events and spans ─┬─> fmt layer (stderr; text or JSON; filter: --log-level, else RUST_LOG, else info)
-//!                           └─> OpenTelemetry layer (when traces are on; filter: plugin_agent at info,
-//!                               outside operations the head sampler did not sample)
+//! tracing events and spans ──> fmt layer (stderr; text or JSON; filter: --log-level, else RUST_LOG, else info)
 //! ```
 //!
-//! The two layers filter separately, so `--log-level warn` quiets the log without emptying the
-//! traces. While traces are on, every line logged inside a span carries that span's `trace_id`
-//! and `span_id` ([`WithTraceIds`]): the join from a trace (or a metric exemplar) to its lines. Log lines about a plugin carry `socket_path` (and `plugin_name`, `plugin_type` once the
-//! plugin has said who it is) from the executor's operation spans: JSON lines list them under
-//! `span` and `spans`, text lines in the span prefix.
+//! Traces are not made from `tracing` spans: an operation's spans are built from its
+//! `sampling::OperationTrace` when it ends (see there), so `--log-level` filters the log only
+//! and never the traces. While traces are on, every line logged inside an operation (or another
+//! span with a trace, `unserved`) carries its `trace_id` and `span_id` ([`WithTraceIds`], read
+//! from the OpenTelemetry context the executor runs it in): the join from a trace (or a metric
+//! exemplar) to its lines. Log lines about a plugin carry `socket_path` (and `plugin_name`,
+//! `plugin_type` once the plugin has said who it is) from the executor's operation spans: JSON
+//! lines list them under `span` and `spans`, text lines in the span prefix.
 //!
 //! Text lines escape every control character in field values and span fields ([`text_fields`]):
 //! plugin names, types, endpoints, socket paths and error texts come from plugins and handlers,
@@ -18,8 +19,6 @@
 //! no such help (JSON escapes control characters) and stay exact.
 
 use super::otlp::{self, Traces};
-use tracing::level_filters::LevelFilter;
-use tracing_subscriber::filter::{FilterExt as _, Targets};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -91,19 +90,7 @@ pub fn init(
     } else {
         (None, None)
     };
-    let otel = traces.as_ref().map(|traces| {
-        tracing_opentelemetry::layer()
-            .with_tracer(traces.tracer.clone())
-            .with_location(false)
-            .with_threads(false)
-            .with_target(false)
-            // Busy and idle time per span: clock reads and bookkeeping on every poll of every
-            // instrumented future, for two attributes nothing here reads (cargo xtask bench
-            // burst: about half of what tracing cost the agent).
-            .with_tracked_inactivity(false)
-            .with_filter(otel_filter())
-    });
-    tracing_subscriber::registry().with(fmt).with(otel).init();
+    tracing_subscriber::registry().with(fmt).init();
     match (&traces, failure) {
         (Some(_), _) => tracing::info!(
             endpoint = otlp_endpoint.unwrap_or("from OTEL_EXPORTER_OTLP_*"),
@@ -113,21 +100,6 @@ pub fn init(
         (None, None) => {}
     }
     Logging { traces, log_flush }
-}
-
-/// What the OpenTelemetry layer sees: the agent's spans at `info`, outside operations the head
-/// sampler did not sample (their spans are built only if the tail rule keeps them, see
-/// `sampling::Unsampled`). Asked for every span: a `filter_fn` is asked once per call site and
-/// its answer cached, so the first operation to reach a call site would decide for all.
-fn otel_filter<S>() -> impl tracing_subscriber::layer::Filter<S>
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-{
-    Targets::new()
-        .with_target("plugin_agent", LevelFilter::INFO)
-        .and(tracing_subscriber::filter::dynamic_filter_fn(|_, _| {
-            super::sampling::traced_here()
-        }))
 }
 
 /// The text format's field formatter: the default's `name=value` layout (the message bare), with
@@ -147,11 +119,11 @@ pub fn text_fields()
     .delimited(" ")
 }
 
-/// An event format that adds the trace and span IDs of the OpenTelemetry span the line was
-/// logged in, so a trace ID from a dashboard exemplar finds the lines: JSON lines get
-/// `"trace_id"` and `"span_id"` fields, text lines end with ` trace_id=… span_id=…`. Lines
-/// outside a traced span (and every line while traces are off) are written as `inner` writes
-/// them.
+/// An event format that adds the trace and span IDs of the OpenTelemetry context the line was
+/// logged in (an operation's, see `sampling::OperationTrace`), so a trace ID from a dashboard
+/// exemplar finds the lines: JSON lines get `"trace_id"` and `"span_id"` fields, text lines end
+/// with ` trace_id=… span_id=…`. Lines outside a traced context (and every line while traces are
+/// off) are written as `inner` writes them.
 struct WithTraceIds<F> {
     inner: F,
     json: bool,
@@ -170,8 +142,8 @@ where
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
         use opentelemetry::trace::TraceContextExt as _;
-        // The span the line is logged in: tracing-opentelemetry makes its context current on
-        // entry (a thread-local read, no lock).
+        // The operation the line is logged in: the executor runs it in its trace's context (a
+        // thread-local read, no lock).
         let ids = opentelemetry::Context::map_current(|cx| {
             let span = cx.span();
             let sc = span.span_context();
@@ -227,36 +199,79 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// Names of the spans a layer saw.
+    /// What the log layer wrote.
     #[derive(Clone, Default)]
-    struct Seen(Arc<Mutex<Vec<&'static str>>>);
+    struct Written(Arc<Mutex<Vec<u8>>>);
 
-    impl<S: tracing::Subscriber> Layer<S> for Seen {
-        fn on_new_span(
-            &self,
-            attrs: &tracing::span::Attributes<'_>,
-            _id: &tracing::span::Id,
-            _ctx: tracing_subscriber::layer::Context<'_, S>,
-        ) {
-            self.0.lock().expect("lock").push(attrs.metadata().name());
+    impl std::io::Write for Written {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
         }
     }
 
-    #[test]
-    fn the_opentelemetry_layer_skips_unsampled_operations_each_time_not_per_call_site() {
-        let seen = Seen::default();
-        let subscriber =
-            tracing_subscriber::registry().with(seen.clone().with_filter(otel_filter()));
+    /// The lines a log layer in `format` writes for one line logged inside an operation and one
+    /// outside.
+    fn lines_in_and_out_of_an_operation(json: bool, span: SpanContext) -> Vec<String> {
+        let written = Written::default();
+        let sink = written.clone();
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_writer(move || sink.clone());
+        let fmt = if json {
+            fmt.json()
+                .event_format(WithTraceIds {
+                    inner: tracing_subscriber::fmt::format().json().flatten_event(true),
+                    json: true,
+                })
+                .boxed()
+        } else {
+            fmt.event_format(WithTraceIds {
+                inner: tracing_subscriber::fmt::format(),
+                json: false,
+            })
+            .boxed()
+        };
+        let subscriber = tracing_subscriber::registry().with(fmt);
         tracing::subscriber::with_default(subscriber, || {
-            let step = |unsampled: bool| {
-                let _in = unsampled.then(|| super::super::sampling::unsampled_for_tests().attach());
-                let _span = tracing::info_span!("register").entered();
-            };
-            // The call site is first reached inside an unsampled operation, then outside one.
-            step(true);
-            step(false);
-            step(true);
+            {
+                let _in = super::super::sampling::operation_for_tests(span).attach();
+                tracing::info!("inside");
+            }
+            tracing::info!("outside");
         });
-        assert_eq!(*seen.0.lock().expect("lock"), ["register"]);
+        let text = String::from_utf8(written.0.lock().expect("lock").clone()).expect("utf-8");
+        text.lines().map(str::to_string).collect()
+    }
+
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+
+    #[test]
+    fn lines_logged_inside_an_operation_carry_its_trace_and_span_ids() {
+        let span = SpanContext::new(
+            TraceId::from(0x0af7651916cd43dd8448eb211c80319c_u128),
+            SpanId::from(0xb7ad6b7169203331_u64),
+            TraceFlags::default(),
+            false,
+            TraceState::default(),
+        );
+        let json = lines_in_and_out_of_an_operation(true, span.clone());
+        assert_eq!(json.len(), 2, "{json:?}");
+        let inside: serde_json::Value = serde_json::from_str(&json[0]).expect("JSON");
+        assert_eq!(inside["trace_id"], "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(inside["span_id"], "b7ad6b7169203331");
+        assert_eq!(inside["message"], "inside");
+        let outside: serde_json::Value = serde_json::from_str(&json[1]).expect("JSON");
+        assert!(outside.get("trace_id").is_none(), "{outside}");
+        let text = lines_in_and_out_of_an_operation(false, span);
+        assert!(
+            text[0]
+                .ends_with(" trace_id=0af7651916cd43dd8448eb211c80319c span_id=b7ad6b7169203331"),
+            "{text:?}"
+        );
+        assert!(!text[1].contains("trace_id="), "{text:?}");
     }
 }

@@ -2,15 +2,15 @@
 //! OTLP/gRPC to a collector. Off unless asked for.
 //!
 //! ```text
-//! tracing spans (register, get_info, validate, ...) ─> tracing-opentelemetry layer ─┐
-//! discovery spans (telemetry::discovery) ───────────────────────────────────────────┤
-//!                                                                                   v
-//!               head sampler + tail rule (telemetry::sampling): which traces go on
-//!               (an unsampled operation's spans are built only if the tail rule keeps it)
-//!                                                                                   v
-//!               bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
-//!                                                                                   v
-//!               batch task on the agent's tokio runtime ─> OTLP/gRPC ─> collector
+//! discovery spans (telemetry::discovery) ─────────────────────────────────┐
+//! operations' spans (register, dial, GetInfo, ..., built when it ends) ───┤
+//!                                                                         v
+//!       head sampler + tail rule (telemetry::sampling): which traces go on
+//!       (spans are built only for traces that will be exported)
+//!                                                                         v
+//!       bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
+//!                                                                         v
+//!       batch task on the agent's tokio runtime ─> OTLP/gRPC ─> collector
 //! ```
 //!
 //! On when `--otlp-endpoint` is given, or when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
@@ -27,15 +27,14 @@
 //! tonic's connections), so [`install`] must be called inside that runtime.
 
 use anyhow::Context as _;
-use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::{BatchConfigBuilder, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{BatchConfigBuilder, SdkTracerProvider};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// Set once the pipeline is installed: whether spans built outside `tracing` (the discovery
-/// spans) are worth making. Process-wide, as the tracer provider and the subscriber are.
+/// Set once the pipeline is installed: whether spans are worth making. Process-wide, as the
+/// tracer provider is.
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
 /// How long shutdown waits to flush the last spans, so a dead collector cannot hold up exit.
@@ -64,8 +63,6 @@ pub fn wanted(endpoint: Option<&str>) -> bool {
 #[derive(Debug)]
 pub struct Traces {
     provider: SdkTracerProvider,
-    /// The tracer the `tracing` layer feeds.
-    pub tracer: SdkTracer,
 }
 
 impl Traces {
@@ -124,8 +121,7 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
         .with_span_processor(super::sampling::TailProcessor::new(processor))
         .with_resource(resource.build())
         .build();
-    let tracer = provider.tracer("plugin-agent");
     opentelemetry::global::set_tracer_provider(provider.clone());
     ENABLED.store(true, Ordering::Relaxed);
-    Ok(Traces { provider, tracer })
+    Ok(Traces { provider })
 }

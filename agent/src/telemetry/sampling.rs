@@ -2,35 +2,34 @@
 //! every failed or slow operation whatever the head sampler said.
 //!
 //! ```text
-//! span starts ─> RecordEverything(OTEL_TRACES_SAMPLER{,_ARG}) ─ sampled: exported as usual
-//!                                                             └ not sampled: still recorded
-//! span ends ──> TailProcessor ─ sampled ─────────────────────────────────> batch exporter
-//!                             └ not sampled: held per trace until its operation span
-//!                               (`register` / `deregister`) ends; then, if the executor marked it
-//!                               [`TAIL_FIELD`] (failed, or slower than --trace-keep-slower-than),
-//!                               the trace's held spans (its discovery root included) are
-//!                               exported, otherwise dropped
+//! discovery ─> head sampler (OTEL_TRACES_SAMPLER{,_ARG}) ─ picked: built and exported at once
+//!                                                        └ not: kept unbuilt (UnbuiltRoot)
+//! operation ─> OperationTrace: IDs, attributes and steps' times recorded while it runs
+//!   ends ────> sampled, or kept by the tail rule (failed, or slower than
+//!              --trace-keep-slower-than: [`TAIL_FIELD`]) ─ its spans built (its unbuilt root
+//!              with them) ─> TailProcessor ─> batch exporter
+//!            └ neither: nothing built
 //! ```
 //!
-//! Every span is recorded, so trace IDs in logs and in metric exemplars are real; an exemplar is
-//! only attached when the trace will be exported ([`exported`]), so a dashboard link never leads
-//! to a trace the backend never got. The executor decides the tail rule once, where the outcome
-//! and the duration are known, and writes it on the operation span: the exporter and the
-//! exemplars read the same decision.
+//! No operation builds a span while it runs ([`OperationTrace`]): the executor runs it in an
+//! OpenTelemetry context that carries its trace and span IDs, so its log lines and exemplars name
+//! them, and records its attributes and its steps' times; when it ends, its spans are built with
+//! those IDs and times if its trace is exported, and not at all otherwise. An exemplar is only
+//! attached when the trace will be exported ([`exported`]), so a dashboard link never leads to a
+//! trace the backend never got. The executor decides the tail rule once, where the outcome and
+//! the duration are known: the exporter and the exemplars read the same decision.
 //!
-//! Held spans are bounded ([`MAX_HELD_TRACES`] traces of at most [`MAX_HELD_SPANS`] spans): past
-//! that, the oldest traces are dropped unexported, so a burst with sampling off costs a bounded
-//! amount of memory.
+//! Spans built under a root the head sampler did not pick are recorded, not sampled
+//! ([`RecordEverything`]); the [`TailProcessor`] exports them as sampled when their operation
+//! span ends marked by the tail rule. The few spans built outside an operation under such a root
+//! (`unserved`) wait for an operation of their trace to end: held spans are bounded
+//! ([`MAX_HELD_TRACES`] traces of at most [`MAX_HELD_SPANS`] spans), the oldest dropped past that.
 //!
-//! An operation whose trace the head sampler did not sample costs next to nothing
-//! ([`Unsampled`]): the executor runs it in an OpenTelemetry context that carries its trace and
-//! span IDs (so its log lines and exemplars name them) and keeps the OpenTelemetry layer off its
-//! spans ([`traced_here`]); the operation keeps its steps' times and its attributes, and only if
-//! the tail rule keeps it are its spans built, with those IDs and times, and exported. Its trace's
-//! root (the socket's discovery) is kept the same way, unbuilt ([`UnsampledRoot`]), and built
-//! with the first operation under it that is kept. Recording every span of every operation (as
-//! before) cost a traced burst a fifth of the agent's CPU, sampled or not; building every
-//! discovery span so that the tail rule could keep it cost another tenth.
+//! What this replaced, measured: spans built by `tracing-opentelemetry` from the `tracing` spans
+//! as operations ran (its layer looked every span up on every enter and exit of every poll, and
+//! every operation was recorded in full so that the tail rule could decide at its end) cost a
+//! traced burst a fifth of the agent's CPU, sampled or not; building every discovery span so that
+//! the tail rule could keep it cost another tenth.
 
 use opentelemetry::trace::{
     Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
@@ -277,9 +276,9 @@ impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
 }
 
 /// IDs handed out by the provider: random, or the ones drawn before the span is built (an
-/// unsampled operation's or root's, [`Unsampled`], [`UnsampledRoot`]; a sampled discovery's
-/// trace ID, [`head_samples`]), so the span exported has the IDs its log lines and exemplars
-/// named. (The SDK's span builder takes neither ID.)
+/// operation's and its steps', [`OperationTrace`]; an unbuilt root's, [`UnbuiltRoot`]; a
+/// sampled discovery's trace ID, [`head_samples`]), so the span exported has the IDs its log
+/// lines and exemplars named. (The SDK's span builder takes neither ID.)
 #[derive(Debug, Default)]
 pub struct PresetIds(RandomIdGenerator);
 
@@ -325,7 +324,7 @@ pub fn with_ids<T>(trace: Option<TraceId>, span: Option<SpanId>, build: impl FnO
 
 /// The root of a trace the head sampler did not pick (a socket's discovery): not built while it
 /// happens, only when an operation under it is kept by the tail rule.
-pub trait UnsampledRoot: std::fmt::Debug + Send + Sync {
+pub trait UnbuiltRoot: std::fmt::Debug + Send + Sync {
     /// Its span context (not sampled): the trace its operations belong to.
     fn span_context(&self) -> &SpanContext;
 
@@ -334,44 +333,60 @@ pub trait UnsampledRoot: std::fmt::Debug + Send + Sync {
     fn build(&self);
 }
 
-/// The context value that marks an unsampled operation (see the module docs).
-#[derive(Clone, Debug)]
-struct UnsampledOperation(Arc<Unsampled>);
-
-/// Whether spans and events made here go to the OpenTelemetry layer: not inside an unsampled
-/// operation. The layer's filter; read per span and event (a thread-local lookup).
-pub fn traced_here() -> bool {
-    Context::map_current(|cx| cx.get::<UnsampledOperation>().is_none())
+/// What an operation's spans are children of: its socket's discovery.
+#[derive(Debug, Clone)]
+pub enum Root {
+    /// Picked by the head sampler: built and exported when it happened.
+    Built(SpanContext),
+    /// Not picked: built only if an operation under it is kept.
+    Unbuilt(Arc<dyn UnbuiltRoot>),
 }
 
-/// A context marked as inside an unsampled operation, for the logging layer's tests.
-#[cfg(test)]
-pub(crate) fn unsampled_for_tests() -> Context {
-    #[derive(Debug)]
-    struct NoRoot(SpanContext);
-    impl UnsampledRoot for NoRoot {
-        fn span_context(&self) -> &SpanContext {
-            &self.0
+impl Root {
+    /// The root's span context.
+    pub fn span_context(&self) -> &SpanContext {
+        match self {
+            Root::Built(cx) => cx,
+            Root::Unbuilt(root) => root.span_context(),
         }
-        fn build(&self) {}
     }
-    let operation = Arc::new(Unsampled {
+
+    /// A context to start a span under the root; under an unbuilt one the span is recorded, not
+    /// sampled, and exported with the trace if one of its operations is kept.
+    pub fn context(&self) -> Context {
+        Context::new().with_remote_span_context(self.span_context().clone())
+    }
+}
+
+/// The context value that marks the operation running here (see [`OperationTrace`]).
+#[derive(Clone, Debug)]
+struct CurrentOperation(Arc<OperationTrace>);
+
+/// A context inside an operation, for the logging layer's tests.
+#[cfg(test)]
+pub(crate) fn operation_for_tests(span: SpanContext) -> Context {
+    let operation = Arc::new(OperationTrace {
         name: "register",
-        root: Arc::new(NoRoot(SpanContext::empty_context())),
-        span: SpanContext::empty_context(),
+        root: Root::Built(SpanContext::empty_context()),
+        span: span.clone(),
         started: SystemTime::now(),
         attributes: Mutex::new(Vec::new()),
         steps: Mutex::new(Vec::new()),
     });
-    Context::new().with_value(UnsampledOperation(operation))
+    Context::new()
+        .with_remote_span_context(span)
+        .with_value(CurrentOperation(operation))
 }
 
-/// An operation the head sampler did not sample: what its spans would have said, kept until
-/// the tail rule decides (see the module docs).
+/// An operation's trace while it runs (a registration or deregistration attempt): what its spans
+/// will say, kept until it ends, when they are built if its trace is exported (sampled at the
+/// head, or kept by the tail rule), else dropped. No span is built while it runs: the executor
+/// runs it in a context that carries its trace and span IDs, which its log lines and exemplars
+/// name, and the spans exported later have those IDs.
 #[derive(Debug)]
-pub struct Unsampled {
+pub struct OperationTrace {
     name: &'static str,
-    root: Arc<dyn UnsampledRoot>,
+    root: Root,
     span: SpanContext,
     started: SystemTime,
     /// In the order recorded; a later value of a key replaces an earlier one when built.
@@ -379,7 +394,7 @@ pub struct Unsampled {
     steps: Mutex<Vec<Step>>,
 }
 
-/// A step of an unsampled operation: a span to build if it is kept.
+/// A step of an operation: a span to build if the operation's trace is exported.
 #[derive(Debug)]
 struct Step {
     name: &'static str,
@@ -387,6 +402,7 @@ struct Step {
     started: SystemTime,
     ended: SystemTime,
     failed: bool,
+    attributes: Vec<KeyValue>,
 }
 
 /// Most steps kept per operation (a registration has about six; a dial retried in a loop could
@@ -398,26 +414,24 @@ const MAX_STEPS: usize = 32;
 const STEPS_HINT: usize = 8;
 const ATTRIBUTES_HINT: usize = 24;
 
-impl Unsampled {
-    /// The operation `name` under `root` (its socket's discovery, which the head sampler did not
-    /// pick), and the context to run it in; `None` when traces are off.
-    pub fn start(
-        name: &'static str,
-        root: &Arc<dyn UnsampledRoot>,
-    ) -> Option<(Context, Arc<Unsampled>)> {
+impl OperationTrace {
+    /// The operation `name` under `root`, and the context to run it in; `None` when traces are
+    /// off. Its span is sampled when its root is.
+    pub fn start(name: &'static str, root: Root) -> Option<(Context, Arc<OperationTrace>)> {
         if !super::otlp::enabled() {
             return None;
         }
+        let parent = root.span_context();
         let span = SpanContext::new(
-            root.span_context().trace_id(),
+            parent.trace_id(),
             random_span_id(),
-            TraceFlags::default(),
+            parent.trace_flags(),
             false,
             TraceState::default(),
         );
-        let operation = Arc::new(Unsampled {
+        let operation = Arc::new(OperationTrace {
             name,
-            root: root.clone(),
+            root,
             span: span.clone(),
             started: SystemTime::now(),
             attributes: Mutex::new(Vec::with_capacity(ATTRIBUTES_HINT)),
@@ -425,29 +439,36 @@ impl Unsampled {
         });
         let context = Context::new()
             .with_remote_span_context(span)
-            .with_value(UnsampledOperation(operation.clone()));
+            .with_value(CurrentOperation(operation.clone()));
         Some((context, operation))
     }
 
-    /// The unsampled operation running here, if any.
-    pub fn current() -> Option<Arc<Unsampled>> {
-        Context::map_current(|cx| cx.get::<UnsampledOperation>().map(|op| op.0.clone()))
+    /// The operation running here, if any (and traces are on).
+    pub fn current() -> Option<Arc<OperationTrace>> {
+        Context::map_current(|cx| cx.get::<CurrentOperation>().map(|op| op.0.clone()))
     }
 
-    /// The operation's span context (its trace, and the span ID it is exported with if kept).
+    /// The operation's span context (its trace, and the span ID it is exported with).
     pub fn span_context(&self) -> &SpanContext {
         &self.span
     }
 
-    /// Sets the operation span's attribute `key` (recorded as it comes: the tail rule keeps few
-    /// operations, so the last value of each key is picked only when one is built).
+    /// Sets the operation span's attribute `key` (recorded as it comes: the last value of each
+    /// key is picked only when the span is built).
     pub fn record(&self, key: &'static str, value: impl Into<Value>) {
         let mut attributes = self.attributes.lock().unwrap_or_else(|p| p.into_inner());
         attributes.push(KeyValue::new(key, value.into()));
     }
 
-    /// A step named `name` that just ended after `took`: its span context, for an exemplar.
-    pub fn step(&self, name: &'static str, took: Duration, failed: bool) -> SpanContext {
+    /// A step named `name` that just ended after `took`, with its span's `attributes`: its span
+    /// context, for an exemplar.
+    pub fn step(
+        &self,
+        name: &'static str,
+        took: Duration,
+        failed: bool,
+        attributes: Vec<KeyValue>,
+    ) -> SpanContext {
         let id = random_span_id();
         let ended = SystemTime::now();
         let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
@@ -458,34 +479,40 @@ impl Unsampled {
                 started: ended.checked_sub(took).unwrap_or(ended),
                 ended,
                 failed,
+                attributes,
             });
         }
         SpanContext::new(
             self.span.trace_id(),
             id,
-            TraceFlags::default(),
+            self.span.trace_flags(),
             false,
             TraceState::default(),
         )
     }
 
-    /// The operation ended; `kept` is the tail rule's reason, if it keeps it. Kept: its spans
-    /// are built with the IDs and times it recorded and go to the exporter (its held discovery
-    /// with them). Not kept: its trace's held spans are dropped.
+    /// The operation ended, `failed` or not; `kept` is the tail rule's reason, if it keeps it.
+    /// Exported (sampled, or kept): its spans are built with the IDs and times it recorded and
+    /// go to the exporter (an unbuilt root built with them). Not exported: nothing is built, and
+    /// its trace's held spans are dropped.
     pub fn finish(&self, kept: Option<&'static str>, failed: bool) {
-        let Some(reason) = kept else {
+        if !exported(&self.span, kept.is_some()) {
             if let Some(held) = HELD.get() {
                 lock_held(held).traces.remove(&self.span.trace_id());
             }
             return;
-        };
-        self.root.build();
-        let parent = Context::new().with_remote_span_context(self.root.span_context().clone());
+        }
+        if let Root::Unbuilt(root) = &self.root {
+            root.build();
+        }
+        let parent = self.root.context();
         let tracer = opentelemetry::global::tracer("plugin-agent");
         let recorded =
             std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|p| p.into_inner()));
         let mut attributes = last_of_each_key(recorded);
-        attributes.push(KeyValue::new(TAIL_FIELD, reason));
+        if let Some(reason) = kept {
+            attributes.push(KeyValue::new(TAIL_FIELD, reason));
+        }
         let operation = with_ids(None, Some(self.span.span_id()), || {
             tracer
                 .span_builder(self.name)
@@ -500,6 +527,7 @@ impl Unsampled {
                 tracer
                     .span_builder(step.name)
                     .with_start_time(step.started)
+                    .with_attributes(step.attributes)
                     .start_with_context(&tracer, &operation)
             });
             if step.failed {
@@ -525,12 +553,6 @@ fn last_of_each_key(attributes: Vec<KeyValue>) -> Vec<KeyValue> {
         }
     }
     unique
-}
-
-/// The OpenTelemetry span context of a `tracing` span (invalid when traces are off).
-pub fn span_context(span: &tracing::Span) -> SpanContext {
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    span.context().span().span_context().clone()
 }
 
 #[cfg(test)]
