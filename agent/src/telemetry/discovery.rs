@@ -15,7 +15,7 @@
 //! process (kubelet's first GetInfo, beside it), as another child.
 //!
 //! A discovery the head sampler does not pick is not built as it happens: its record keeps the
-//! IDs, times and attributes its spans would have ([`UnsampledRoot`]), and they are built only if
+//! IDs, times and attributes its spans would have ([`UnbuiltRoot`]), and they are built only if
 //! an operation under it is kept by the tail rule (failed or slow). A burst of fast registrations
 //! with one trace in ten sampled builds a tenth of the discovery spans.
 //!

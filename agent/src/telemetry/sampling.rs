@@ -156,8 +156,8 @@ pub struct TailProcessor<P> {
     held: Arc<Mutex<Held>>,
 }
 
-/// The installed tail processor's held spans, so an unsampled operation that is not kept can
-/// drop its trace's (its discovery) at once instead of leaving them to the bound.
+/// The installed tail processor's held spans, so an operation that is not exported can drop its
+/// trace's (an `unserved` span under its discovery) at once instead of leaving them to the bound.
 static HELD: OnceLock<Arc<Mutex<Held>>> = OnceLock::new();
 
 fn lock_held(held: &Mutex<Held>) -> std::sync::MutexGuard<'_, Held> {
