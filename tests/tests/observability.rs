@@ -857,6 +857,11 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
         // Built once, however many attempts under it were kept (the failed one retries).
         assert_eq!(discoveries.len(), 1, "{test}: {discoveries:?}");
         let discovery = discoveries[0];
+        // Built inside the operation that kept it, it is still the trace's root.
+        assert!(
+            discovery.parent_span_id.is_empty(),
+            "{test}: the discovery has a parent: {discovery:?}"
+        );
         assert_eq!(span.parent_span_id, discovery.span_id, "{test}");
         // Built only once kept, it still says what the watcher saw.
         assert_eq!(

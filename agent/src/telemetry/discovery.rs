@@ -318,7 +318,8 @@ impl Discoveries {
     }
 }
 
-/// A `discovery` span of `path`, started at `started` (ended by the caller).
+/// A `discovery` span of `path`, started at `started` (ended by the caller): a root whatever
+/// context is current (an unbuilt one is built inside the operation that keeps it).
 fn discovery_span(
     tracer: &BoxedTracer,
     path: &Path,
@@ -336,7 +337,7 @@ fn discovery_span(
             KeyValue::new("event_source", source),
             KeyValue::new("kernel_timestamp", kernel_timestamp),
         ])
-        .start(tracer)
+        .start_with_context(tracer, &Context::new())
 }
 
 /// A `first_contact` span under `parent`, from `started` to the `contact`, ended.
