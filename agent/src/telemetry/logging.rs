@@ -213,8 +213,8 @@ mod tests {
         }
     }
 
-    /// The lines a log layer in `format` writes for one line logged inside an operation and one
-    /// outside.
+    /// The lines a log layer (JSON when `json`, else text) writes for one line logged inside an
+    /// operation (`span`) and one outside.
     fn lines_in_and_out_of_an_operation(json: bool, span: SpanContext) -> Vec<String> {
         let written = Written::default();
         let sink = written.clone();
