@@ -76,7 +76,7 @@ pub(super) fn operation_span(
     let Some((cx, operation)) = OperationTrace::start(name, root) else {
         return (span, None);
     };
-    operation.record("socket_path", path.display().to_string());
+    operation.record("socket_path", path.to_string_lossy().into_owned());
     for (key, value) in fields() {
         operation.record(key, value);
     }

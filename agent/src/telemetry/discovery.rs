@@ -14,16 +14,18 @@
 //! eBPF, a `first_contact` span runs from the socket's creation to the first connect by another
 //! process (kubelet's first GetInfo, beside it), as another child.
 //!
-//! A discovery the head sampler does not pick is not built as it happens: its record keeps the
-//! IDs, times and attributes its spans would have ([`UnbuiltRoot`]), and they are built only if
-//! an operation under it is kept by the tail rule (failed or slow). A burst of fast registrations
-//! with one trace in ten sampled builds a tenth of the discovery spans.
+//! A discovery the head sampler picks is exported at once (written straight into the exporter's
+//! queue, `otlp::SpanRecord`); one it does not pick is not: its record keeps the IDs, times and
+//! attributes its spans would have ([`UnbuiltRoot`]), exported only if an operation under it is
+//! kept by the tail rule (failed or slow). A burst of fast registrations with one trace in ten
+//! sampled exports a tenth of the discovery spans.
 //!
 //! One entry per desired path, replaced on every discovery, and only while traces are exported:
 //! the table is as bounded as the desired state, and empty otherwise (the `event_source` label
 //! of a registration comes from its desired-state entry, [`Discoveries::label`]).
 
 use super::metrics::TraceExemplar;
+use super::otlp::SpanRecord;
 use super::sampling::{self, Root, UnbuiltRoot};
 use crate::event_source::{SourceKind, monotonic_now_ns};
 use crate::provenance::Contact;
@@ -95,29 +97,22 @@ impl UnbuiltRoot for Unbuilt {
         if self.built.swap(true, Ordering::AcqRel) {
             return;
         }
-        let tracer = opentelemetry::global::tracer("plugin-agent");
-        let mut span =
-            sampling::with_ids(Some(self.ids.trace_id()), Some(self.ids.span_id()), || {
-                discovery_span(
-                    &tracer,
-                    Path::new(&self.path),
-                    self.found,
-                    self.source,
-                    self.kernel_timestamp,
-                    self.started,
-                )
-            });
-        span.end_with_timestamp(self.ended);
+        export_discovery(
+            &self.ids,
+            Path::new(&self.path),
+            self.found,
+            self.source,
+            self.kernel_timestamp,
+            self.started,
+            self.ended,
+        );
         let contact = self
             .first_contact
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some((id, contact, started)) = contact {
-            let parent = Context::new().with_remote_span_context(self.ids.clone());
-            sampling::with_ids(None, Some(id), || {
-                first_contact_span(&tracer, &parent, Path::new(&self.path), &contact, started);
-            });
+            export_first_contact(&self.ids, id, Path::new(&self.path), &contact, started);
         }
     }
 }
@@ -163,7 +158,7 @@ impl Discoveries {
         Discoveries {
             source,
             tracing: head.map(|head| Tracing {
-                tracer: opentelemetry::global::tracer("plugin-agent"),
+                tracer: super::otlp::tracer(),
                 head,
             }),
             records: Mutex::new(HashMap::new()),
@@ -182,7 +177,7 @@ impl Discoveries {
     /// `CLOCK_MONOTONIC` timestamp when the source provides one.
     /// Without traces nothing is kept.
     pub fn record(&self, path: &Path, found: Found, via: Via, kernel_ns: Option<u64>) {
-        let Some(Tracing { tracer, head }) = self.tracing.as_ref() else {
+        let Some(Tracing { head, .. }) = self.tracing.as_ref() else {
             return;
         };
         let source = self.label(via);
@@ -191,18 +186,23 @@ impl Discoveries {
         let trace = sampling::random_trace_id();
         let path: Arc<OsStr> = Arc::from(path.as_os_str());
         let record = if sampling::head_samples(head.as_ref(), trace, "discovery") {
-            let mut span = sampling::with_ids(Some(trace), None, || {
-                discovery_span(
-                    tracer,
-                    Path::new(&path),
-                    found,
-                    source,
-                    kernel_ns.is_some(),
-                    started,
-                )
-            });
-            span.end();
-            Record::Built(span.span_context().clone())
+            let ids = SpanContext::new(
+                trace,
+                sampling::random_span_id(),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            );
+            export_discovery(
+                &ids,
+                Path::new(&path),
+                found,
+                source,
+                kernel_ns.is_some(),
+                started,
+                now,
+            );
+            Record::Built(ids)
         } else {
             Record::Unbuilt(Arc::new(Unbuilt {
                 ids: SpanContext::new(
@@ -237,13 +237,13 @@ impl Discoveries {
         contact: &Contact,
         after_creation: Option<Duration>,
     ) -> Option<TraceExemplar> {
-        let tracer = &self.tracing.as_ref()?.tracer;
+        self.tracing.as_ref()?;
         let contacted = contact.at;
         let started = after_creation
             .and_then(|after| contacted.checked_sub(after))
             .unwrap_or(contacted);
-        let parent = match self.lock().get(path.as_os_str()) {
-            Some(Record::Built(cx)) => Context::new().with_remote_span_context(cx.clone()),
+        let root = match self.lock().get(path.as_os_str()) {
+            Some(Record::Built(cx)) => cx.clone(),
             Some(Record::Unbuilt(root)) => {
                 if !root.built.load(Ordering::Acquire) {
                     *root.first_contact.lock().unwrap_or_else(|p| p.into_inner()) =
@@ -251,13 +251,19 @@ impl Discoveries {
                 }
                 return None;
             }
-            None => Context::new(),
+            // No discovery of the socket to be part of (traces were off then): not traced.
+            None => return None,
         };
-        let span = first_contact_span(tracer, &parent, path, contact, started);
-        let cx = span.span_context();
-        sampling::exported(cx, false)
-            .then(|| TraceExemplar::of(cx))
-            .flatten()
+        let id = sampling::random_span_id();
+        export_first_contact(&root, id, path, contact, started);
+        let cx = SpanContext::new(
+            root.trace_id(),
+            id,
+            root.trace_flags(),
+            false,
+            TraceState::default(),
+        );
+        TraceExemplar::of(&cx)
     }
 
     /// What operations at `path` are children of (its latest discovery), when traces are on.
@@ -318,36 +324,44 @@ impl Discoveries {
     }
 }
 
-/// A `discovery` span of `path`, started at `started` (ended by the caller): a root whatever
-/// context is current (an unbuilt one is built inside the operation that keeps it).
-fn discovery_span(
-    tracer: &BoxedTracer,
+/// Exports the `discovery` span `ids` of `path`, from `started` to `ended`: a trace's root.
+fn export_discovery(
+    ids: &SpanContext,
     path: &Path,
     found: Found,
     source: &'static str,
     kernel_timestamp: bool,
     started: SystemTime,
-) -> opentelemetry::global::BoxedSpan {
-    tracer
-        .span_builder("discovery")
-        .with_start_time(started)
-        .with_attributes([
-            KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
-            KeyValue::new("change", found.as_str()),
-            KeyValue::new("event_source", source),
-            KeyValue::new("kernel_timestamp", kernel_timestamp),
-        ])
-        .start_with_context(tracer, &Context::new())
+    ended: SystemTime,
+) {
+    let attributes = [
+        KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
+        KeyValue::new("change", found.as_str()),
+        KeyValue::new("event_source", source),
+        KeyValue::new("kernel_timestamp", kernel_timestamp),
+    ];
+    super::otlp::export(&SpanRecord {
+        trace_id: ids.trace_id(),
+        span_id: ids.span_id(),
+        parent: SpanId::INVALID,
+        parent_is_remote: false,
+        name: "discovery",
+        start: started,
+        end: ended,
+        attributes: &attributes,
+        failed: false,
+    });
 }
 
-/// A `first_contact` span under `parent`, from `started` to the `contact`, ended.
-fn first_contact_span(
-    tracer: &BoxedTracer,
-    parent: &Context,
+/// Exports the `first_contact` span `id` under the discovery `root`, from `started` to the
+/// `contact`, which it names.
+fn export_first_contact(
+    root: &SpanContext,
+    id: SpanId,
     path: &Path,
     contact: &Contact,
     started: SystemTime,
-) -> opentelemetry::global::BoxedSpan {
+) {
     let by = &contact.by;
     let mut attributes = vec![
         KeyValue::new("socket_path", path.to_string_lossy().into_owned()),
@@ -359,13 +373,17 @@ fn first_contact_span(
     if let Some(uid) = by.uid {
         attributes.push(KeyValue::new("process.user.id", i64::from(uid)));
     }
-    let mut span = tracer
-        .span_builder("first_contact")
-        .with_start_time(started)
-        .with_attributes(attributes)
-        .start_with_context(tracer, parent);
-    span.end_with_timestamp(contact.at);
-    span
+    super::otlp::export(&SpanRecord {
+        trace_id: root.trace_id(),
+        span_id: id,
+        parent: root.span_id(),
+        parent_is_remote: true,
+        name: "first_contact",
+        start: started,
+        end: contact.at,
+        attributes: &attributes,
+        failed: false,
+    });
 }
 
 /// The wall-clock time of a kernel timestamp `kernel_ns` (`bpf_ktime_get_ns`: `CLOCK_MONOTONIC`,

@@ -123,10 +123,23 @@ impl TraceExemplar {
     /// The exemplar of the span `cx`, if it is valid (traces on).
     pub fn of(cx: &opentelemetry::trace::SpanContext) -> Option<TraceExemplar> {
         cx.is_valid().then(|| TraceExemplar {
-            trace_id: cx.trace_id().to_string(),
-            span_id: cx.span_id().to_string(),
+            trace_id: lower_hex(&cx.trace_id().to_bytes()),
+            span_id: lower_hex(&cx.span_id().to_bytes()),
         })
     }
+}
+
+/// `bytes` as lowercase hex: what the IDs' `Display` writes, without the formatting machinery,
+/// which cost a traced burst a tenth of its tracing.
+fn lower_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut hex = vec![0; bytes.len() * 2];
+    for (pair, b) in hex.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0x0f)];
+    }
+    // Only ASCII digits went in.
+    String::from_utf8(hex).unwrap_or_default()
 }
 
 type ExemplarHistogram = HistogramWithExemplars<TraceExemplar>;
@@ -838,6 +851,31 @@ mod tests {
             1,
             "only the observation with a trace has one"
         );
+    }
+
+    #[test]
+    fn an_exemplar_names_its_span_as_w3c_trace_context_does() {
+        use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+        for (trace, span) in [
+            (
+                0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128,
+                0x00f0_67aa_0ba9_02b7_u64,
+            ),
+            (1, u64::MAX),
+            (u128::MAX, 0x10),
+        ] {
+            let cx = SpanContext::new(
+                TraceId::from(trace),
+                SpanId::from(span),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            );
+            let exemplar = TraceExemplar::of(&cx).expect("valid");
+            assert_eq!(exemplar.trace_id, cx.trace_id().to_string());
+            assert_eq!(exemplar.span_id, cx.span_id().to_string());
+        }
+        assert_eq!(TraceExemplar::of(&SpanContext::empty_context()), None);
     }
 
     #[test]

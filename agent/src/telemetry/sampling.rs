@@ -2,38 +2,41 @@
 //! every failed or slow operation whatever the head sampler said.
 //!
 //! ```text
-//! discovery ─> head sampler (OTEL_TRACES_SAMPLER{,_ARG}) ─ picked: built and exported at once
+//! discovery ─> head sampler (OTEL_TRACES_SAMPLER{,_ARG}) ─ picked: exported at once
 //!                                                        └ not: kept unbuilt (UnbuiltRoot)
 //! operation ─> OperationTrace: IDs, attributes and steps' times recorded while it runs
 //!   ends ────> sampled, or kept by the tail rule (failed, or slower than
-//!              --trace-keep-slower-than: [`TAIL_FIELD`]) ─ its spans built (its unbuilt root
-//!              with them) ─> TailProcessor ─> batch exporter
-//!            └ neither: nothing built
+//!              --trace-keep-slower-than: [`TAIL_FIELD`]) ─ its spans (its unbuilt root, and
+//!              what its trace held, with them) ─> export queue (telemetry::otlp)
+//!            └ neither: nothing made, what its trace held dropped
 //! ```
 //!
-//! No operation builds a span while it runs ([`OperationTrace`]): the executor runs it in an
+//! No operation makes a span while it runs ([`OperationTrace`]): the executor runs it in an
 //! OpenTelemetry context that carries its trace and span IDs, so its log lines and exemplars name
-//! them, and records its attributes and its steps' times; when it ends, its spans are built with
-//! those IDs and times if its trace is exported, and not at all otherwise. An exemplar is only
+//! them, and records its attributes and its steps' times; when it ends, its spans are written
+//! with those IDs and times straight into the exporter's queue (`otlp::SpanRecord`, no SDK span
+//! in between) if its trace is exported, and not at all otherwise. An exemplar is only
 //! attached when the trace will be exported ([`exported`]), so a dashboard link never leads to a
 //! trace the backend never got. The executor decides the tail rule once, where the outcome and
 //! the duration are known: the exporter and the exemplars read the same decision.
 //!
-//! Spans built under a root the head sampler did not pick are recorded, not sampled
-//! ([`RecordEverything`]); the [`TailProcessor`] exports them as sampled when their operation
-//! span ends marked by the tail rule. The few spans built outside an operation under such a root
-//! (`unserved`) wait for an operation of their trace to end: held spans are bounded
-//! ([`MAX_HELD_TRACES`] traces of at most [`MAX_HELD_SPANS`] spans), the oldest dropped past that.
+//! The only spans the OpenTelemetry SDK still builds are the rare ones outside operations
+//! (`unserved`, `telemetry::discovery::Discoveries::event_span`). Under a root the head sampler
+//! did not pick they are recorded, not sampled ([`RecordEverything`]), and the [`TailProcessor`]
+//! holds them until an operation of their trace ends: exported with it (as sampled) if it is
+//! kept, dropped if not. Held spans are bounded ([`MAX_HELD_TRACES`] traces of at most
+//! [`MAX_HELD_SPANS`] spans), the oldest dropped past that.
 //!
 //! What this replaced, measured: spans built by `tracing-opentelemetry` from the `tracing` spans
 //! as operations ran (its layer looked every span up on every enter and exit of every poll, and
 //! every operation was recorded in full so that the tail rule could decide at its end) cost a
 //! traced burst a fifth of the agent's CPU, sampled or not; building every discovery span so that
-//! the tail rule could keep it cost another tenth.
+//! the tail rule could keep it cost another tenth; building the kept ones as SDK spans, for the
+//! exporter crate to turn into protobuf structs, half of what tracing every operation cost.
 
+use super::otlp::SpanRecord;
 use opentelemetry::trace::{
-    Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
-    TraceState, Tracer as _,
+    SpanContext, SpanId, SpanKind, TraceContextExt as _, TraceFlags, TraceId, TraceState,
 };
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -41,7 +44,6 @@ use opentelemetry_sdk::trace::{
     IdGenerator, RandomIdGenerator, Sampler, SamplingDecision, SamplingResult, ShouldSample, Span,
     SpanData, SpanProcessor,
 };
-use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -50,9 +52,6 @@ use std::time::{Duration, SystemTime};
 /// The operation span field the executor records when the tail rule keeps an operation: its
 /// value says why (`failed`, `slow`).
 pub const TAIL_FIELD: &str = "tail_kept";
-
-/// The spans that end an operation: the tail decision is taken when one ends.
-pub const OPERATION_SPANS: [&str; 2] = ["register", "deregister"];
 
 /// Traces held (not sampled, operation still running) before the oldest is dropped.
 pub const MAX_HELD_TRACES: usize = 4096;
@@ -96,9 +95,8 @@ pub fn head_sampler() -> Box<dyn ShouldSample> {
     opentelemetry_sdk::trace::Config::default().sampler
 }
 
-/// Whether `sampler` picks the new trace `trace`, whose root span is `name`. The provider's
-/// sampler ([`RecordEverything`] around the same one) decides the same when the root is then
-/// built with that trace ID: the standard samplers decide a root by its trace ID alone.
+/// Whether `sampler` picks the new trace `trace`, whose root span is `name` (a discovery: the
+/// head decision of its trace, taken before anything of it is exported).
 pub fn head_samples(sampler: &dyn ShouldSample, trace: TraceId, name: &str) -> bool {
     sampler
         .should_sample(None, trace, name, &SpanKind::Internal, &[], &[])
@@ -173,6 +171,23 @@ struct Held {
 }
 
 impl Held {
+    /// The spans held for `trace`, marked sampled (to be exported with the operation that keeps
+    /// them: the backend sees one consistent trace).
+    fn take(&mut self, trace: TraceId) -> Vec<SpanData> {
+        let mut spans = self.traces.remove(&trace).unwrap_or_default();
+        for span in &mut spans {
+            let cx = &span.span_context;
+            span.span_context = SpanContext::new(
+                cx.trace_id(),
+                cx.span_id(),
+                cx.trace_flags() | TraceFlags::SAMPLED,
+                cx.is_remote(),
+                cx.trace_state().clone(),
+            );
+        }
+        spans
+    }
+
     fn hold(&mut self, span: SpanData) {
         let trace = span.span_context.trace_id();
         let spans = self.traces.entry(trace).or_insert_with(|| {
@@ -209,29 +224,6 @@ impl<P: SpanProcessor> TailProcessor<P> {
     fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
         lock_held(&self.held)
     }
-
-    /// Exports `span` as sampled: the backend sees one consistent trace.
-    fn export(&self, mut span: SpanData) {
-        let cx = &span.span_context;
-        span.span_context = SpanContext::new(
-            cx.trace_id(),
-            cx.span_id(),
-            cx.trace_flags() | TraceFlags::SAMPLED,
-            cx.is_remote(),
-            cx.trace_state().clone(),
-        );
-        self.inner.on_end(span);
-    }
-}
-
-fn is_operation(span: &SpanData) -> bool {
-    OPERATION_SPANS.contains(&span.name.as_ref())
-}
-
-fn tail_kept(span: &SpanData) -> bool {
-    span.attributes
-        .iter()
-        .any(|kv| kv.key.as_str() == TAIL_FIELD)
 }
 
 impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
@@ -240,25 +232,10 @@ impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
     }
 
     fn on_end(&self, span: SpanData) {
-        let sampled = span.span_context.is_sampled();
-        if !is_operation(&span) {
-            if sampled {
-                self.inner.on_end(span);
-            } else {
-                self.lock().hold(span);
-            }
-            return;
-        }
-        let held = self
-            .lock()
-            .traces
-            .remove(&span.span_context.trace_id())
-            .unwrap_or_default();
-        if sampled || tail_kept(&span) {
-            for held in held {
-                self.export(held);
-            }
-            self.export(span);
+        if span.span_context.is_sampled() {
+            self.inner.on_end(span);
+        } else {
+            self.lock().hold(span);
         }
     }
 
@@ -275,32 +252,6 @@ impl<P: SpanProcessor> SpanProcessor for TailProcessor<P> {
     }
 }
 
-/// IDs handed out by the provider: random, or the ones drawn before the span is built (an
-/// operation's and its steps', [`OperationTrace`]; an unbuilt root's, [`UnbuiltRoot`]; a
-/// sampled discovery's trace ID, [`head_samples`]), so the span exported has the IDs its log
-/// lines and exemplars named. (The SDK's span builder takes neither ID.)
-#[derive(Debug, Default)]
-pub struct PresetIds(RandomIdGenerator);
-
-thread_local! {
-    static PRESET_TRACE_ID: Cell<Option<TraceId>> = const { Cell::new(None) };
-    static PRESET_SPAN_ID: Cell<Option<SpanId>> = const { Cell::new(None) };
-}
-
-impl IdGenerator for PresetIds {
-    fn new_trace_id(&self) -> TraceId {
-        PRESET_TRACE_ID
-            .with(Cell::take)
-            .unwrap_or_else(|| self.0.new_trace_id())
-    }
-
-    fn new_span_id(&self) -> SpanId {
-        PRESET_SPAN_ID
-            .with(Cell::take)
-            .unwrap_or_else(|| self.0.new_span_id())
-    }
-}
-
 /// A new random trace ID.
 pub fn random_trace_id() -> TraceId {
     RandomIdGenerator::default().new_trace_id()
@@ -311,34 +262,23 @@ pub fn random_span_id() -> SpanId {
     RandomIdGenerator::default().new_span_id()
 }
 
-/// Builds a span with the trace ID `trace` (a root's; a child's comes from its parent) and the
-/// span ID `span`, where given (see [`PresetIds`]).
-pub fn with_ids<T>(trace: Option<TraceId>, span: Option<SpanId>, build: impl FnOnce() -> T) -> T {
-    PRESET_TRACE_ID.with(|preset| preset.set(trace));
-    PRESET_SPAN_ID.with(|preset| preset.set(span));
-    let built = build();
-    PRESET_TRACE_ID.with(|preset| preset.set(None));
-    PRESET_SPAN_ID.with(|preset| preset.set(None));
-    built
-}
-
 /// The root of a trace the head sampler did not pick (a socket's discovery): not built while it
 /// happens, only when an operation under it is kept by the tail rule.
 pub trait UnbuiltRoot: std::fmt::Debug + Send + Sync {
     /// Its span context (not sampled): the trace its operations belong to.
     fn span_context(&self) -> &SpanContext;
 
-    /// Builds its spans, with the IDs and times it recorded, to be exported with the kept
-    /// operation that asks (whose end exports them); only the first call builds.
+    /// Exports its spans, with the IDs and times it recorded, for the kept operation that asks;
+    /// only the first call exports.
     fn build(&self);
 }
 
 /// What an operation's spans are children of: its socket's discovery.
 #[derive(Debug, Clone)]
 pub enum Root {
-    /// Picked by the head sampler: built and exported when it happened.
+    /// Picked by the head sampler: exported when it happened.
     Built(SpanContext),
-    /// Not picked: built only if an operation under it is kept.
+    /// Not picked: exported only if an operation under it is kept.
     Unbuilt(Arc<dyn UnbuiltRoot>),
 }
 
@@ -492,54 +432,56 @@ impl OperationTrace {
     }
 
     /// The operation ended, `failed` or not; `kept` is the tail rule's reason, if it keeps it.
-    /// Exported (sampled, or kept): its spans are built with the IDs and times it recorded and
-    /// go to the exporter (an unbuilt root built with them). Not exported: nothing is built, and
-    /// its trace's held spans are dropped.
+    /// Exported (sampled, or kept): its spans, with the IDs and times it recorded, go to the
+    /// exporter's queue, with its unbuilt root and what its trace held. Not exported: nothing is
+    /// made, and its trace's held spans are dropped.
     pub fn finish(&self, kept: Option<&'static str>, failed: bool) {
+        let trace = self.span.trace_id();
         if !exported(&self.span, kept.is_some()) {
             if let Some(held) = HELD.get() {
-                lock_held(held).traces.remove(&self.span.trace_id());
+                lock_held(held).traces.remove(&trace);
             }
             return;
         }
         if let Root::Unbuilt(root) = &self.root {
             root.build();
         }
-        let parent = self.root.context();
-        let tracer = opentelemetry::global::tracer("plugin-agent");
+        if let Some(held) = HELD.get() {
+            let spans = lock_held(held).take(trace);
+            spans.into_iter().for_each(super::otlp::export_sdk_span);
+        }
         let recorded =
             std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|p| p.into_inner()));
         let mut attributes = last_of_each_key(recorded);
         if let Some(reason) = kept {
             attributes.push(KeyValue::new(TAIL_FIELD, reason));
         }
-        let operation = with_ids(None, Some(self.span.span_id()), || {
-            tracer
-                .span_builder(self.name)
-                .with_start_time(self.started)
-                .with_attributes(attributes)
-                .start_with_context(&tracer, &parent)
-        });
-        let operation = parent.with_span(operation);
+        let operation = self.span.span_id();
         let steps = std::mem::take(&mut *self.steps.lock().unwrap_or_else(|p| p.into_inner()));
-        for step in steps {
-            let mut span = with_ids(None, Some(step.span), || {
-                tracer
-                    .span_builder(step.name)
-                    .with_start_time(step.started)
-                    .with_attributes(step.attributes)
-                    .start_with_context(&tracer, &operation)
+        for step in &steps {
+            super::otlp::export(&SpanRecord {
+                trace_id: trace,
+                span_id: step.span,
+                parent: operation,
+                parent_is_remote: false,
+                name: step.name,
+                start: step.started,
+                end: step.ended,
+                attributes: &step.attributes,
+                failed: step.failed,
             });
-            if step.failed {
-                span.set_status(Status::error(""));
-            }
-            span.end_with_timestamp(step.ended);
         }
-        let span = operation.span();
-        if failed {
-            span.set_status(Status::error(""));
-        }
-        span.end();
+        super::otlp::export(&SpanRecord {
+            trace_id: trace,
+            span_id: operation,
+            parent: self.root.span_context().span_id(),
+            parent_is_remote: true,
+            name: self.name,
+            start: self.started,
+            end: SystemTime::now(),
+            attributes: &attributes,
+            failed,
+        });
     }
 }
 
@@ -558,7 +500,7 @@ fn last_of_each_key(attributes: Vec<KeyValue>) -> Vec<KeyValue> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry::trace::{Span as _, Tracer as _, TracerProvider as _};
     use opentelemetry_sdk::trace::SdkTracerProvider;
     use std::sync::Arc;
 
@@ -585,31 +527,15 @@ mod tests {
         }
     }
 
-    fn provider(sampler: Sampler) -> (SdkTracerProvider, Exported) {
+    fn provider(sampler: Sampler) -> (SdkTracerProvider, Exported, Arc<Mutex<Held>>) {
         let exporter = Exported::default();
+        let processor = TailProcessor::new(exporter.clone());
+        let held = processor.held.clone();
         let provider = SdkTracerProvider::builder()
             .with_sampler(RecordEverything::new(sampler))
-            .with_span_processor(TailProcessor::new(exporter.clone()))
+            .with_span_processor(processor)
             .build();
-        (provider, exporter)
-    }
-
-    /// One operation: a discovery root, then `name` under it with a step, marked or not.
-    fn operation(provider: &SdkTracerProvider, name: &'static str, mark: Option<&'static str>) {
-        let tracer = provider.tracer("test");
-        let mut discovery = tracer.start("discovery");
-        discovery.end();
-        let root = Context::new().with_remote_span_context(discovery.span_context().clone());
-        let op = tracer.start_with_context(name, &root);
-        let op_cx = root.with_span(op);
-        let mut step = tracer.start_with_context("GetInfo", &op_cx);
-        step.end();
-        if let Some(reason) = mark {
-            op_cx
-                .span()
-                .set_attribute(KeyValue::new(TAIL_FIELD, reason));
-        }
-        op_cx.span().end();
+        (provider, exporter, held)
     }
 
     fn names(exporter: &Exported) -> Vec<String> {
@@ -624,29 +550,41 @@ mod tests {
     }
 
     #[test]
-    fn unsampled_operations_are_exported_whole_only_when_the_tail_rule_kept_them() {
-        let (provider, exporter) = provider(Sampler::TraceIdRatioBased(0.0));
-        operation(&provider, "register", None);
-        assert!(names(&exporter).is_empty(), "fast success, not sampled");
-        operation(&provider, "register", Some("failed"));
-        assert_eq!(names(&exporter), ["GetInfo", "discovery", "register"]);
-        let spans = exporter.get_finished_spans().expect("spans");
-        assert!(spans.iter().all(|s| s.span_context.is_sampled()));
-        let trace = spans[0].span_context.trace_id();
-        assert!(spans.iter().all(|s| s.span_context.trace_id() == trace));
+    fn spans_under_an_unsampled_root_are_held_for_their_trace_and_taken_sampled() {
+        let (provider, exporter, held) = provider(Sampler::TraceIdRatioBased(0.0));
+        let tracer = provider.tracer("test");
+        let mut discovery = tracer.start("discovery");
+        discovery.end();
+        let trace = discovery.span_context().trace_id();
+        assert!(!discovery.span_context().is_sampled());
+        let root = Context::new().with_remote_span_context(discovery.span_context().clone());
+        let mut unserved = tracer.start_with_context("unserved", &root);
+        unserved.end();
+        assert!(names(&exporter).is_empty(), "not sampled: held");
+        let spans = lock_held(&held).take(trace);
+        let mut taken: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
+        taken.sort_unstable();
+        assert_eq!(taken, ["discovery", "unserved"]);
+        assert!(
+            spans.iter().all(|s| s.span_context.is_sampled()),
+            "taken as sampled"
+        );
+        assert!(lock_held(&held).take(trace).is_empty(), "taken once");
     }
 
     #[test]
-    fn sampled_operations_are_exported_without_a_mark() {
-        let (provider, exporter) = provider(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
-        operation(&provider, "deregister", None);
-        assert_eq!(names(&exporter), ["GetInfo", "deregister", "discovery"]);
+    fn sampled_spans_go_straight_to_the_exporter() {
+        let (provider, exporter, _) = provider(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
+        let tracer = provider.tracer("test");
+        let mut discovery = tracer.start("discovery");
+        discovery.end();
+        assert_eq!(names(&exporter), ["discovery"]);
     }
 
     #[test]
     fn held_traces_are_bounded() {
         let mut held = Held::default();
-        let (provider, exporter) = provider(Sampler::AlwaysOn);
+        let (provider, exporter, _) = provider(Sampler::AlwaysOn);
         let tracer = provider.tracer("test");
         let mut span = tracer.start("discovery");
         span.end();
@@ -668,56 +606,6 @@ mod tests {
             "oldest dropped"
         );
         assert!(held.order.len() <= 2 * MAX_HELD_TRACES);
-    }
-
-    #[test]
-    fn a_span_built_with_a_drawn_id_is_exported_with_it() {
-        let exporter = Exported::default();
-        let provider = SdkTracerProvider::builder()
-            .with_id_generator(PresetIds::default())
-            .with_span_processor(exporter.clone())
-            .build();
-        let tracer = provider.tracer("test");
-        let drawn = random_span_id();
-        let trace = random_trace_id();
-        let mut span = with_ids(Some(trace), Some(drawn), || tracer.start("register"));
-        span.end();
-        let mut other = tracer.start("register");
-        other.end();
-        let spans = exporter.get_finished_spans().expect("spans");
-        assert_eq!(spans[0].span_context.span_id(), drawn);
-        assert_eq!(spans[0].span_context.trace_id(), trace);
-        assert_ne!(
-            spans[1].span_context.span_id(),
-            drawn,
-            "the preset is used once"
-        );
-        assert_ne!(spans[1].span_context.trace_id(), trace);
-    }
-
-    #[test]
-    fn the_head_decision_taken_before_a_root_is_built_is_the_one_the_provider_takes() {
-        let exporter = Exported::default();
-        let sampler = Sampler::TraceIdRatioBased(0.5);
-        let provider = SdkTracerProvider::builder()
-            .with_sampler(RecordEverything::new(sampler.clone()))
-            .with_id_generator(PresetIds::default())
-            .with_span_processor(exporter.clone())
-            .build();
-        let tracer = provider.tracer("test");
-        let mut picked = 0;
-        for _ in 0..200 {
-            let trace = random_trace_id();
-            let head = head_samples(&sampler, trace, "discovery");
-            let span = with_ids(Some(trace), None, || tracer.start("discovery"));
-            assert_eq!(span.span_context().trace_id(), trace);
-            assert_eq!(span.span_context().is_sampled(), head, "{trace}");
-            picked += usize::from(head);
-        }
-        assert!(
-            (40..160).contains(&picked),
-            "a ratio of one half picked {picked} of 200"
-        );
     }
 
     #[test]

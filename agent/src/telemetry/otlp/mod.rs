@@ -8,34 +8,69 @@
 //!       head sampler + tail rule (telemetry::sampling): which traces go on
 //!       (spans are built only for traces that will be exported)
 //!                                                                         v
-//!       bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048; full: span dropped)
+//!       encoded into its batch's bytes as it ends (encode.rs), in a bounded queue
+//!       (OTEL_BSP_MAX_QUEUE_SIZE, default 2048 spans; full: span dropped)
 //!                                                                         v
-//!       batch task on the agent's tokio runtime ─> OTLP/gRPC ─> collector
+//!       export task on the agent's tokio runtime (batch.rs) ─> OTLP/gRPC ─> collector
 //! ```
 //!
 //! On when `--otlp-endpoint` is given, or when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
-//! turn it off again. The other standard variables are honoured by the OpenTelemetry crates:
-//! `OTEL_EXPORTER_OTLP_{TRACES_,}{TIMEOUT,HEADERS,COMPRESSION}`, `OTEL_BSP_*`,
-//! `OTEL_TRACES_SAMPLER{,_ARG}` (the head sampler; failed and slow operations are exported
-//! whatever it says, see [`super::sampling`]), `OTEL_SERVICE_NAME` (default `plugin-agent`) and
-//! `OTEL_RESOURCE_ATTRIBUTES`.
+//! turn it off again. The other standard variables: `OTEL_EXPORTER_OTLP_{TRACES_,}{TIMEOUT,
+//! HEADERS,COMPRESSION,INSECURE}` and `OTEL_BSP_*` ([`config`]), `OTEL_TRACES_SAMPLER{,_ARG}`
+//! (the head sampler; failed and slow operations are exported whatever it says, see
+//! [`super::sampling`]), `OTEL_SERVICE_NAME` (default `plugin-agent`) and
+//! `OTEL_RESOURCE_ATTRIBUTES` (read by the OpenTelemetry SDK).
 //!
-//! A collector that is down never slows registration: ending a span only puts it in the queue,
-//! the export runs in its own task with the exporter's timeout, and a full queue drops spans.
-//! The batch processor runs on the agent's tokio runtime (the SDK's thread-based one cannot drive
-//! tonic's connections), so [`install`] must be called inside that runtime.
+//! The SDK builds the spans (its tracer, sampler and span processor interface); the export is
+//! the agent's own (`encode.rs`, `batch.rs`): the OTLP exporter crate's conversion of every span
+//! into protobuf structs cost a traced burst more than the rest of tracing together.
+//!
+//! A collector that is down never slows registration: ending a span only appends it to the
+//! queue, the export runs in its own task with the exporter's timeout, and a full queue drops
+//! spans. [`install`] must be called inside the agent's tokio runtime, where the task runs.
 
-use anyhow::Context as _;
-use opentelemetry_otlp::WithExportConfig as _;
+mod batch;
+mod config;
+mod encode;
+
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::{BatchConfigBuilder, SdkTracerProvider};
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+pub use encode::SpanRecord;
+
+/// The installed exporter's queue, for the spans the agent encodes itself.
+static SENDER: OnceLock<batch::Sender> = OnceLock::new();
+
+/// Exports `span` (a trace the head sampler or the tail rule decided to export), when the
+/// pipeline is installed.
+pub fn export(span: &SpanRecord<'_>) {
+    if let Some(sender) = SENDER.get() {
+        sender.send(span);
+    }
+}
+
+/// Exports the SDK's `span`, built and held before its trace was kept, as sampled.
+pub fn export_sdk_span(span: opentelemetry_sdk::trace::SpanData) {
+    if let Some(sender) = SENDER.get() {
+        sender.send_sdk(&span);
+    }
+}
 
 /// Set once the pipeline is installed: whether spans are worth making. Process-wide, as the
 /// tracer provider is.
 static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// The instrumentation scope of every span the agent makes (its tracer's name).
+pub const SCOPE: &str = "plugin-agent";
+
+/// The agent's tracer, from the installed provider.
+pub fn tracer() -> opentelemetry::global::BoxedTracer {
+    opentelemetry::global::tracer(SCOPE)
+}
 
 /// How long shutdown waits to flush the last spans, so a dead collector cannot hold up exit.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(3);
@@ -66,29 +101,14 @@ pub struct Traces {
 }
 
 impl Traces {
-    /// Flushes queued spans (for at most a few seconds, and never past the SIGTERM deadline) and
-    /// stops the exporter.
+    /// Sends the queued spans (for at most a few seconds, and never past the SIGTERM deadline)
+    /// and stops the exporter: a collector that accepts and never answers does not hold up exit.
     pub fn shutdown(self) {
         // Within the SIGTERM deadline: what is left of it, less room for the runtime and the exit.
-        // On its own thread: an exporter stuck in an export (a collector that accepts and never
-        // answers) does not honour the timeout (it waited out its 10 s export deadline), so the
-        // agent stops waiting at the budget and exits; the thread ends with the process.
         let budget = SHUTDOWN_FLUSH
             .min(crate::shutdown::remaining().saturating_sub(Duration::from_millis(750)));
-        let provider = self.provider;
-        let (done, flushed) = std::sync::mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name("otlp-flush".into())
-            .spawn(move || {
-                let _ = done.send(provider.shutdown_with_timeout(budget));
-            });
-        if spawned.is_err() {
-            return;
-        }
-        match flushed.recv_timeout(budget + Duration::from_millis(20)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "trace exporter shutdown"),
-            Err(_) => tracing::debug!(?budget, "trace flush cut at the shutdown deadline"),
+        if let Err(e) = self.provider.shutdown_with_timeout(budget) {
+            tracing::debug!(error = %e, ?budget, "trace flush at shutdown");
         }
     }
 }
@@ -96,20 +116,9 @@ impl Traces {
 /// Builds the exporter and batch processor, and makes the provider the global one (the discovery
 /// spans use it). `endpoint` overrides the environment's. Must run inside the tokio runtime.
 pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
-    if let Some(endpoint) = endpoint {
-        exporter = exporter.with_endpoint(endpoint);
-    }
-    let exporter = exporter
-        .build()
-        .context("cannot set up the OTLP trace exporter")?;
-    let processor =
-        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
-            exporter,
-            opentelemetry_sdk::runtime::Tokio,
-        )
-        .with_batch_config(BatchConfigBuilder::default().build())
-        .build();
+    let processor = batch::BatchProcessor::new(config::from_env(endpoint)?)?;
+    // Installed once per process (the agent's `run`); the tracer provider is as global.
+    let _ = SENDER.set(processor.sender());
     let mut resource = Resource::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("plugin-agent");
@@ -117,7 +126,6 @@ pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
     // Every span is recorded; the head sampler and the tail rule decide what is exported.
     let provider = SdkTracerProvider::builder()
         .with_sampler(super::sampling::RecordEverything::from_env())
-        .with_id_generator(super::sampling::PresetIds::default())
         .with_span_processor(super::sampling::TailProcessor::new(processor))
         .with_resource(resource.build())
         .build();
