@@ -203,12 +203,13 @@ fn latency_panels_show_exemplars_that_link_to_the_trace_data_source() {
         .expect("a Prometheus source");
     let link = &prometheus["jsonData"]["exemplarTraceIdDestinations"][0];
     // What the agent's exemplars look like in the exposition Prometheus scrapes.
+    use plugin_agent::telemetry::metrics::HexId;
     let metrics = plugin_agent::telemetry::metrics::Metrics::default();
     metrics.first_contact(
         std::time::Duration::from_millis(5),
         Some(plugin_agent::telemetry::metrics::TraceExemplar {
-            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
-            span_id: "00f067aa0ba902b7".into(),
+            trace_id: HexId::of(&0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128.to_be_bytes()),
+            span_id: HexId::of(&0x00f0_67aa_0ba9_02b7_u64.to_be_bytes()),
         }),
     );
     let labels =
