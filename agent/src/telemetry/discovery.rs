@@ -229,8 +229,9 @@ impl Discoveries {
     /// from the socket's creation (`after_creation` before the contact, when an event timed it;
     /// else the contact alone) to the first connect by another process, which the span names.
     /// Returns the span as an exemplar for the first-contact histogram when its trace is
-    /// exported. Under a discovery the head sampler did not pick, the span is kept with it, built
-    /// if the discovery is (a contact after that is not traced), and has no exemplar.
+    /// exported. Under a discovery the head sampler did not pick, the span is kept with it,
+    /// exported if the discovery is (a contact after that is not traced), and has no exemplar; a
+    /// socket with no discovery record has no trace to join, and its contact is not traced.
     pub fn first_contact(
         &self,
         path: &Path,
