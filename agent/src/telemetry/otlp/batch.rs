@@ -119,6 +119,13 @@ impl Shared {
         Some(batch)
     }
 
+    /// Queues one span and wakes the export task when it should be.
+    fn send(&self, entry: &encode::Entry<'_>) {
+        if self.push(entry) {
+            self.wake.notify_one();
+        }
+    }
+
     /// When the oldest batch is due, if any span is queued.
     fn due(&self) -> Option<Instant> {
         let delay = self.config.scheduled_delay;
@@ -198,8 +205,21 @@ impl Client {
     }
 }
 
+/// Held by the export task: when it ends (its own end, or the runtime's), whoever waits for a
+/// flush or a shutdown stops waiting.
+struct TaskGone(Arc<Shared>);
+
+impl Drop for TaskGone {
+    fn drop(&mut self) {
+        let mut queue = self.0.lock();
+        queue.closing = None;
+        queue.flushing.clear();
+    }
+}
+
 /// The export task (see the module docs).
 async fn run(shared: Arc<Shared>, mut client: Client) {
+    let _gone = TaskGone(shared.clone());
     let mut last_drop_warning: Option<Instant> = None;
     loop {
         // Idle until a span is queued (or shutdown, or a flush).
@@ -294,6 +314,12 @@ impl BatchProcessor {
     /// Asks the task to send what is queued, waiting at most `timeout`; `closing` stops it after.
     fn drain(&self, timeout: Duration, closing: bool) -> OTelSdkResult {
         let (done, drained) = std::sync::mpsc::channel();
+        // Never started (no resource given): nothing can be sent, nobody to wait for.
+        let started = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none();
         {
             let mut queue = self.shared.lock();
             if closing {
@@ -306,11 +332,14 @@ impl BatchProcessor {
                 queue.flushing.push(done);
             }
         }
+        if !started {
+            return Ok(());
+        }
         self.shared.wake.notify_one();
         match drained.recv_timeout(timeout) {
             Ok(()) => Ok(()),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(OTelSdkError::Timeout(timeout)),
-            // The task is gone (never started: no resource given, or the runtime ended).
+            // The task is gone (the runtime ended): see `TaskGone`.
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Ok(()),
         }
     }
@@ -324,18 +353,12 @@ pub struct Sender(Arc<Shared>);
 impl Sender {
     /// Queues the agent's `span`.
     pub fn send(&self, span: &encode::SpanRecord<'_>) {
-        self.queue(&encode::Entry::record(span));
+        self.0.send(&encode::Entry::record(span));
     }
 
     /// Queues the SDK's `span` as its processor would.
     pub fn send_sdk(&self, span: &SpanData) {
-        self.queue(&encode::Entry::sdk(span));
-    }
-
-    fn queue(&self, entry: &encode::Entry<'_>) {
-        if self.0.push(entry) {
-            self.0.wake.notify_one();
-        }
+        self.0.send(&encode::Entry::sdk(span));
     }
 }
 
@@ -351,7 +374,7 @@ impl SpanProcessor for BatchProcessor {
 
     fn on_end(&self, span: SpanData) {
         if span.span_context.is_sampled() {
-            self.sender().send_sdk(&span);
+            self.shared.send(&encode::Entry::sdk(&span));
         }
     }
 
@@ -625,10 +648,19 @@ mod tests {
         for i in 0..10 {
             processor.on_end(span(&format!("s{i}"), true));
         }
-        let queue = processor.shared.lock();
-        assert_eq!(queue.queued, 4);
-        assert_eq!(queue.dropped, 6);
-        assert_eq!(queue.batches.len(), 2, "two full batches of two");
+        {
+            let queue = processor.shared.lock();
+            assert_eq!(queue.queued, 4);
+            assert_eq!(queue.dropped, 6);
+            assert_eq!(queue.batches.len(), 2, "two full batches of two");
+        }
+        // No task to wait for: shutdown does not wait out its budget for one.
+        let result = tokio::task::spawn_blocking(move || {
+            processor.shutdown_with_timeout(Duration::from_millis(1))
+        })
+        .await
+        .expect("joined");
+        assert!(result.is_ok(), "{result:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
