@@ -43,7 +43,7 @@ pub struct AgentConfig {
     pub source_options: SourceOptions,
     /// Event-driven, or kubelet's 1 s polling loop (for comparison).
     pub reconcile_mode: ReconcileMode,
-    /// Period of the safety pass in event mode.
+    /// Quiet before the safety pass in event mode (see `reconciler`).
     pub safety_period: Duration,
     /// Timeouts and concurrency of operations.
     pub executor: ExecutorConfig,

@@ -3,8 +3,14 @@
 //! Kubelet's reconciler wakes every second and walks both caches, which is where its ~1 s
 //! registration latency comes from. Here the watcher, the executor (operation finished, backoff
 //! expired) and the handler registry mark the paths that changed in a [`ReconcileQueue`], and the
-//! reconciler looks at just those, at once. A slow periodic pass over everything (default 30 s) is
-//! the safety net, and also asks the watcher to re-walk the tree.
+//! reconciler looks at just those, at once. A slow pass over everything is the safety net, and
+//! also asks the watcher to re-walk the tree: it runs once nothing has changed for the safety
+//! period (default 30 s), and at the latest twice that long after the previous one. A walk while
+//! the tree is busy finds what the events are delivering anyway, and costs the CPU they need; a
+//! walk of a settled tree compares the tree with settled state, so a difference it finds is one
+//! the events missed. An agent that has just finished a burst therefore does not wake for it in
+//! the next seconds (a fixed period from start-up walked wherever in the quiet the phase put it),
+//! and an idle node is walked every period as before.
 //!
 //! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, is
 //! desired with a different generation (socket re-created), or is no longer served (`liveness`),
@@ -20,6 +26,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, trace};
 
@@ -76,29 +83,55 @@ impl Reconciler {
 
     /// Runs until `cancel` fires.
     pub async fn run(self, cancel: CancellationToken) {
-        let period = match self.mode {
-            ReconcileMode::Event => self.safety_period,
-            ReconcileMode::Polling => KUBELET_LOOP_PERIOD,
-        };
-        let mut safety = tokio::time::interval(period);
-        safety.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        safety.tick().await; // the first tick is immediate
+        match self.mode {
+            ReconcileMode::Event => self.run_on_changes(cancel).await,
+            ReconcileMode::Polling => self.run_polling(cancel).await,
+        }
+    }
+
+    /// Woken by every change; the safety pass follows [`SafetySchedule`].
+    async fn run_on_changes(self, cancel: CancellationToken) {
+        let mut schedule = SafetySchedule::new(self.safety_period, Instant::now());
+        let pass = tokio::time::sleep_until(schedule.due());
+        tokio::pin!(pass);
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = self.queue.changed(), if self.mode == ReconcileMode::Event => {}
-                _ = safety.tick() => {
+                _ = self.queue.changed() => {}
+                _ = &mut pass => {
+                    let now = Instant::now();
+                    schedule.passed(now);
+                    pass.set(tokio::time::sleep_until(schedule.due()));
                     self.queue.mark_all();
-                    if self.mode == ReconcileMode::Event {
-                        self.executor.recheck_unserved();
-                    }
-                    if self.mode == ReconcileMode::Event
-                        && let Some(rescan) = &self.rescan
-                    {
+                    self.executor.recheck_unserved();
+                    if let Some(rescan) = &self.rescan {
                         // A stored permit: the request survives a watcher that is busy now.
                         rescan.notify_one();
                     }
                 }
+            }
+            if let Some(work) = self.queue.take() {
+                // The pass's own `mark_all` is not a change; what it finds comes back as paths.
+                if matches!(work, Work::Paths(_)) && schedule.changed(Instant::now()) {
+                    // A new timer, not `reset`: tokio moves a deadline later lazily, leaving the
+                    // entry at the old time, and the runtime wakes there for nothing (in the
+                    // quiet after a burst, which is what this schedule is for).
+                    pass.set(tokio::time::sleep_until(schedule.due()));
+                }
+                self.reconcile(work);
+            }
+        }
+    }
+
+    /// Kubelet's loop: a full pass every second, deaf to wake-ups.
+    async fn run_polling(self, cancel: CancellationToken) {
+        let mut tick = tokio::time::interval(KUBELET_LOOP_PERIOD);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await; // the first tick is immediate
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tick.tick() => self.queue.mark_all(),
             }
             if let Some(work) = self.queue.take() {
                 self.reconcile(work);
@@ -147,5 +180,115 @@ impl Reconciler {
             }
         }
         self.executor.after_pass();
+    }
+}
+
+/// When the safety pass is due: `period` after the last change (or the previous pass, if nothing
+/// changed since), and never later than `2 × period` after the previous pass, so that a tree that
+/// never settles is still walked.
+#[derive(Debug)]
+struct SafetySchedule {
+    period: Duration,
+    last_pass: Instant,
+    due: Instant,
+}
+
+impl SafetySchedule {
+    /// How much later a change must push the pass before the timer is moved: a busy reconciler
+    /// (thousands of wake-ups a second in a burst) moves it about once a second, and the pass
+    /// may run up to this much before `period` of quiet has passed.
+    const SLACK: Duration = Duration::from_secs(1);
+
+    /// The start-up walk counts as the first pass.
+    fn new(period: Duration, started: Instant) -> Self {
+        SafetySchedule {
+            period,
+            last_pass: started,
+            due: started + period,
+        }
+    }
+
+    fn due(&self) -> Instant {
+        self.due
+    }
+
+    /// A pass ran at `now`.
+    fn passed(&mut self, now: Instant) {
+        self.last_pass = now;
+        self.due = now + self.period;
+    }
+
+    /// Something changed at `now`; true if the due time moved.
+    fn changed(&mut self, now: Instant) -> bool {
+        let wanted = (now + self.period).min(self.last_pass + 2 * self.period);
+        if wanted < self.due + Self::SLACK {
+            return false;
+        }
+        self.due = wanted;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PERIOD: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn a_quiet_tree_is_walked_every_period() {
+        let start = Instant::now();
+        let mut schedule = SafetySchedule::new(PERIOD, start);
+        assert_eq!(schedule.due(), start + PERIOD);
+        schedule.passed(start + PERIOD);
+        assert_eq!(schedule.due(), start + 2 * PERIOD);
+    }
+
+    #[test]
+    fn the_pass_waits_for_a_period_of_quiet_after_the_last_change() {
+        let start = Instant::now();
+        let mut schedule = SafetySchedule::new(PERIOD, start);
+        // A burst from 20 s to 27 s: the pass that was due at 30 s waits until 57 s.
+        for ms in (20_000..=27_000).step_by(10) {
+            schedule.changed(start + Duration::from_millis(ms));
+        }
+        let due = schedule.due();
+        assert!(
+            due > start + Duration::from_secs(56) && due <= start + Duration::from_secs(57),
+            "due {:?} after start",
+            due - start
+        );
+    }
+
+    #[test]
+    fn a_tree_that_never_settles_is_walked_every_two_periods() {
+        let start = Instant::now();
+        let mut schedule = SafetySchedule::new(PERIOD, start);
+        let mut now = start;
+        let mut passes = Vec::new();
+        while now < start + 5 * PERIOD {
+            if now >= schedule.due() {
+                schedule.passed(now);
+                passes.push(now - start);
+            }
+            schedule.changed(now);
+            now += Duration::from_millis(100);
+        }
+        assert_eq!(
+            passes,
+            [2 * PERIOD, 4 * PERIOD],
+            "passes under constant change"
+        );
+    }
+
+    #[test]
+    fn changes_move_the_timer_about_once_a_second() {
+        let start = Instant::now();
+        let mut schedule = SafetySchedule::new(PERIOD, start);
+        // A change every millisecond for 10 s.
+        let moves = (0..=10_000)
+            .filter(|ms| schedule.changed(start + Duration::from_millis(*ms)))
+            .count();
+        assert_eq!(moves, 10, "timer moves in 10 s of changes");
     }
 }

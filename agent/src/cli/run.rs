@@ -55,7 +55,8 @@ pub struct RunArgs {
     #[arg(long, value_enum)]
     pub reconcile_mode: Option<ReconcileMode>,
 
-    /// Period of the safety pass (full reconcile and re-walk) in event mode [default: 30s].
+    /// Quiet before the safety pass (full reconcile and re-walk) in event mode; it runs at least
+    /// every twice this long [default: 30s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub safety_period: Option<Duration>,
 

@@ -14,7 +14,8 @@
 //! 1. start the agent (and, for `slow-handler`, the example DRA handler it calls);
 //! 2. one warm-up plugin must register: the agent watches; the CPU/wake-up baseline is read;
 //! 3. the scenario's load; then wait (bounded) until every live plugin is registered;
-//! 4. idle: nothing changes for `--idle`; CPU, wake-ups and RSS with all plugins registered;
+//! 4. idle: once the agent's threads have been still for 200 ms (at most 2 s), nothing changes
+//!    for `--idle`; CPU, wake-ups and RSS with all plugins registered;
 //! 5. every plugin goes away; wait (bounded by `--stale-bound`) for deregistrations, then ask
 //!    the agent what it still lists (stale).
 
@@ -234,7 +235,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let loaded = procfs::sample(pid)?;
     let load_usage = loaded.since(&before);
 
-    let idle = measure_idle(pid, args.idle, &mut progress).await?;
+    let (idle, settle) = measure_idle(pid, args.idle, &mut progress).await?;
 
     // Everything goes away; deregistrations are awaited up to the stale bound.
     progress.set("removing", 0, 1);
@@ -275,6 +276,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         "totals": totals,
         "agent_load": load_usage,
         "agent_idle": idle,
+        "idle_settle_ms": settle.as_millis() as u64,
         // Received by --otlp-sink once the stopped agent flushed (null: traces off).
         "spans_exported": spans.map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
     }))
@@ -463,15 +465,36 @@ fn ledger_fed_by_workers() -> (
     (ledger, reports_tx)
 }
 
-/// The agent's cost over `window` with nothing happening. A timer is the point here (a quiet
-/// window), not a wait for an event.
+/// The agent's cost over `window` with nothing happening. It begins once the agent has finished
+/// what the load started (the last operations' tails, the source's backlog): no thread switched
+/// for [`SETTLED`], or [`SETTLE_LIMIT`] after the load, whichever comes first, so a periodic
+/// wake-up faster than that is still measured. Polling `/proc` is the point here (an outside view
+/// of a process), and so is the timer that makes the quiet window.
 async fn measure_idle(
     pid: u32,
     window: Duration,
     progress: &mut Progress,
-) -> anyhow::Result<procfs::Usage> {
+) -> anyhow::Result<(procfs::Usage, Duration)> {
+    progress.set("settling", 0, 1);
+    let load_end = std::time::Instant::now();
+    let mut last = procfs::sample(pid)?;
+    let mut quiet_since = load_end;
+    while quiet_since.elapsed() < SETTLED && load_end.elapsed() < SETTLE_LIMIT {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = procfs::sample(pid)?;
+        if now.switches() != last.switches() {
+            quiet_since = std::time::Instant::now();
+        }
+        last = now;
+    }
+    let settle = load_end.elapsed();
     progress.set("idle", 0, 1);
     let idle_start = procfs::sample(pid)?;
     tokio::time::sleep(window).await;
-    Ok(procfs::sample(pid)?.since(&idle_start))
+    Ok((procfs::sample(pid)?.since(&idle_start), settle))
 }
+
+/// How long the agent's threads must not switch before the idle window begins.
+const SETTLED: Duration = Duration::from_millis(200);
+/// The longest wait for that.
+const SETTLE_LIMIT: Duration = Duration::from_secs(2);

@@ -85,6 +85,11 @@ pub fn sample(pid: u32) -> std::io::Result<Sample> {
 }
 
 impl Sample {
+    /// Context switches, all threads, at this reading.
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
     /// What happened between `earlier` and this reading.
     pub fn since(&self, earlier: &Sample) -> Usage {
         // SAFETY: sysconf has no preconditions.
