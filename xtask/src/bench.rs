@@ -209,6 +209,7 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
 
     let root = shell::workspace_root();
     let release = root.join("target/release");
+    warn_about_pinned_programs(&release);
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     let scenarios: Vec<Scenario> = match options.scenario {
@@ -256,6 +257,22 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     println!("{markdown}");
     eprintln!("xtask: bench: results in {}", out_dir.display());
     Ok(())
+}
+
+/// Pinned eBPF programs stay attached after their agent is gone (that is what makes a restart
+/// invisible), and a killed test run leaves its set behind: each one runs on every traced syscall
+/// of every process, in every row of every mode. Each run's own set is removed by loadgen.
+fn warn_about_pinned_programs(release: &Path) {
+    let root = Path::new("/sys/fs/bpf/plugin-agent");
+    let sets = std::fs::read_dir(root).map_or(0, |dir| dir.flatten().count());
+    if sets > 0 {
+        eprintln!(
+            "xtask: bench: {sets} pinned program set(s) under {} are attached and tax every row; \
+             `{} cleanup --all` removes them (no agent may be running)",
+            root.display(),
+            release.join("plugin-agent").display()
+        );
+    }
 }
 
 /// One scenario in one mode: loadgen's progress lines drive a bar; its last line is the result.
