@@ -15,7 +15,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_ebpf::{DirKey, NameKey};
 use anyhow::Context;
@@ -42,12 +42,15 @@ use crate::event_source::WatchedDir;
 /// (16,384 map deletions while events waited) and asked for a full rescan: the storm's tail.
 struct Names {
     map: BpfHashMap<MapData, NameKey, u32>,
-    /// Each name's one allocation is shared by both directions: a burst of 10,000 plugins keeps
-    /// 10,000 names here for as long as their sockets exist.
-    by_name: HashMap<Arc<OsStr>, NameEntry>,
-    by_id: HashMap<u32, Arc<OsStr>>,
+    /// A burst of 10,000 plugins keeps 10,000 names here for as long as their sockets exist.
+    by_name: HashMap<Name, NameEntry>,
+    by_id: HashMap<u32, Name>,
     next_id: u32,
 }
+
+/// A name's bytes, inline up to 24 (almost every socket name): stored in the tables themselves,
+/// not one small allocation per name.
+type Name = SmallVec<[u8; 24]>;
 
 /// A name in the table: its id, and the watched directories holding an entry so named (almost
 /// always one, kept inline; `csi.sock` in every driver's directory is the common exception).
@@ -143,7 +146,7 @@ impl Filters {
         };
         let dir = Self::key(dir);
         let mut names = lock(&self.names);
-        if let Some(entry) = names.by_name.get_mut(name) {
+        if let Some(entry) = names.by_name.get_mut(name.as_bytes()) {
             if !entry.dirs.contains(&dir) {
                 entry.dirs.push(dir);
             }
@@ -153,9 +156,9 @@ impl Filters {
         // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
         if names.map.insert(key, id, 0).is_ok() {
             names.next_id = id.wrapping_add(1).max(1);
-            let name: Arc<OsStr> = Arc::from(name);
+            let name = Name::from_slice(name.as_bytes());
             names.by_name.insert(
-                Arc::clone(&name),
+                name.clone(),
                 NameEntry {
                     id,
                     dirs: smallvec![dir],
@@ -179,13 +182,13 @@ impl Filters {
         };
         let dir = Self::key(dir);
         let mut names = lock(&self.names);
-        if let Some(entry) = names.by_name.get_mut(name) {
+        if let Some(entry) = names.by_name.get_mut(name.as_bytes()) {
             entry.dirs.retain(|d| *d != dir);
             if !entry.dirs.is_empty() {
                 return;
             }
             let id = entry.id;
-            names.by_name.remove(name);
+            names.by_name.remove(name.as_bytes());
             names.by_id.remove(&id);
             crate::memory::shrink_if_sparse(&mut names.by_name);
             crate::memory::shrink_if_sparse(&mut names.by_id);
@@ -200,7 +203,7 @@ impl Filters {
         lock(&self.names)
             .by_id
             .get(&id)
-            .map(|name| name.to_os_string())
+            .map(|name| OsStr::from_bytes(name).to_os_string())
     }
 
     /// Resolves when `remember_name` found the map full (the reader waits on this).
