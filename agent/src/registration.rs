@@ -324,6 +324,15 @@ impl PluginConnection {
                     }
                     return Ok((connection, info));
                 }
+                // The plugin's server enforcing the deadline the call carries (`grpc-timeout`),
+                // when its status lands before the agent's own timer: the same missed deadline
+                // (a just-started plugin then gets its quick retry, whichever side noticed first).
+                Ok(Err(unary::CallError::Status {
+                    code: tonic::Code::Cancelled | tonic::Code::DeadlineExceeded,
+                    ..
+                })) if asked.elapsed() >= timeouts.get_info => {
+                    PluginCallError::GetInfoTimeout(timeouts.get_info)
+                }
                 Ok(Err(e)) => PluginCallError::GetInfo(e.to_string()),
                 Err(_elapsed) => PluginCallError::GetInfoTimeout(timeouts.get_info),
             };
