@@ -223,14 +223,14 @@ pub trait EventSource: Send + Sync {
     /// Stop reporting changes inside `dir` (it was removed or left the tree).
     fn unwatch(&self, dir: &WatchedDir);
 
-    /// The watcher found an entry (socket or directory) called `name` inside `dir`. Sources that
+    /// The watcher found an entry of type `entry` called `name` inside `dir`. Sources that
     /// filter removals by name in the kernel use this; others ignore it. Calling it again for the
     /// same entry changes nothing.
     ///
     /// Returns true when the source did not know the name before this call: a removal of the
     /// entry by a multi-component path made before it was not reported, so the caller must look
     /// at the entry again (announce, then check: the same order as watch, then walk).
-    fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr) -> bool {
+    fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr, _entry: Entry) -> bool {
         false
     }
 
@@ -244,6 +244,15 @@ pub trait EventSource: Send + Sync {
     fn stats(&self) -> SourceStats {
         SourceStats::default()
     }
+}
+
+/// What the watcher announces to [`EventSource::entry_present`]. Only a directory's name can be
+/// the parent component of a path the kernel reports by name, so a source that names parents
+/// (the eBPF tracepoints) keeps an id, and the memory for it, for directories only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    Socket,
+    Directory,
 }
 
 /// What a source knows about its own delivery, for metrics (`plugin_agent_event_source_*`).

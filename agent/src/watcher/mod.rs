@@ -25,7 +25,7 @@
 //!   is not a directory (swapped for a symlink): logged, shown by `status`, and `/readyz` fails.
 
 use crate::event_source::{
-    EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
+    Entry, EventSource, FsEvent, Observed, RescanReason, WatchedDir, monotonic_now_ns,
 };
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::provenance::Contact;
@@ -315,7 +315,7 @@ impl Watcher {
         observed: Observed,
         via: Via,
     ) {
-        if self.announce(path) {
+        if self.announce(path, Entry::Socket) {
             // The source did not know the name: a removal by a multi-component path before the
             // announcement went unreported, so look again now that any later one will be.
             match EntryKind::of(path) {
@@ -418,12 +418,12 @@ impl Watcher {
     /// Sources that match removals by name in the kernel depend on it; a rescan re-announces
     /// everything, because a source whose name table overflowed asks for a rescan to refill it.
     /// True when the name was new to the source: the caller looks at the entry again.
-    fn announce(&self, path: &Path) -> bool {
+    fn announce(&self, path: &Path, entry: Entry) -> bool {
         match (
             path.parent().and_then(|p| self.dirs.get(p)),
             path.file_name(),
         ) {
-            (Some(dir), Some(name)) => self.source.entry_present(dir, name),
+            (Some(dir), Some(name)) => self.source.entry_present(dir, name, entry),
             _ => false,
         }
     }

@@ -2,7 +2,7 @@
 //! state and the watched set equal to the tree.
 
 use super::{Watcher, ensure_root};
-use crate::event_source::{Observed, RescanReason, WatchedDir};
+use crate::event_source::{Entry, Observed, RescanReason, WatchedDir};
 use crate::notifications::{AgentEvent, EventKind};
 use crate::state::EntryKind;
 use crate::telemetry::discovery::Via;
@@ -110,10 +110,11 @@ impl Watcher {
         // announced before it is read, so a removal after the read is matched by name.
         match (&pending_dir.parent, dir.file_name()) {
             (Some(parent), Some(name)) => {
-                self.source.entry_present(&parent.watched, name);
+                self.source
+                    .entry_present(&parent.watched, name, Entry::Directory);
             }
             _ => {
-                self.announce(dir);
+                self.announce(dir, Entry::Directory);
             }
         }
         let opened = Arc::new(Opened {
@@ -214,7 +215,7 @@ impl Watcher {
             }
         }
         if let (Some(anchor), Some(name)) = (&self.anchor, self.root.file_name()) {
-            self.source.entry_present(anchor, name);
+            self.source.entry_present(anchor, name, Entry::Directory);
         }
     }
 

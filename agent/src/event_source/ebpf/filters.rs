@@ -23,7 +23,7 @@ use aya::maps::{HashMap as BpfHashMap, MapData};
 use smallvec::{SmallVec, smallvec};
 use tokio::sync::Notify;
 
-use crate::event_source::WatchedDir;
+use crate::event_source::{Entry, WatchedDir};
 
 /// The name table and userspace's ids for its names.
 ///
@@ -44,6 +44,7 @@ struct Names {
     map: BpfHashMap<MapData, NameKey, u32>,
     /// A burst of 10,000 plugins keeps 10,000 names here for as long as their sockets exist.
     by_name: HashMap<Name, NameEntry>,
+    /// Directory names only: a record names its path's parent component, never a socket.
     by_id: HashMap<u32, Name>,
     next_id: u32,
 }
@@ -55,8 +56,29 @@ type Name = SmallVec<[u8; 24]>;
 /// A name in the table: its id, and the watched directories holding an entry so named (almost
 /// always one, kept inline; `csi.sock` in every driver's directory is the common exception).
 struct NameEntry {
+    /// 0 (none) until a directory carries the name. A socket is never a path's parent, so its
+    /// name needs no id and no `by_id` entry: at 10,000 plugins that was 0.8 MB, a third of the
+    /// name table.
     id: u32,
     dirs: SmallVec<[DirKey; 1]>,
+}
+
+/// Gives `name` an id the kernel reports it by when it is a path's parent component. An existing
+/// key is overwritten in place (no new element), so this fails only on a kernel error; the name
+/// then stays without an id, and a record naming it as a parent carries none (the watcher looks
+/// in every watched directory, as for any unknown parent).
+fn assign_id(
+    map: &mut BpfHashMap<MapData, NameKey, u32>,
+    by_id: &mut HashMap<u32, Name>,
+    next_id: &mut u32,
+    key: &NameKey,
+    name: &[u8],
+) -> Option<u32> {
+    let id = *next_id;
+    map.insert(key, id, 0).ok()?;
+    *next_id = id.wrapping_add(1).max(1);
+    by_id.insert(id, Name::from_slice(name));
+    Some(id)
 }
 
 /// The name table is full: the reader clears it and asks for a rescan, which refills it.
@@ -136,35 +158,48 @@ impl Filters {
         lock(&self.paths).remove(&key);
     }
 
-    /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path.
+    /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path (and,
+    /// for a directory, name it as a path's parent).
     ///
     /// Returns whether the name is new to userspace's table (the caller then looks at the entry
     /// again), or [`NamesFull`]; the reader is then told to clear the table and ask for a rescan.
-    pub fn remember_name(&self, dir: &WatchedDir, name: &OsStr) -> Result<bool, NamesFull> {
+    pub fn remember_name(
+        &self,
+        dir: &WatchedDir,
+        name: &OsStr,
+        entry: Entry,
+    ) -> Result<bool, NamesFull> {
         let Some(key) = NameKey::new(name.as_bytes()) else {
             return Ok(false);
         };
         let dir = Self::key(dir);
-        let mut names = lock(&self.names);
-        if let Some(entry) = names.by_name.get_mut(name.as_bytes()) {
-            if !entry.dirs.contains(&dir) {
-                entry.dirs.push(dir);
+        let mut guard = lock(&self.names);
+        let Names {
+            map,
+            by_name,
+            by_id,
+            next_id,
+        } = &mut *guard;
+        if let Some(known) = by_name.get_mut(name.as_bytes()) {
+            if !known.dirs.contains(&dir) {
+                known.dirs.push(dir);
+            }
+            if entry == Entry::Directory && known.id == 0 {
+                known.id = assign_id(map, by_id, next_id, &key, name.as_bytes()).unwrap_or(0);
             }
             return Ok(false);
         }
-        let id = names.next_id;
         // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
-        if names.map.insert(key, id, 0).is_ok() {
-            names.next_id = id.wrapping_add(1).max(1);
-            let name = Name::from_slice(name.as_bytes());
-            names.by_name.insert(
-                name.clone(),
-                NameEntry {
-                    id,
-                    dirs: smallvec![dir],
-                },
-            );
-            names.by_id.insert(id, name);
+        let id = match entry {
+            Entry::Directory => assign_id(map, by_id, next_id, &key, name.as_bytes()),
+            Entry::Socket => map.insert(key, 0, 0).ok().map(|()| 0),
+        };
+        if let Some(id) = id {
+            let entry = NameEntry {
+                id,
+                dirs: smallvec![dir],
+            };
+            by_name.insert(Name::from_slice(name.as_bytes()), entry);
             return Ok(true);
         }
         self.names_overflowed.store(true, Ordering::Release);
@@ -189,7 +224,9 @@ impl Filters {
             }
             let id = entry.id;
             names.by_name.remove(name.as_bytes());
-            names.by_id.remove(&id);
+            if id != 0 {
+                names.by_id.remove(&id);
+            }
             crate::memory::shrink_if_sparse(&mut names.by_name);
             crate::memory::shrink_if_sparse(&mut names.by_id);
         }

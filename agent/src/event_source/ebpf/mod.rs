@@ -71,7 +71,7 @@ use self::loader::LoadParams;
 pub use self::loader::LoadTimings;
 use self::reader::Reader;
 use self::stats::{DeliveryStats, LossCounters, RingOccupancy};
-use crate::event_source::{EventSource, FsEvent, SourceKind, SourceStats, WatchedDir};
+use crate::event_source::{Entry, EventSource, FsEvent, SourceKind, SourceStats, WatchedDir};
 
 /// Tuning of the eBPF source; [`Default`] suits a node with a few hundred plugins.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -571,11 +571,11 @@ impl EventSource for EbpfSource {
         self.stats.snapshot()
     }
 
-    fn entry_present(&self, dir: &WatchedDir, name: &std::ffi::OsStr) -> bool {
+    fn entry_present(&self, dir: &WatchedDir, name: &std::ffi::OsStr, entry: Entry) -> bool {
         if self.family != HookFamily::Tracepoints {
             return false;
         }
-        match self.filters.remember_name(dir, name) {
+        match self.filters.remember_name(dir, name, entry) {
             Ok(new) => new,
             Err(filters::NamesFull) => {
                 tracing::warn!(
