@@ -31,6 +31,12 @@ pub struct Options {
     /// fanotify-no-provenance (`--provenance false`), for what provenance costs.
     #[arg(long, value_delimiter = ',')]
     pub modes: Vec<String>,
+    /// Runs of every scenario in every mode, interleaved (round r starts at the r-th mode, so no
+    /// mode always runs first or right after the same one); each row is then the median of its
+    /// rounds, metric by metric, and results.json keeps every round. One round's row moves with
+    /// what else this shared machine does; a median of three says which differences are real.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+    pub rounds: u32,
     /// Extra arguments for every `loadgen run` (e.g. `--count=20000`, `--duration=120s`), after
     /// the scenario's own defaults, so they win.
     #[arg(long = "loadgen-arg", allow_hyphen_values = true)]
@@ -227,27 +233,38 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
         })
         .collect();
     let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
+    let rounds = options.rounds as usize;
     let mut results = Vec::new();
     for scenario in &scenarios {
-        for mode in &modes {
-            let mut args: Vec<String> = scenario
-                .loadgen_args(options.scenario.is_none())
-                .into_iter()
-                .map(String::from)
-                .collect();
-            args.extend(options.loadgen_args.iter().cloned());
-            let csv = out_dir.join(format!("{}-{}.csv", scenario.name(), mode.name));
-            let result = match run_one(&release, mode, *scenario, &args, &csv) {
-                Ok(result) => result,
-                Err(e) => {
-                    eprintln!("xtask: bench: {} {}: {e:#}", scenario.name(), mode.name);
-                    serde_json::json!({
-                        "mode": mode.name, "scenario": scenario.name(), "error": format!("{e:#}")
-                    })
-                }
-            };
-            results.push(result);
+        let mut runs: Vec<Vec<serde_json::Value>> = vec![Vec::new(); modes.len()];
+        for round in 0..rounds {
+            for i in (0..modes.len()).map(|i| (i + round) % modes.len()) {
+                let mode = modes[i];
+                let mut args: Vec<String> = scenario
+                    .loadgen_args(options.scenario.is_none())
+                    .into_iter()
+                    .map(String::from)
+                    .collect();
+                args.extend(options.loadgen_args.iter().cloned());
+                let suffix = if rounds > 1 {
+                    format!("-round{}", round + 1)
+                } else {
+                    String::new()
+                };
+                let csv = out_dir.join(format!("{}-{}{suffix}.csv", scenario.name(), mode.name));
+                let result = match run_one(&release, mode, *scenario, &args, &csv) {
+                    Ok(result) => result,
+                    Err(e) => {
+                        eprintln!("xtask: bench: {} {}: {e:#}", scenario.name(), mode.name);
+                        serde_json::json!({
+                            "mode": mode.name, "scenario": scenario.name(), "error": format!("{e:#}")
+                        })
+                    }
+                };
+                runs[i].push(result);
+            }
         }
+        results.extend(runs.into_iter().map(report::median_of_rounds));
         svg::write_cdf(&out_dir, scenario.name(), &results)?;
     }
     let json = out_dir.join("results.json");
