@@ -6,7 +6,8 @@
 //! socket from the registration connection itself: `SO_PEERCRED` (pid, uid, gid of the process
 //! that called `listen()`) and `SO_PEERPIDFD`, a pidfd for that process taken by the kernel from
 //! the socket (no pid-reuse race, and it works across pid namespaces). The pidfd becomes readable
-//! when the process exits, which wakes the agent: no timer, no polling.
+//! when the process exits, which wakes the agent: no timer, no polling. A process serving many
+//! sockets is waited on once (one pidfd, one task), and its exit is checked for each of them.
 //!
 //! An exit is not yet proof. A listening socket outlives its process when it was handed on (a
 //! fork, fd passing, socket activation), so one connect attempt decides:
