@@ -549,7 +549,9 @@ async fn list_and_metrics(
 
 /// Waits for the next event of `kind` on the watch stream.
 async fn next_event(
-    events: &mut tokio::sync::broadcast::Receiver<plugin_agent::notifications::AgentEvent>,
+    events: &mut tokio::sync::broadcast::Receiver<
+        std::sync::Arc<plugin_agent::notifications::AgentEvent>,
+    >,
     kind: plugin_agent::notifications::EventKind,
 ) {
     tokio::time::timeout(WAIT, async {
