@@ -685,8 +685,13 @@ mod tests {
         }
     }
 
-    /// A process of its own listening on every path in `paths`, returned once all listen.
-    fn serve(paths: &[PathBuf]) -> ServingProcess {
+    /// A process of its own listening on `count` sockets in a new directory, returned once all
+    /// listen (dropped in reverse: the process ends before its directory goes).
+    fn serve(count: usize) -> (tempfile::TempDir, Vec<PathBuf>, ServingProcess) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let paths: Vec<PathBuf> = (0..count)
+            .map(|i| dir.path().join(format!("plugin-{i}.sock")))
+            .collect();
         let script = "import socket, sys, time\n\
                       held = []\n\
                       for path in sys.argv[1:]:\n\
@@ -700,7 +705,7 @@ mod tests {
             Command::new("python3")
                 .arg("-c")
                 .arg(script)
-                .args(paths)
+                .args(&paths)
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("start python3"),
@@ -709,7 +714,7 @@ mod tests {
         let stdout = process.0.stdout.as_mut().expect("stdout");
         BufReader::new(stdout).read_line(&mut line).expect("read");
         assert_eq!(line.trim(), "ready");
-        process
+        (dir, paths, process)
     }
 
     /// Registers `path` as the executor does: its server from a connection's credentials.
@@ -729,11 +734,7 @@ mod tests {
     /// that ends leaves it to the others, and its exit ends every registration still on it.
     #[tokio::test]
     async fn a_process_serving_many_sockets_is_one_exit_watch_that_ends_them_all() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let paths: Vec<PathBuf> = (0..3)
-            .map(|i| dir.path().join(format!("plugin-{i}.sock")))
-            .collect();
-        let mut server = serve(&paths);
+        let (_dir, paths, mut server) = serve(3);
         let liveness = Arc::new(Liveness::default());
         let (tx, mut losses) = tokio::sync::mpsc::unbounded_channel();
         liveness.on_loss(move |loss| {
@@ -781,11 +782,7 @@ mod tests {
     /// pidfd is closed): nothing is held for a process no registration names.
     #[tokio::test]
     async fn the_last_registration_of_a_process_ends_the_wait_on_its_exit() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let paths: Vec<PathBuf> = (0..2)
-            .map(|i| dir.path().join(format!("plugin-{i}.sock")))
-            .collect();
-        let server = serve(&paths);
+        let (_dir, paths, server) = serve(2);
         let liveness = Arc::new(Liveness::default());
         let Some(first) = watch(&liveness, &paths[0]) else {
             eprintln!("skipped: pidfds name no process identity on this kernel (before 6.9)");
