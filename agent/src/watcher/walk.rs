@@ -234,7 +234,6 @@ impl Watcher {
         let mut seen_dirs = HashSet::new();
         let mut report = WalkReport::default();
         self.walk(&self.root.clone(), &mut found, &mut seen_dirs, &mut report);
-        self.telemetry.watcher.health.set(root_problem, &report);
         // What could not be read keeps its watches and sockets: a failed read is no empty
         // directory (see the module docs).
         let stale_dirs: Vec<PathBuf> = self
@@ -288,6 +287,9 @@ impl Watcher {
                 "scanned plugin directory"
             );
         }
+        // Last: whoever sees the walk's problems (status, /readyz) then sees the watched set and
+        // desired state it left, not the ones before it.
+        self.telemetry.watcher.health.set(root_problem, &report);
     }
 
     /// True if the root is the directory being watched as the root (same identity).
