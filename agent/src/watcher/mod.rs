@@ -188,6 +188,7 @@ impl Watcher {
             }
             let mut names = NameHints::default();
             let mut contacts = Vec::new();
+            let mut releases = Vec::new();
             for event in batch.drain(..) {
                 match event {
                     FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
@@ -221,10 +222,10 @@ impl Watcher {
                             // `name_to_handle_at` per plugin for nothing.
                             self.check(&path, observed);
                         }
-                        if let Some(liveness) = &self.liveness
-                            && path.starts_with(&self.root)
-                        {
-                            liveness.kernel_hint(&path, listening);
+                        if listening {
+                            self.serving_hint(&path, true);
+                        } else {
+                            releases.push(path);
                         }
                     }
                     FsEvent::Contacted { path, observed } => contacts.push((path, observed)),
@@ -236,11 +237,30 @@ impl Watcher {
             if let Some(reason) = rescan {
                 self.rescan(reason);
             }
+            // After the removals beside them: a plugin going away unlinks its socket, then closes
+            // its listener, and a socket already forgotten needs no check of who serves it (its
+            // deregistration is under way). A storm's hundred removals were a hundred probe tasks
+            // competing with their own deregistrations.
+            for path in releases {
+                if self.desired.contains(&path) {
+                    self.serving_hint(&path, false);
+                }
+            }
             // After every entry of the batch and any walk: the socket contacted is desired by now
             // if it is in the tree at all (its bind came before its first contact).
             for (path, observed) in contacts {
                 self.first_contact(&path, observed);
             }
+        }
+    }
+
+    /// Passes the source's hint that `path`'s listener started (`listening`) or was closed to
+    /// liveness, which decides whether anything still serves it.
+    fn serving_hint(&self, path: &Path, listening: bool) {
+        if let Some(liveness) = &self.liveness
+            && path.starts_with(&self.root)
+        {
+            liveness.kernel_hint(path, listening);
         }
     }
 
@@ -363,10 +383,14 @@ impl Watcher {
             self.telemetry
                 .discovery
                 .record(path, Found::Removed, via, observed.kernel_ns);
+            let now = monotonic_now_ns();
             let since_event = observed
                 .kernel_ns
-                .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-            debug!(socket_path = %path.display(), ?since_event, "socket removed");
+                .map(|ns| Duration::from_nanos(now.saturating_sub(ns)));
+            let since_read = observed
+                .read_ns
+                .map(|ns| Duration::from_nanos(now.saturating_sub(ns)));
+            debug!(socket_path = %path.display(), ?since_event, ?since_read, "socket removed");
             self.notifications
                 .publish(AgentEvent::new(EventKind::SocketRemoved, path));
             self.queue.mark(path.to_path_buf());
