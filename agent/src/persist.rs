@@ -54,6 +54,11 @@ pub const FILE_NAME: &str = "state.json";
 /// The format this agent writes and reads; another is ignored (with a warning), never guessed at.
 pub const FORMAT: u32 = 1;
 
+/// The snapshot goes to its file through a buffer this big, not whole from memory: with 10,000
+/// plugins it is ~5 MB of JSON, which a burst's compactions built in memory (growing by
+/// doubling) at the moment the agent's memory peaked.
+const WRITE_BUFFER: usize = 64 * 1024;
+
 /// Journal lines before the journal is folded into the snapshot (at least; more with more
 /// plugins, so compaction stays a small share of the writes).
 const COMPACT_AFTER: usize = 1024;
@@ -180,7 +185,16 @@ impl Kept {
 struct SnapshotOut<'a> {
     format: u32,
     root: &'a str,
-    plugins: Vec<&'a RawValue>,
+    plugins: KeptJson<'a>,
+}
+
+/// The kept entries' JSON, serialized straight from the table (no list of them first).
+struct KeptJson<'a>(&'a HashMap<Box<str>, Kept>);
+
+impl serde::Serialize for KeptJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.values().map(|kept| &*kept.json))
+    }
 }
 
 /// A plugin a previous agent registered, as read from the file.
@@ -462,19 +476,19 @@ impl Journal {
         let file = SnapshotOut {
             format: FORMAT,
             root: &self.root,
-            plugins: inner.entries.values().map(|kept| &*kept.json).collect(),
+            plugins: KeptJson(&inner.entries),
         };
-        let written = serde_json::to_vec(&file)
-            .context("cannot serialize the state")
-            .and_then(|bytes| write_atomically(&self.snapshot, &bytes))
-            .and_then(|()| {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .truncate(true)
-                    .open(&self.journal)
-                    .with_context(|| format!("cannot start {}", self.journal.display()))
-            });
+        let written = write_atomically(&self.snapshot, |out| {
+            serde_json::to_writer(out, &file).map_err(std::io::Error::from)
+        })
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .open(&self.journal)
+                .with_context(|| format!("cannot start {}", self.journal.display()))
+        });
         match written {
             Ok(log) => {
                 inner.log = Some(log);
@@ -673,12 +687,21 @@ impl Restore<'_> {
     }
 }
 
-/// Writes `bytes` to a temporary file beside `file`, syncs it and renames it over `file`: readers
-/// (the next agent) see the old content or the new, never a mix.
-fn write_atomically(file: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+/// Writes what `write` writes to a temporary file beside `file` and renames it over `file`:
+/// readers (the next agent) see the old content or the new, never a mix.
+///
+/// Not synced to disk, like the journal's lines: the state outlives the agent (a kill leaves the
+/// page cache with it), not the node, whose plugins restart with it. An `fsync` here held the
+/// journal's lock, so every registration beginning meanwhile, for as long as the disk took to
+/// write ~5 MB (a runtime directory on a disk, not the default tmpfs). After a power loss a
+/// short or empty file is unreadable: a warning, and every plugin registered again.
+fn write_atomically(
+    file: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = file.with_extension("json.tmp");
-    let mut out = std::fs::OpenOptions::new()
+    let out = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
@@ -686,8 +709,9 @@ fn write_atomically(file: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
         .with_context(|| format!("cannot create {}", tmp.display()))?;
-    out.write_all(bytes)
-        .and_then(|()| out.sync_data())
+    let mut out = std::io::BufWriter::with_capacity(WRITE_BUFFER, out);
+    write(&mut out)
+        .and_then(|()| out.flush())
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, file)
         .with_context(|| format!("cannot rename {} to {}", tmp.display(), file.display()))
@@ -1173,7 +1197,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join(FILE_NAME);
         std::fs::write(&file, b"old content, longer than nothing at all").expect("write");
-        write_atomically(&file, b"new").expect("written");
+        write_atomically(&file, |out| out.write_all(b"new")).expect("written");
         assert_eq!(std::fs::read(&file).expect("read"), b"new");
         assert!(!file.with_extension("json.tmp").exists());
     }
