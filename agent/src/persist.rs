@@ -692,8 +692,8 @@ impl Restore<'_> {
 ///
 /// Not synced to disk, like the journal's lines: the state outlives the agent (a kill leaves the
 /// page cache with it), not the node, whose plugins restart with it. An `fsync` here held the
-/// journal's lock, so every registration beginning meanwhile, for as long as the disk took to
-/// write ~5 MB (a runtime directory on a disk, not the default tmpfs). After a power loss a
+/// journal's lock, and with it every registration beginning meanwhile, for as long as the disk
+/// took to write ~5 MB (a runtime directory on a disk, not the default tmpfs). After a power loss a
 /// short or empty file is unreadable: a warning, and every plugin registered again.
 fn write_atomically(
     file: &Path,
