@@ -223,6 +223,8 @@ pub struct KernelOffsets {
     pub inode_generation: u32,
     /// `super_block.s_dev` (`dev_t`, `u32`).
     pub sb_dev: u32,
+    /// `inode.i_nlink` (`unsigned int`): 0 once the inode's last name is unlinked.
+    pub inode_nlink: u32,
 }
 
 impl KernelOffsets {
@@ -250,6 +252,7 @@ impl KernelOffsets {
         inode_ino: 0,
         inode_generation: 0,
         sb_dev: 0,
+        inode_nlink: 0,
     };
 }
 
@@ -340,9 +343,8 @@ pub struct VfsArgs {
 pub struct Config {
     /// Where to find kernel struct members on the running kernel.
     pub offsets: KernelOffsets,
-    /// Padding, zero (keeps the layout explicit; the agent's tgid was here before it moved to
-    /// the `AGENT` map, which an agent adopting pinned programs can write).
-    pub _pad: [u32; 2],
+    /// Padding, zero (keeps the layout explicit: the u64s after it stay aligned).
+    pub _pad: [u32; 1],
     /// Wake the reader as soon as this many bytes are queued.
     pub wakeup_bytes: u64,
     /// Wake the reader for an event if it was last woken this many nanoseconds ago or earlier; events
@@ -359,7 +361,7 @@ impl Config {
     /// (`batch_ns` 0 wakes the reader for every event, which is the safe default).
     pub const UNSET: Config = Config {
         offsets: KernelOffsets::UNSET,
-        _pad: [0; 2],
+        _pad: [0; 1],
         wakeup_bytes: 0,
         batch_ns: 0,
         syscalls: SyscallNumbers::UNSET,

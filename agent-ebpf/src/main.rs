@@ -969,8 +969,9 @@ mod programs {
 
     // Attached in every hook family (there is no VFS function for either). A bound socket that
     // starts listening is reported so an unserved plugin registers the moment it serves; a closed
-    // descriptor of a listening socket is reported so the agent checks, with one connect, whether
-    // the listener went with it (another descriptor, in a child say, may still hold it). A process
+    // descriptor of a listening socket whose file is still there is reported so the agent checks,
+    // with one connect, whether the listener went with it (another descriptor, in a child say,
+    // may still hold it); after an unlink, the removal has said it all (`still_linked`). A process
     // that exits closes its descriptors without `close`: that is the pidfd the agent holds for
     // each registered plugin's server.
 
@@ -1122,6 +1123,18 @@ mod programs {
         report_dentry(dentry, parent, kind::CONNECT)
     }
 
+    /// Whether the socket inode at `dentry` still has a name. A plugin going away unlinks its
+    /// socket, then closes its listener: that release says nothing the removal did not, and as a
+    /// second prompt record per plugin it cost the agent a wake-up and a hand-over in the middle
+    /// of its deregistrations. The bound socket holds its dentry, which stays positive after the
+    /// unlink, its inode's `i_nlink` 0.
+    #[inline(always)]
+    fn still_linked(dentry: usize) -> bool {
+        kptr(dentry, offset!(dentry_inode))
+            .and_then(|inode| kread::<u32>(inode, offset!(inode_nlink)))
+            .is_some_and(|links| links != 0)
+    }
+
     /// A listening socket's descriptor closes: parked until `close` returns, then reported if it
     /// succeeded (by `close_exit`).
     #[tracepoint]
@@ -1135,7 +1148,7 @@ mod programs {
             return None;
         }
         let (dentry, listening) = bound_unix_socket(arg_u64(ctx, 0)?)?;
-        if !listening {
+        if !listening || !still_linked(dentry) {
             return None;
         }
         // As for `listen`: entries of watched directories only.
@@ -1180,6 +1193,9 @@ mod programs {
             return None;
         }
         let dentry = kptr(sk, offset!(unix_sock_dentry))?;
+        if !still_linked(dentry) {
+            return None;
+        }
         let parent = dir_key(kptr(dentry, offset!(dentry_parent))?)?;
         // SAFETY: presence check only.
         unsafe { WATCHED.get(&parent) }?;

@@ -67,6 +67,9 @@ enum Action {
     Bind(PathBuf),
     /// `bind` and `listen`, and keep the listener until the helper exits (no `close`).
     BindKept(PathBuf),
+    /// `bind` and `listen` at `dir/name`, `unlinkat(open(dir), name, 0)`, then `close` the
+    /// listener: a plugin going away.
+    BindUnlinkClose(PathBuf, String),
     /// `connect` to a listening socket, then close the connection.
     Connect(PathBuf),
     /// Listen at a path with a backlog of 0 and never accept, then start this many threads that
@@ -120,6 +123,9 @@ impl Action {
         match self {
             Action::Bind(path) => format!("bind\t{}", p(path)),
             Action::BindKept(path) => format!("bind_kept\t{}", p(path)),
+            Action::BindUnlinkClose(dir, name) => {
+                format!("bind_unlink_close\t{}\t{name}", p(dir))
+            }
             Action::Connect(path) => format!("connect\t{}", p(path)),
             Action::ConnectBlocked(path, threads) => {
                 format!("connect_blocked\t{}\t{threads}", p(path))
@@ -168,6 +174,13 @@ impl Action {
         match fields[..] {
             ["bind", path] => drop(UnixListener::bind(path).expect(path)),
             ["bind_kept", path] => std::mem::forget(UnixListener::bind(path).expect(path)),
+            ["bind_unlink_close", dir, name] => {
+                let listener = UnixListener::bind(Path::new(dir).join(name)).expect(name);
+                let dir = std::fs::File::open(dir).expect(dir);
+                nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+                    .expect(name);
+                drop(listener);
+            }
             ["connect", path] => drop(UnixStream::connect(path).expect(path)),
             ["bind_fails", path] => {
                 let err = UnixListener::bind(path).expect_err(path);
@@ -700,6 +713,33 @@ async fn a_listen_and_a_listener_s_close_in_the_tree_are_reported_and_nothing_el
             Seen::Serving(served.clone(), true),
             Seen::Serving(served, false),
             f.exact_or_name(Seen::Created(f.in_watched("inode-only.sock"))),
+        ]
+    );
+}
+
+/// A plugin going away unlinks its socket, then closes its listener: the removal says it all,
+/// and the close of a listener whose socket has no name left is not reported (one closed while
+/// its socket is still there is, as above).
+#[tokio::test]
+async fn a_listener_closed_after_its_socket_was_unlinked_is_not_reported() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("unlinked-release", EbpfOptions::default(), 1024);
+    f.keep_serving = true;
+    let gone = f.in_watched("gone.sock");
+    let sentinel = f.in_watched("sentinel.sock");
+    run_helper(&[
+        Action::BindUnlinkClose(f.watched.clone(), f.name("gone.sock")),
+        Action::Bind(sentinel.clone()),
+    ]);
+    let seen = f.collect_until(&Seen::Created(sentinel)).await;
+    assert_eq!(
+        seen,
+        vec![
+            Seen::Created(gone.clone()),
+            Seen::Serving(gone.clone(), true),
+            Seen::Removed(gone),
         ]
     );
 }

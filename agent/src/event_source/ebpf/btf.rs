@@ -346,6 +346,12 @@ const NEEDED: &[Needed] = &[
         size: 4,
     },
     Needed {
+        field: |o| &mut o.inode_nlink,
+        strukt: "inode",
+        path: "i_nlink",
+        size: 4,
+    },
+    Needed {
         field: |o| &mut o.sb_dev,
         strukt: "super_block",
         path: "s_dev",
