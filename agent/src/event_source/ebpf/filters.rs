@@ -256,10 +256,7 @@ impl Filters {
     /// Empties the name map (after it filled up); the rescan that follows re-adds what exists.
     pub fn forget_names(&self) {
         let mut names = lock(&self.names);
-        let keys: Vec<NameKey> = names.map.keys().filter_map(Result::ok).collect();
-        for key in keys {
-            let _ = names.map.remove(&key);
-        }
+        super::emptying::empty(&mut names.map);
         names.by_name.clear();
         names.by_id.clear();
     }

@@ -36,6 +36,7 @@
 //! The agent's own process is filtered out in the kernel.
 
 mod btf;
+mod emptying;
 mod filters;
 mod hooks;
 mod layout;
@@ -433,8 +434,8 @@ fn start_adopted(
     // then read; announce, then look): entries for directories gone since would only fill the
     // maps.
     let mut adopted = adopted;
-    clear(&mut adopted.watched);
-    clear(&mut adopted.names);
+    emptying::empty(&mut adopted.watched);
+    emptying::empty(&mut adopted.names);
     let maps = Maps {
         watched: adopted.watched,
         names: adopted.names,
@@ -454,13 +455,6 @@ fn start_adopted(
         options,
         runtime,
     )
-}
-
-fn clear<K: aya::Pod, V: aya::Pod>(map: &mut BpfHashMap<MapData, K, V>) {
-    let keys: Vec<K> = map.keys().filter_map(Result::ok).collect();
-    for key in keys {
-        let _ = map.remove(&key);
-    }
 }
 
 /// Builds the source over `maps` and starts its reader.
