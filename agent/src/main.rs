@@ -18,6 +18,7 @@ fn main() -> std::process::ExitCode {
         Some(ebpf::LOAD_CHILD_ARG) => return ebpf::load_child_main(),
         _ => {}
     }
+    plugin_agent::agent::mark_process_start();
     let cli = Cli::parse();
     raise_nofile_limit();
     ignore_file_size_signal();

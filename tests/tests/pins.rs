@@ -86,6 +86,25 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
             .is_empty(),
         "{test}: the adopting agent loaded the programs anyway"
     );
+    // The start is reported phase by phase once the first walk is done, after the adoption.
+    let started = second
+        .wait_for_log("the start's phases", EVENT_TIMEOUT, |l| {
+            l.message().starts_with("agent started")
+        })
+        .await;
+    assert!(started.position() > adopted.position(), "{test}: {started}");
+    let ms = |name: &str| -> f64 {
+        started
+            .field(name)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{test}: no {name} in {started}"))
+    };
+    let phases = ["setup_ms", "event_source_ms", "state_ms", "first_walk_ms"].map(ms);
+    let took = ms("took_ms");
+    assert!(
+        phases.iter().all(|&p| p >= 0.0) && (phases.iter().sum::<f64>() - took).abs() <= 0.3,
+        "{test}: the phases {phases:?} do not add up to took_ms {took}: {started}"
+    );
     during.wait_for_notify(true, EVENT_TIMEOUT).await;
     second
         .wait_for_log(

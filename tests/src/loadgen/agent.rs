@@ -22,6 +22,23 @@ pub struct AgentUnderTest {
     pub admin_socket: PathBuf,
     log: PathBuf,
     child: Option<Child>,
+    /// The running agent's start phases, once its log reports them (after its first walk).
+    phases: Option<tokio::sync::oneshot::Receiver<StartPhases>>,
+}
+
+/// Where an agent's start went, from its `agent started` log line (milliseconds).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct StartPhases {
+    /// Process start -> first walk done (events handled as they come from then on).
+    pub took_ms: f64,
+    /// Command line, logging, runtime, lock, handlers, policy.
+    pub setup_ms: f64,
+    /// The event source open: an eBPF load, or an adoption of pinned programs.
+    pub event_source_ms: f64,
+    /// Metrics served, the previous agent's state read back.
+    pub state_ms: f64,
+    /// The first walk of the plugin directory.
+    pub first_walk_ms: f64,
 }
 
 impl AgentUnderTest {
@@ -39,6 +56,7 @@ impl AgentUnderTest {
             admin_socket: work_dir.join("admin.sock"),
             log: work_dir.join("agent.log"),
             child: None,
+            phases: None,
         }
     }
 
@@ -52,7 +70,7 @@ impl AgentUnderTest {
         let port = free_port()?;
         let mut child = Command::new(&self.binary)
             .args(["--log-format", "json", "--log-level"])
-            .arg("warn,plugin_agent::admin=info")
+            .arg("warn,plugin_agent::admin=info,plugin_agent::agent=info")
             .arg("--admin-socket")
             .arg(&self.admin_socket)
             .args(["run", "--plugin-dir"])
@@ -73,15 +91,25 @@ impl AgentUnderTest {
             .await
             .with_context(|| format!("opening {}", self.log.display()))?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        // Copies the log to a file (read after a failed run) and says when the admin API is up.
+        let (phases_tx, phases_rx) = tokio::sync::oneshot::channel();
+        self.phases = Some(phases_rx);
+        // Copies the log to a file (read after a failed run), says when the admin API is up and
+        // what the start's phases were.
         tokio::spawn(async move {
             let mut ready_tx = Some(ready_tx);
+            let mut phases_tx = Some(phases_tx);
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 if line.contains("admin API listening")
                     && let Some(tx) = ready_tx.take()
                 {
                     let _ = tx.send(());
+                }
+                if line.contains("\"agent started")
+                    && let Ok(phases) = serde_json::from_str::<StartPhases>(&line)
+                    && let Some(tx) = phases_tx.take()
+                {
+                    let _ = tx.send(phases);
                 }
                 let _ = log.write_all(line.as_bytes()).await;
                 let _ = log.write_all(b"\n").await;
@@ -95,6 +123,12 @@ impl AgentUnderTest {
                 self.log.display()
             ),
         }
+    }
+
+    /// The running agent's start phases, when its log reports them (an agent that exits first,
+    /// or one older than the report, never does: the receiver then fails).
+    pub fn start_phases(&mut self) -> Option<tokio::sync::oneshot::Receiver<StartPhases>> {
+        self.phases.take()
     }
 
     /// SIGTERM, then waits (kills it after [`STOP_TIMEOUT`]).

@@ -58,6 +58,8 @@ pub struct Restart {
     pub spawned_ns: u64,
     /// The new agent's admin API listened.
     pub ready_ns: u64,
+    /// The new agent's start, phase by phase (once its log said).
+    pub phases: Option<super::agent::StartPhases>,
 }
 
 /// The ledger shared by the report and admin tasks and the scenario.

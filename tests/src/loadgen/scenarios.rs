@@ -367,9 +367,20 @@ async fn restart_agent(
             signalled_ns,
             spawned_ns,
             ready_ns,
+            phases: None,
         });
     }
     admin::follow(&agent.admin_socket, ledger.clone()).await?;
+    if let Some(phases) = agent.start_phases() {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            if let Ok(phases) = phases.await
+                && let Some(restart) = ledger.lock().restarts.last_mut()
+            {
+                restart.phases = Some(phases);
+            }
+        });
+    }
     ledger.lock().agent_up.push((now_ns(), None));
     Ok(agent)
 }

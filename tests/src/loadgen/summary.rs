@@ -105,6 +105,8 @@ pub struct RestartTotals {
     /// Admin `registered` events for survivors from a later agent lifetime: each one is a
     /// handler `Register`.
     pub survivor_handler_calls: usize,
+    /// The new agent's own account of its start (its `agent started` log line).
+    pub start_phases: Option<super::agent::StartPhases>,
 }
 
 fn restart_totals(ledger: &Ledger, ids: &[u64]) -> Option<RestartTotals> {
@@ -114,6 +116,7 @@ fn restart_totals(ledger: &Ledger, ids: &[u64]) -> Option<RestartTotals> {
         stop_ms: ms(restart.signalled_ns, restart.spawned_ns),
         start_ms: ms(restart.spawned_ns, restart.ready_ns),
         gap_ms: ms(restart.signalled_ns, restart.ready_ns),
+        start_phases: restart.phases,
         ..RestartTotals::default()
     };
     for p in ids.iter().filter_map(|id| ledger.plugins.get(id)) {
@@ -285,6 +288,7 @@ mod tests {
                 signalled_ns: 100,
                 spawned_ns: 150,
                 ready_ns: 200,
+                phases: None,
             }],
             ..Ledger::default()
         };

@@ -186,14 +186,33 @@ fn restarts(results: &[Value], out: &mut String) {
     }
     out.push_str(
         "\n### Restarts (signal -> old agent gone -> new agent listening; survivors: registered before, serving after)\n\n\
-         | scenario | mode | stop ms | start ms | gap ms | survivors | plugin calls to survivors | handler calls for survivors |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         The new agent's own account of its start, from its log (`agent started`): process start -> \
+         first walk done (events handled as they come from then on), and its phases: setup (command \
+         line, logging, runtime, handlers), event source (eBPF: adoption of the pinned programs), \
+         state (the previous agent's, read back) and the first walk (with rounds, each the median \
+         of its own).\n\n\
+         | scenario | mode | stop ms | start ms | gap ms | survivors | plugin calls to survivors | handler calls for survivors | started in ms (setup / source / state / walk) |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let t = &r["totals"]["restart"];
+        let phases = &t["start_phases"];
+        let phase = |name: &str| phases[name].as_f64().unwrap_or(0.0);
+        let started = if phases.is_object() {
+            format!(
+                "{:.1} ({:.1} / {:.1} / {:.1} / {:.1})",
+                phase("took_ms"),
+                phase("setup_ms"),
+                phase("event_source_ms"),
+                phase("state_ms"),
+                phase("first_walk_ms"),
+            )
+        } else {
+            "not reported".to_string()
+        };
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {started} |",
             r["scenario"].as_str().unwrap_or("?"),
             r["mode"].as_str().unwrap_or("?"),
             t["stop_ms"].as_f64().unwrap_or(0.0),
