@@ -414,12 +414,12 @@ mod tests {
             core::mem::size_of::<Event>(),
             6 * 4 + 8 + 8 + COMM_LEN + 16 + NAME_LEN
         );
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 22 * 4);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 23 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
         assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);
         assert_eq!(
             core::mem::size_of::<Config>(),
-            22 * 4 + 8 + 16 + 10 * 4 + 10 * 4
+            23 * 4 + 4 + 16 + 10 * 4 + 10 * 4
         );
     }
 
