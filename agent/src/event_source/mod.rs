@@ -234,6 +234,16 @@ pub trait EventSource: Send + Sync {
         false
     }
 
+    /// [`entry_present`](Self::entry_present) for the sockets `names` a walk found in `dir`, at
+    /// once (a source with a kernel table updates it in one call, not one per name). Returns,
+    /// name by name, whether the source did not know it.
+    fn sockets_present(&self, dir: &WatchedDir, names: &[&std::ffi::OsStr]) -> Vec<bool> {
+        names
+            .iter()
+            .map(|name| self.entry_present(dir, name, Entry::Socket))
+            .collect()
+    }
+
     /// The entry called `name` inside `dir` is gone (removed, or its directory left the tree).
     /// A source that keeps a name table drops the name once no entry carries it, so the table
     /// holds what is in the tree and not every name that ever passed through it.

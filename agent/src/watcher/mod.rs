@@ -331,11 +331,25 @@ impl Watcher {
     fn socket_present(
         &mut self,
         path: &Path,
-        mut socket: crate::state::SocketId,
+        socket: crate::state::SocketId,
         observed: Observed,
         via: Via,
     ) {
-        if self.announce(path, Entry::Socket) {
+        let new_to_source = self.announce(path, Entry::Socket);
+        self.socket_announced(path, socket, observed, via, new_to_source);
+    }
+
+    /// [`socket_present`](Self::socket_present) once the socket was announced to the source;
+    /// `new_to_source`: the source did not know its name.
+    fn socket_announced(
+        &mut self,
+        path: &Path,
+        mut socket: crate::state::SocketId,
+        observed: Observed,
+        via: Via,
+        new_to_source: bool,
+    ) {
+        if new_to_source {
             // The source did not know the name: a removal by a multi-component path before the
             // announcement went unreported, so look again now that any later one will be.
             match EntryKind::of(path) {

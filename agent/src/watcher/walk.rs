@@ -27,8 +27,40 @@ impl Watcher {
         let mut seen_dirs = HashSet::new();
         let mut report = WalkReport::default();
         self.walk(dir, &mut found, &mut seen_dirs, &mut report);
-        for (path, socket) in found {
-            self.socket_present(&path, socket, Observed::default(), Via::Event);
+        self.sockets_found(found, Via::Event);
+    }
+
+    /// Records the sockets a walk found. Those it announced to the source before looking at them
+    /// need no second look; the others (a file system that does not say an entry's type in the
+    /// directory) are announced now, a directory's at once, and the new ones looked at again.
+    fn sockets_found(&mut self, found: Vec<FoundSocket>, via: Via) {
+        let mut rest = found.as_slice();
+        while let Some(first) = rest.first() {
+            if first.announced {
+                self.socket_announced(&first.path, first.socket, Observed::default(), via, false);
+                rest = &rest[1..];
+                continue;
+            }
+            let parent = first.path.parent();
+            let together = rest
+                .iter()
+                .take_while(|found| !found.announced && found.path.parent() == parent)
+                .count();
+            let (group, after) = rest.split_at(together);
+            let new_to_source = match parent.and_then(|parent| self.dirs.get(parent)) {
+                Some(dir) => {
+                    let names: Vec<&std::ffi::OsStr> = group
+                        .iter()
+                        .map(|found| found.path.file_name().unwrap_or_default())
+                        .collect();
+                    self.source.sockets_present(dir, &names)
+                }
+                None => vec![false; group.len()],
+            };
+            for (found, new) in group.iter().zip(new_to_source) {
+                self.socket_announced(&found.path, found.socket, Observed::default(), via, new);
+            }
+            rest = after;
         }
     }
 
@@ -52,7 +84,7 @@ impl Watcher {
     pub(super) fn walk(
         &mut self,
         dir: &Path,
-        found: &mut Vec<(PathBuf, crate::state::SocketId)>,
+        found: &mut Vec<FoundSocket>,
         seen_dirs: &mut HashSet<OsString>,
         report: &mut WalkReport,
     ) {
@@ -75,7 +107,7 @@ impl Watcher {
     fn walk_one(
         &mut self,
         pending_dir: &Pending,
-        found: &mut Vec<(PathBuf, crate::state::SocketId)>,
+        found: &mut Vec<FoundSocket>,
         pending: &mut Vec<Pending>,
         report: &mut WalkReport,
     ) -> bool {
@@ -138,11 +170,16 @@ impl Watcher {
                 return true;
             }
         };
+        // Read in chunks: each chunk's sockets are announced to the source together, then
+        // looked at (announce, then look: the walk's own look is the one after the
+        // announcement, so no second one is needed).
+        let mut chunk = Vec::with_capacity(WALK_CHUNK);
         for entry in entries.iter() {
             let entry = match entry {
                 Ok(entry) => entry,
                 Err(e) => {
                     // Part of the directory was read: the rest is unknown, so all of it is kept.
+                    self.look_at(&opened, dir, &mut chunk, found, pending, report);
                     self.unreadable(dir, &std::io::Error::from(e), report);
                     return true;
                 }
@@ -152,32 +189,82 @@ impl Watcher {
             if name.to_bytes().first() == Some(&b'.') {
                 continue;
             }
-            let path = dir.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
-            if path.as_os_str().len() >= crate::watch_health::PATH_MAX {
+            let separator = usize::from(!dir.as_os_str().as_bytes().ends_with(b"/"));
+            let joined = dir.as_os_str().len() + separator + name.to_bytes().len();
+            if joined >= crate::watch_health::PATH_MAX {
                 // Out of reach by path (dials, handlers, kubelet): reported as such.
+                let path = dir.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
                 let too_long = std::io::Error::from_raw_os_error(libc::ENAMETOOLONG);
                 self.unreadable(&path, &too_long, report);
                 continue;
             }
             // The directory entry's type saves a lookup for all but sockets (and file systems
             // that do not fill it in).
-            let kind = match entry.file_type() {
+            let file_type = entry.file_type();
+            if matches!(file_type, Some(t) if t != Type::Directory && t != Type::Socket) {
+                continue;
+            }
+            chunk.push((name.to_owned(), file_type));
+            if chunk.len() == WALK_CHUNK {
+                self.look_at(&opened, dir, &mut chunk, found, pending, report);
+            }
+        }
+        self.look_at(&opened, dir, &mut chunk, found, pending, report);
+        true
+    }
+
+    /// Announces the sockets among `chunk` (entries of `dir`, read from it with their types) to
+    /// the source at once, then looks at every entry: sockets go to `found`, sub-directories to
+    /// `pending`. A name announced for an entry the look does not find a socket is withdrawn.
+    fn look_at(
+        &mut self,
+        opened: &Arc<Opened>,
+        dir: &Path,
+        chunk: &mut Vec<(std::ffi::CString, Option<Type>)>,
+        found: &mut Vec<FoundSocket>,
+        pending: &mut Vec<Pending>,
+        report: &mut WalkReport,
+    ) {
+        let sockets: Vec<&std::ffi::OsStr> = chunk
+            .iter()
+            .filter(|(_, file_type)| *file_type == Some(Type::Socket))
+            .map(|(name, _)| std::ffi::OsStr::from_bytes(name.to_bytes()))
+            .collect();
+        if !sockets.is_empty() {
+            self.source.sockets_present(&opened.watched, &sockets);
+        }
+        for (name, file_type) in chunk.drain(..) {
+            let announced = file_type == Some(Type::Socket);
+            let name_os = std::ffi::OsStr::from_bytes(name.to_bytes());
+            let path = dir.join(name_os);
+            let kind = match file_type {
                 Some(Type::Directory) => None,
-                Some(Type::Socket) | None => Some(EntryKind::at(opened.fd.as_fd(), name)),
-                Some(_) => continue,
+                _ => Some(EntryKind::at(opened.fd.as_fd(), &name)),
+            };
+            let not_a_socket = || {
+                if announced {
+                    self.source.entry_absent(&opened.watched, name_os);
+                }
             };
             match kind {
-                None | Some(Ok(EntryKind::Directory { .. })) => pending.push(Pending {
+                None | Some(Ok(EntryKind::Directory { .. })) => {
+                    not_a_socket();
+                    pending.push(Pending {
+                        path,
+                        parent: Some(opened.clone()),
+                    });
+                }
+                Some(Ok(EntryKind::Socket(socket))) => found.push(FoundSocket {
                     path,
-                    parent: Some(opened.clone()),
+                    socket,
+                    announced,
                 }),
-                Some(Ok(EntryKind::Socket(socket))) => found.push((path, socket)),
-                Some(Ok(EntryKind::Other)) => {}
-                Some(Err(e)) if gone(&e) => {}
+                Some(Ok(EntryKind::Other)) => not_a_socket(),
+                Some(Err(e)) if gone(&e) => not_a_socket(),
+                // Its previous state is kept, and so is its name.
                 Some(Err(e)) => self.unreadable(&path, &e, report),
             }
         }
-        true
     }
 
     /// `path` could not be read: logged, counted, and its previous state kept (see the module
@@ -242,7 +329,7 @@ impl Watcher {
             .filter(|d| !seen_dirs.contains(d.as_os_str()) && !report.keeps(d))
             .cloned()
             .collect();
-        let present: HashSet<PathBuf> = found.iter().map(|(p, _)| p.clone()).collect();
+        let present: HashSet<PathBuf> = found.iter().map(|found| found.path.clone()).collect();
         let mut removed = 0;
         for (path, _) in self.desired.snapshot() {
             if !present.contains(&path) && !report.keeps(&path) {
@@ -263,11 +350,8 @@ impl Watcher {
                 .store(self.dirs.len() as u64, Ordering::Relaxed);
         }
         let before = self.desired.len();
-        for (path, socket) in found {
-            // Announces unchanged sockets too: a source that lost its name table asks for this
-            // rescan.
-            self.socket_present(&path, socket, Observed::default(), Via::Scan);
-        }
+        // Announces unchanged sockets too: a source that lost its name table asks for this rescan.
+        self.sockets_found(found, Via::Scan);
         let level_info =
             reason == RescanReason::Start || removed > 0 || self.desired.len() != before;
         if level_info {
@@ -325,6 +409,19 @@ pub(super) fn gone(error: &std::io::Error) -> bool {
         error.kind(),
         std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
     )
+}
+
+/// Entries of a directory read before they are looked at: their sockets are announced to the
+/// source in one call (256 names: one `BPF_MAP_UPDATE_BATCH`).
+const WALK_CHUNK: usize = 256;
+
+/// A socket a walk found.
+pub(super) struct FoundSocket {
+    path: PathBuf,
+    socket: crate::state::SocketId,
+    /// Announced to the source before the walk looked at it: that look was the one after the
+    /// announcement.
+    announced: bool,
 }
 
 /// A directory still to walk, with its parent to look it up in (the walk's first directory has

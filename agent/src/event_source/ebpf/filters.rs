@@ -207,6 +207,52 @@ impl Filters {
         Err(NamesFull)
     }
 
+    /// [`remember_name`](Self::remember_name) for sockets `names` of `dir`, the new ones
+    /// written to the kernel's table in batches (see `batched`). Returns, name by name, whether
+    /// it was new; [`NamesFull`] when some did not fit (those are not remembered; the reader is
+    /// told, as for one name).
+    pub fn remember_sockets(
+        &self,
+        dir: &WatchedDir,
+        names: &[&OsStr],
+    ) -> Result<Vec<bool>, NamesFull> {
+        let dir = Self::key(dir);
+        let mut guard = lock(&self.names);
+        let Names { map, by_name, .. } = &mut *guard;
+        let mut new = vec![false; names.len()];
+        let mut fresh: Vec<(usize, (NameKey, u32))> = Vec::new();
+        for (index, name) in names.iter().enumerate() {
+            let Some(key) = NameKey::new(name.as_bytes()) else {
+                continue;
+            };
+            match by_name.get_mut(name.as_bytes()) {
+                Some(known) => {
+                    if !known.dirs.contains(&dir) {
+                        known.dirs.push(dir);
+                    }
+                }
+                // A socket's name carries no id (see `NameEntry::id`).
+                None => fresh.push((index, (key, 0))),
+            }
+        }
+        let entries: Vec<(NameKey, u32)> = fresh.iter().map(|(_, entry)| *entry).collect();
+        let inserted = super::batched::insert(map, &entries);
+        for (index, _) in &fresh[..inserted] {
+            let entry = NameEntry {
+                id: 0,
+                dirs: smallvec![dir],
+            };
+            by_name.insert(Name::from_slice(names[*index].as_bytes()), entry);
+            new[*index] = true;
+        }
+        if inserted < fresh.len() {
+            self.names_overflowed.store(true, Ordering::Release);
+            self.overflow.notify_one();
+            return Err(NamesFull);
+        }
+        Ok(new)
+    }
+
     /// The entry `name` in `dir` is gone: the name leaves the table once no watched directory
     /// holds an entry so named. A name the kernel added that no entry announced (a directory made
     /// and removed before the watcher looked) goes too; an entry not yet announced that carries
@@ -256,7 +302,7 @@ impl Filters {
     /// Empties the name map (after it filled up); the rescan that follows re-adds what exists.
     pub fn forget_names(&self) {
         let mut names = lock(&self.names);
-        super::emptying::empty(&mut names.map);
+        super::batched::empty(&mut names.map);
         names.by_name.clear();
         names.by_id.clear();
     }

@@ -35,8 +35,8 @@
 //!
 //! The agent's own process is filtered out in the kernel.
 
+mod batched;
 mod btf;
-mod emptying;
 mod filters;
 mod hooks;
 mod layout;
@@ -434,8 +434,8 @@ fn start_adopted(
     // then read; announce, then look): entries for directories gone since would only fill the
     // maps.
     let mut adopted = adopted;
-    emptying::empty(&mut adopted.watched);
-    emptying::empty(&mut adopted.names);
+    batched::empty(&mut adopted.watched);
+    batched::empty(&mut adopted.names);
     let maps = Maps {
         watched: adopted.watched,
         names: adopted.names,
@@ -577,6 +577,22 @@ impl EventSource for EbpfSource {
                     "eBPF name table is full: clearing it and rescanning"
                 );
                 false
+            }
+        }
+    }
+
+    fn sockets_present(&self, dir: &WatchedDir, names: &[&std::ffi::OsStr]) -> Vec<bool> {
+        if self.family != HookFamily::Tracepoints {
+            return vec![false; names.len()];
+        }
+        match self.filters.remember_sockets(dir, names) {
+            Ok(new) => new,
+            Err(filters::NamesFull) => {
+                tracing::warn!(
+                    names = names.len(),
+                    "eBPF name table is full: clearing it and rescanning"
+                );
+                vec![false; names.len()]
             }
         }
     }
