@@ -175,7 +175,9 @@ mod tests {
     use super::*;
 
     /// A name table as the programs declare it (`BPF_F_NO_PREALLOC`), created directly, or
-    /// `None` where this process may not create BPF maps (the test fails instead under `CI=true`).
+    /// `None` where this process may not create BPF maps (the test fails instead under `CI=true`,
+    /// except where there is no `bpf` syscall at all: qemu-user, which `cargo xtask cross-test`
+    /// runs the arm64 build under, does not emulate it; the host stage runs these natively).
     fn name_table(max_entries: u32) -> Option<BpfHashMap<MapData, NameKey, u32>> {
         #[repr(C)]
         #[derive(Default)]
@@ -199,7 +201,8 @@ mod tests {
         if fd < 0 {
             let error = std::io::Error::last_os_error();
             assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
+                std::env::var("CI").as_deref() != Ok("true")
+                    || error.raw_os_error() == Some(libc::ENOSYS),
                 "cannot create a BPF map: {error}"
             );
             eprintln!("skipping: cannot create a BPF map: {error}");
