@@ -40,6 +40,34 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// The map's descriptor as `bpf_attr` carries it.
+fn map_fd<K: Pod, V: Pod>(map: &BpfHashMap<MapData, K, V>) -> Result<u32, (usize, std::io::Error)> {
+    let fd = map.map().fd().as_fd().as_raw_fd();
+    u32::try_from(fd).map_err(|_| (0, std::io::Error::from_raw_os_error(libc::EBADF)))
+}
+
+/// `bpf(cmd, attr)`; the kernel updates `attr.count` (also on an error).
+///
+/// # Safety
+/// `attr`'s key, value and batch-position pointers must be valid for what `cmd` reads or writes
+/// through them: `count` keys and values, a u32 position.
+unsafe fn batch_call(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
+    // SAFETY: `attr` is a valid `bpf_attr` prefix of the size passed; the caller vouches for the
+    // buffers it points to.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            size_of::<BatchAttr>(),
+        )
+    };
+    if result < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Removes every entry of `map`; returns how many were removed.
 pub fn empty<K: Pod, V: Pod>(map: &mut BpfHashMap<MapData, K, V>) -> usize {
     match take_out_in_chunks::<K, V>(map) {
@@ -56,9 +84,7 @@ pub fn empty<K: Pod, V: Pod>(map: &mut BpfHashMap<MapData, K, V>) -> usize {
 fn take_out_in_chunks<K: Pod, V: Pod>(
     map: &BpfHashMap<MapData, K, V>,
 ) -> Result<usize, (usize, std::io::Error)> {
-    let fd = map.map().fd().as_fd().as_raw_fd();
-    let map_fd =
-        u32::try_from(fd).map_err(|_| (0, std::io::Error::from_raw_os_error(libc::EBADF)))?;
+    let map_fd = map_fd(map)?;
     let mut keys = vec![0u8; CHUNK * size_of::<K>()];
     let mut values = vec![0u8; CHUNK * size_of::<V>()];
     // A hash map's batch position is a bucket index (u32), written by one call and passed to the
@@ -77,24 +103,16 @@ fn take_out_in_chunks<K: Pod, V: Pod>(
             map_fd,
             ..BatchAttr::default()
         };
-        // SAFETY: `attr` is a valid `bpf_attr` prefix of the size passed; the kernel writes at
-        // most `count` keys and values into buffers sized for `CHUNK` of each, and a u32 into
-        // `next`, all of which outlive the call.
-        let result = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_AND_DELETE_BATCH,
-                &raw mut attr,
-                size_of::<BatchAttr>(),
-            )
-        };
-        let error = (result < 0).then(std::io::Error::last_os_error);
+        // SAFETY: the kernel writes at most `count` keys and values into buffers sized for
+        // `CHUNK` of each, reads a u32 from `position` and writes one into `next`, all of which
+        // outlive the call.
+        let result = unsafe { batch_call(BPF_MAP_LOOKUP_AND_DELETE_BATCH, &mut attr) };
         // Filled in on success and on ENOENT (the last, possibly partial, chunk).
         removed += attr.count as usize;
-        match error {
-            None => {}
-            Some(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(removed),
-            Some(error) => return Err((removed, error)),
+        match result {
+            Ok(()) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(removed),
+            Err(error) => return Err((removed, error)),
         }
         position = next;
         first = false;
@@ -131,9 +149,7 @@ fn insert_chunk<K: Pod, V: Pod>(
     map: &BpfHashMap<MapData, K, V>,
     chunk: &[(K, V)],
 ) -> Result<(), (usize, std::io::Error)> {
-    let fd = map.map().fd().as_fd().as_raw_fd();
-    let map_fd =
-        u32::try_from(fd).map_err(|_| (0, std::io::Error::from_raw_os_error(libc::EBADF)))?;
+    let map_fd = map_fd(map)?;
     let keys: Vec<K> = chunk.iter().map(|(key, _)| *key).collect();
     let values: Vec<V> = chunk.iter().map(|(_, value)| *value).collect();
     let mut attr = BatchAttr {
@@ -143,20 +159,10 @@ fn insert_chunk<K: Pod, V: Pod>(
         map_fd,
         ..BatchAttr::default()
     };
-    // SAFETY: `attr` is a valid `bpf_attr` prefix of the size passed; the kernel reads `count`
-    // keys and values from arrays of exactly that many, which outlive the call.
-    let result = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_UPDATE_BATCH,
-            &raw mut attr,
-            size_of::<BatchAttr>(),
-        )
-    };
-    if result < 0 {
-        return Err((attr.count as usize, std::io::Error::last_os_error()));
-    }
-    Ok(())
+    // SAFETY: the kernel reads `count` keys and values from arrays of exactly that many, which
+    // outlive the call.
+    unsafe { batch_call(BPF_MAP_UPDATE_BATCH, &mut attr) }
+        .map_err(|error| (attr.count as usize, error))
 }
 
 /// What aya's API offers: one lookup of the next key and one deletion per entry.
