@@ -59,6 +59,9 @@ pub struct Server {
     /// Readable once the process has exited; `None` when the kernel could not give one (the
     /// process exited already, or a kernel before 6.5 and a pid not visible here).
     pidfd: Option<OwnedFd>,
+    /// See [`identity`](Self::identity); read once, with the pidfd (admission and liveness
+    /// both ask for it).
+    identity: Option<u64>,
 }
 
 impl Server {
@@ -69,11 +72,13 @@ impl Server {
                 .map_err(io::Error::from)?;
         let pid = u32::try_from(cred.pid()).ok().filter(|pid| *pid > 0);
         let pidfd = peer_pidfd(connection).or_else(|| pid.and_then(pidfd_open));
+        let identity = pidfd.as_ref().and_then(|pidfd| pidfs_inode(pidfd.as_fd()));
         Ok(Server {
             pid,
             uid: cred.uid(),
             gid: cred.gid(),
             pidfd,
+            identity,
         })
     }
 
@@ -86,15 +91,19 @@ impl Server {
     /// (Linux 6.9+: one inode per process, never reused). `None` on older kernels (pidfds are
     /// anonymous inodes there, all alike) or without a pidfd.
     pub fn identity(&self) -> Option<u64> {
-        /// `PID_FS_MAGIC`.
-        const PIDFS_MAGIC: i64 = 0x5049_4446;
-        let pidfd = self.pidfd.as_ref()?;
-        let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
-        if fs.filesystem_type().0 as i64 != PIDFS_MAGIC {
-            return None;
-        }
-        nix::sys::stat::fstat(pidfd).ok().map(|stat| stat.st_ino)
+        self.identity
     }
+}
+
+/// `pidfd`'s inode when it lives on pidfs (see [`Server::identity`]).
+fn pidfs_inode(pidfd: BorrowedFd<'_>) -> Option<u64> {
+    /// `PID_FS_MAGIC`.
+    const PIDFS_MAGIC: i64 = 0x5049_4446;
+    let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
+    if fs.filesystem_type().0 as i64 != PIDFS_MAGIC {
+        return None;
+    }
+    nix::sys::stat::fstat(pidfd).ok().map(|stat| stat.st_ino)
 }
 
 impl std::fmt::Display for Server {

@@ -227,16 +227,18 @@ pub trait EventSource: Send + Sync {
     /// filter removals by name in the kernel use this; others ignore it. Calling it again for the
     /// same entry changes nothing.
     ///
-    /// Returns true when the source did not know the name before this call: a removal of the
-    /// entry by a multi-component path made before it was not reported, so the caller must look
-    /// at the entry again (announce, then check: the same order as watch, then walk).
+    /// Returns true when the source did not know the name in `dir` before this call: a removal
+    /// of the entry by a multi-component path made before it may not have been reported, so the
+    /// caller must look at the entry after this call (announce, then look: the same order as
+    /// watch, then walk), and withdraw the name ([`entry_absent`](Self::entry_absent)) when the
+    /// look finds no such entry. False: nothing to look at again, and nothing to withdraw.
     fn entry_present(&self, _dir: &WatchedDir, _name: &std::ffi::OsStr, _entry: Entry) -> bool {
         false
     }
 
     /// [`entry_present`](Self::entry_present) for the sockets `names` a walk found in `dir`, at
     /// once (a source with a kernel table updates it in one call, not one per name). Returns,
-    /// name by name, whether the source did not know it.
+    /// name by name, whether the source did not know it in `dir`.
     fn sockets_present(&self, dir: &WatchedDir, names: &[&std::ffi::OsStr]) -> Vec<bool> {
         names
             .iter()

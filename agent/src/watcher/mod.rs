@@ -191,9 +191,8 @@ impl Watcher {
             let mut releases = Vec::new();
             for event in batch.drain(..) {
                 match event {
-                    FsEvent::Created { path, observed } | FsEvent::Removed { path, observed } => {
-                        self.check(&path, observed)
-                    }
+                    FsEvent::Created { path, observed } => self.check_created(&path, observed),
+                    FsEvent::Removed { path, observed } => self.check(&path, observed),
                     FsEvent::NameChanged {
                         name,
                         parent,
@@ -220,7 +219,7 @@ impl Watcher {
                             // when its bind was reported, and a socket bound there since has a
                             // bind event of its own: looking again would be a `statx` and a
                             // `name_to_handle_at` per plugin for nothing.
-                            self.check(&path, observed);
+                            self.check_created(&path, observed);
                         }
                         if listening {
                             self.serving_hint(&path, true);
@@ -293,18 +292,56 @@ impl Watcher {
 
     /// Looks at one path the source mentioned and updates state to match what is there.
     fn check(&mut self, path: &Path, observed: Observed) {
-        if !path.starts_with(&self.root) || ignored_name(path, &self.root) {
+        if self.followed(path) {
+            self.settle(path, EntryKind::of(path), observed);
+        }
+    }
+
+    /// [`check`](Self::check) for a path the source says was created (or started listening):
+    /// almost always a new socket. A path the watcher does not know yet is announced to the
+    /// source before it is looked at, as a walk does, so that look is the one after the
+    /// announcement: a plugin's socket costs one `statx` and one `name_to_handle_at`, not two of
+    /// each (look, announce, look again). A name the look does not find a socket for is
+    /// withdrawn.
+    fn check_created(&mut self, path: &Path, observed: Observed) {
+        if !self.followed(path) {
             return;
         }
-        if path == self.root && !self.root_unchanged() {
-            // The root was removed, or replaced (by a symlink, or by another directory): what was
-            // watched under it is gone, and only a full walk says what is watched now (`status`
-            // and `/readyz` learn of it there).
-            self.forget_dir(path);
-            self.rescan(RescanReason::RootRemoved);
+        let unknown = !self.desired.contains(path) && !self.dirs.contains_key(path);
+        if !(unknown && self.announce(path, Entry::Socket)) {
+            self.settle(path, EntryKind::of(path), observed);
             return;
         }
         match EntryKind::of(path) {
+            Ok(EntryKind::Socket(socket)) => {
+                self.socket_announced(path, socket, observed, Via::Event, false)
+            }
+            other => {
+                self.unannounce(path);
+                self.settle(path, other, observed);
+            }
+        }
+    }
+
+    /// Whether `path` is one the watcher follows. The root is, while it is the directory the
+    /// watcher walked: when it was removed, or replaced (by a symlink, or by another directory),
+    /// what was watched under it is gone, and only a full walk says what is watched now (`status`
+    /// and `/readyz` learn of it there).
+    fn followed(&mut self, path: &Path) -> bool {
+        if !path.starts_with(&self.root) || ignored_name(path, &self.root) {
+            return false;
+        }
+        if path == self.root && !self.root_unchanged() {
+            self.forget_dir(path);
+            self.rescan(RescanReason::RootRemoved);
+            return false;
+        }
+        true
+    }
+
+    /// Updates state to match what a look at `path` found.
+    fn settle(&mut self, path: &Path, looked: std::io::Result<EntryKind>, observed: Observed) {
+        match looked {
             Ok(EntryKind::Socket(socket)) => {
                 self.socket_present(path, socket, observed, Via::Event)
             }

@@ -35,7 +35,7 @@ use crate::event_source::{Entry, WatchedDir};
 /// The table holds the names of the entries in the tree, no more: a name leaves it when the last
 /// entry carrying it does (`forget_name`). Names of sockets that came and went (a storm of
 /// short-lived sockets) never enter it, because the kernel does not add a bound socket's name:
-/// the watcher announces an entry it found, then looks at it again (see
+/// the watcher announces an entry, then looks at it (see
 /// [`crate::event_source::EventSource::entry_present`]), so a removal made before the announcement
 /// is seen by that look, and every one after it is matched by name. Before this, every bound
 /// name went in and the table filled every 16,384 names, and each time the reader cleared it
@@ -161,8 +161,10 @@ impl Filters {
     /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path (and,
     /// for a directory, name it as a path's parent).
     ///
-    /// Returns whether the name is new to userspace's table (the caller then looks at the entry
-    /// again), or [`NamesFull`]; the reader is then told to clear the table and ask for a rescan.
+    /// Returns whether the name is new to userspace's table in `dir` (the caller then looks at
+    /// the entry, or withdraws the name when it announced it before looking and found nothing:
+    /// the withdrawal then takes back exactly this announcement), or [`NamesFull`]; the reader is
+    /// then told to clear the table and ask for a rescan.
     pub fn remember_name(
         &self,
         dir: &WatchedDir,
@@ -181,13 +183,14 @@ impl Filters {
             next_id,
         } = &mut *guard;
         if let Some(known) = by_name.get_mut(name.as_bytes()) {
-            if !known.dirs.contains(&dir) {
+            let new_here = !known.dirs.contains(&dir);
+            if new_here {
                 known.dirs.push(dir);
             }
             if entry == Entry::Directory && known.id == 0 {
                 known.id = assign_id(map, by_id, next_id, &key, name.as_bytes()).unwrap_or(0);
             }
-            return Ok(false);
+            return Ok(new_here);
         }
         // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
         let id = match entry {
@@ -209,7 +212,7 @@ impl Filters {
 
     /// [`remember_name`](Self::remember_name) for sockets `names` of `dir`, the new ones
     /// written to the kernel's table in batches (see `batched`). Returns, name by name, whether
-    /// it was new; [`NamesFull`] when some did not fit (those are not remembered; the reader is
+    /// it was new in `dir`; [`NamesFull`] when some did not fit (those are not remembered; the reader is
     /// told, as for one name).
     pub fn remember_sockets(
         &self,
@@ -229,6 +232,7 @@ impl Filters {
                 Some(known) => {
                     if !known.dirs.contains(&dir) {
                         known.dirs.push(dir);
+                        new[index] = true;
                     }
                 }
                 // A socket's name carries no id (see `NameEntry::id`).

@@ -1,12 +1,15 @@
-//! A walk announces the sockets it reads to the source before it looks at them (announce, then
-//! look), so its own look is the one after the announcement; a name announced for an entry the
-//! look does not find a socket is withdrawn. Tested with a source that keeps a name table the way
-//! the eBPF source's kernel table is kept, and that changes the tree at the moment it is told of
-//! the names, as a plugin racing the walk would.
+//! The watcher announces a socket's name to the source before it looks at the socket (announce,
+//! then look), so its own look is the one after the announcement; a name announced for an entry
+//! the look does not find a socket is withdrawn. A walk announces what it reads, a directory's
+//! sockets at once; an event's creation announces the path it names. Tested with a source that
+//! keeps a name table the way the eBPF source's kernel table is kept, and that changes the tree at
+//! the moment it is told of the names, as a plugin racing the watcher would.
 //!
 //! ```text
 //! tree --readdir--> walk --sockets_present--> RecordingSource (table; unlinks one, swaps one)
 //!                        --look--> desired state <--hint of the unlink, after the walk--
+//! Created hint --> watcher --entry_present--> RecordingSource (table; binds the socket)
+//!                          --look--> desired state
 //! ```
 
 use plugin_agent::event_source::{Entry, EventSource, FsEvent, Observed, SourceKind, WatchedDir};
@@ -38,6 +41,9 @@ struct RecordingSource {
     /// How many times a socket was announced one by one (not with the rest of its directory).
     one_by_one: Mutex<usize>,
     race: Mutex<Option<Race>>,
+    /// Bound by the source when the watcher announces its name (one by one).
+    bind_when_announced: Option<PathBuf>,
+    bound: Mutex<Vec<std::os::unix::net::UnixListener>>,
     /// The watcher's channel; taken away after the first walk, which ends the watcher once it
     /// has handled what was sent.
     hints: Mutex<Option<mpsc::Sender<FsEvent>>>,
@@ -57,6 +63,11 @@ impl EventSource for RecordingSource {
     fn entry_present(&self, dir: &WatchedDir, name: &OsStr, entry: Entry) -> bool {
         if entry == Entry::Socket {
             *self.one_by_one.lock().expect("lock") += 1;
+        }
+        let path = dir.path.join(name);
+        if self.bind_when_announced.as_ref() == Some(&path) {
+            let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+            self.bound.lock().expect("lock").push(listener);
         }
         self.table
             .lock()
@@ -122,6 +133,8 @@ async fn a_walk_announces_before_it_looks_and_withdraws_what_it_did_not_find() {
             unlinked: root.join("p-7.sock"),
             swapped: root.join("p-8.sock"),
         })),
+        bind_when_announced: None,
+        bound: Mutex::default(),
         hints: Mutex::new(Some(hints)),
     });
     let desired = Arc::new(DesiredState::default());
@@ -172,4 +185,75 @@ async fn a_walk_announces_before_it_looks_and_withdraws_what_it_did_not_find() {
         "every socket was announced with its directory's, before the walk looked at it"
     );
     drop(listeners);
+}
+
+#[tokio::test]
+async fn a_created_path_is_announced_before_it_is_looked_at() {
+    let base = tempfile::Builder::new()
+        .prefix("pa-created-")
+        .tempdir()
+        .expect("tempdir");
+    let root = base.path().join("plugins");
+    std::fs::create_dir_all(&root).expect("mkdir");
+    let early = root.join("early.sock");
+    let _early = std::os::unix::net::UnixListener::bind(&early).expect("bind");
+    // Bound by the source at the moment its name is announced: only a look made after the
+    // announcement finds it.
+    let late = root.join("late.sock");
+    // Never there: announced, looked at, withdrawn.
+    let never = root.join("never.sock");
+
+    let (hints, rx) = mpsc::channel(16);
+    for path in [&late, &never, &early] {
+        hints
+            .try_send(FsEvent::Created {
+                path: path.clone(),
+                observed: Observed::default(),
+            })
+            .expect("room in the channel");
+    }
+    let source = Arc::new(RecordingSource {
+        root: root.clone(),
+        table: Mutex::default(),
+        one_by_one: Mutex::default(),
+        race: Mutex::new(None),
+        bind_when_announced: Some(late.clone()),
+        bound: Mutex::default(),
+        hints: Mutex::new(Some(hints)),
+    });
+    let desired = Arc::new(DesiredState::default());
+    let watcher = Watcher::new(
+        root.clone(),
+        source.clone(),
+        desired.clone(),
+        Arc::new(ReconcileQueue::default()),
+        NotificationBus::default(),
+        Telemetry::new(SourceKind::Ebpf),
+    );
+    // The first walk, then the hints sent before it, then the end of the channel.
+    let after_walk = source.clone();
+    let ended = watcher
+        .run(rx, CancellationToken::new(), move || {
+            after_walk.hints.lock().expect("lock").take();
+        })
+        .await;
+    assert!(ended.is_err(), "the watcher stops when its source does");
+
+    let expected = BTreeSet::from([early.clone(), late.clone()]);
+    let held: BTreeSet<PathBuf> = desired.snapshot().into_iter().map(|(p, _)| p).collect();
+    assert_eq!(held, expected, "desired state is the sockets in the tree");
+    let table: BTreeSet<PathBuf> = source
+        .table
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(dir, name)| dir.join(name))
+        .filter(|path| path.extension().is_some_and(|e| e == "sock"))
+        .collect();
+    assert_eq!(table, expected, "the table names the sockets in the tree");
+    assert_eq!(
+        source.bound.lock().expect("lock").len(),
+        1,
+        "the late socket was bound when its name was announced, and found by the look after"
+    );
 }
