@@ -73,8 +73,6 @@ pub struct Watcher {
     rescan_requests: Arc<tokio::sync::Notify>,
     notifications: NotificationBus,
     telemetry: Arc<Telemetry>,
-    /// When the first name hint of the batch being handled was observed.
-    names_observed: Observed,
     /// Where the source's hints about who serves a socket go (`FsEvent::Serving`).
     liveness: Option<Arc<crate::liveness::Liveness>>,
 }
@@ -105,7 +103,6 @@ impl Watcher {
             rescan_requests: Arc::default(),
             notifications,
             telemetry,
-            names_observed: Observed::default(),
             liveness: None,
         }
     }
@@ -200,12 +197,8 @@ impl Watcher {
                     } => {
                         // Name hints are checked once per batch, together: a burst of them (a
                         // `mkdir -p` of thousands by absolute path) costs one pass over the
-                        // tree, not one per name. Their timestamps only time discovery, which
-                        // the first hint of the batch does well enough.
-                        if names.is_empty() {
-                            self.names_observed = observed;
-                        }
-                        names.add(name, parent);
+                        // tree, not one per name.
+                        names.add(name, parent, observed);
                     }
                     FsEvent::Rescan { .. } => {}
                     FsEvent::Serving {

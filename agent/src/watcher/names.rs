@@ -6,6 +6,7 @@
 //! [`Watcher::check_names`]).
 
 use super::Watcher;
+use crate::event_source::Observed;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
@@ -16,15 +17,21 @@ use std::path::{Path, PathBuf};
 const FEW_NAMES: usize = 4;
 
 /// The name hints of one batch: names the source placed in a directory of a known name, by that
-/// name, and names that may be in any watched directory.
+/// name, and names that may be in any watched directory; and, by name, when and by whom the
+/// latest change so named was made.
 #[derive(Default)]
 pub(super) struct NameHints {
     in_dirs_named: HashMap<OsString, HashSet<OsString>>,
     anywhere: HashSet<OsString>,
+    /// Each name's own: two sockets moved in by two processes in one batch each keep their
+    /// creator (and their removal's timestamp), not the batch's first hint's.
+    observed: HashMap<OsString, Observed>,
 }
 
 impl NameHints {
-    pub(super) fn add(&mut self, name: OsString, parent: Option<OsString>) {
+    pub(super) fn add(&mut self, name: OsString, parent: Option<OsString>, observed: Observed) {
+        // The latest: the look that follows sees the state the latest change left.
+        self.observed.insert(name.clone(), observed);
         match parent {
             Some(parent) => {
                 self.in_dirs_named.entry(parent).or_default().insert(name);
@@ -37,6 +44,15 @@ impl NameHints {
 
     pub(super) fn is_empty(&self) -> bool {
         self.in_dirs_named.is_empty() && self.anywhere.is_empty()
+    }
+
+    /// What the latest hint named like `path` said of its change (nothing for a path whose name
+    /// no hint carried).
+    fn observed_for(&self, path: &Path) -> Observed {
+        path.file_name()
+            .and_then(|name| self.observed.get(name))
+            .copied()
+            .unwrap_or_default()
     }
 }
 
@@ -51,7 +67,6 @@ impl Watcher {
     /// tree, where a `stat` per name and directory would be quadratic (a thousand new directories
     /// by absolute path: a million `stat` calls).
     pub(super) fn check_names(&mut self, names: &NameHints) {
-        let observed = self.names_observed;
         // The anchor too: the name may be the root's own.
         let dirs: Vec<PathBuf> = self
             .dirs
@@ -80,6 +95,7 @@ impl Watcher {
         candidates.sort();
         candidates.dedup();
         for path in candidates {
+            let observed = names.observed_for(&path);
             self.check(&path, observed);
         }
     }

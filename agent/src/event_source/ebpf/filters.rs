@@ -63,6 +63,17 @@ struct NameEntry {
     dirs: SmallVec<[DirKey; 1]>,
 }
 
+impl NameEntry {
+    /// Records that `dir` holds an entry so named; true when it did not before.
+    fn held_in(&mut self, dir: DirKey) -> bool {
+        let new_here = !self.dirs.contains(&dir);
+        if new_here {
+            self.dirs.push(dir);
+        }
+        new_here
+    }
+}
+
 /// Gives `name` an id the kernel reports it by when it is a path's parent component. An existing
 /// key is overwritten in place (no new element), so this fails only on a kernel error; the name
 /// then stays without an id, and a record naming it as a parent carries none (the watcher looks
@@ -183,10 +194,7 @@ impl Filters {
             next_id,
         } = &mut *guard;
         if let Some(known) = by_name.get_mut(name.as_bytes()) {
-            let new_here = !known.dirs.contains(&dir);
-            if new_here {
-                known.dirs.push(dir);
-            }
+            let new_here = known.held_in(dir);
             if entry == Entry::Directory && known.id == 0 {
                 known.id = assign_id(map, by_id, next_id, &key, name.as_bytes()).unwrap_or(0);
             }
@@ -229,12 +237,7 @@ impl Filters {
                 continue;
             };
             match by_name.get_mut(name.as_bytes()) {
-                Some(known) => {
-                    if !known.dirs.contains(&dir) {
-                        known.dirs.push(dir);
-                        new[index] = true;
-                    }
-                }
+                Some(known) => new[index] = known.held_in(dir),
                 // A socket's name carries no id (see `NameEntry::id`).
                 None => fresh.push((index, (key, 0))),
             }

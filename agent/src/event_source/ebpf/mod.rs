@@ -572,10 +572,7 @@ impl EventSource for EbpfSource {
         match self.filters.remember_name(dir, name, entry) {
             Ok(new) => new,
             Err(filters::NamesFull) => {
-                tracing::warn!(
-                    name = %name.to_string_lossy(),
-                    "eBPF name table is full: clearing it and rescanning"
-                );
+                names_full(1);
                 false
             }
         }
@@ -588,10 +585,7 @@ impl EventSource for EbpfSource {
         match self.filters.remember_sockets(dir, names) {
             Ok(new) => new,
             Err(filters::NamesFull) => {
-                tracing::warn!(
-                    names = names.len(),
-                    "eBPF name table is full: clearing it and rescanning"
-                );
+                names_full(names.len());
                 vec![false; names.len()]
             }
         }
@@ -602,4 +596,10 @@ impl EventSource for EbpfSource {
             self.filters.forget_name(dir, name);
         }
     }
+}
+
+/// `names` announced did not all fit the name table: the reader clears it and asks for a rescan,
+/// which refills it.
+fn names_full(names: usize) {
+    tracing::warn!(names, "eBPF name table is full: clearing it and rescanning");
 }
