@@ -107,6 +107,33 @@ impl EventSource for RecordingSource {
     }
 }
 
+/// Runs a watcher of `root` with `source`: its first walk, then the hints in `rx`, then the end
+/// of the channel (the source gives its sender up after the walk), which stops the watcher: the
+/// sync point. Returns the desired state it left.
+async fn watch_once(
+    root: &std::path::Path,
+    source: &Arc<RecordingSource>,
+    rx: mpsc::Receiver<FsEvent>,
+) -> Arc<DesiredState> {
+    let desired = Arc::new(DesiredState::default());
+    let watcher = Watcher::new(
+        root.to_path_buf(),
+        source.clone(),
+        desired.clone(),
+        Arc::new(ReconcileQueue::default()),
+        NotificationBus::default(),
+        Telemetry::new(SourceKind::Ebpf),
+    );
+    let after_walk = source.clone();
+    let ended = watcher
+        .run(rx, CancellationToken::new(), move || {
+            after_walk.hints.lock().expect("lock").take();
+        })
+        .await;
+    assert!(ended.is_err(), "the watcher stops when its source does");
+    desired
+}
+
 #[tokio::test]
 async fn a_walk_announces_before_it_looks_and_withdraws_what_it_did_not_find() {
     let base = tempfile::Builder::new()
@@ -137,24 +164,8 @@ async fn a_walk_announces_before_it_looks_and_withdraws_what_it_did_not_find() {
         bound: Mutex::default(),
         hints: Mutex::new(Some(hints)),
     });
-    let desired = Arc::new(DesiredState::default());
-    let watcher = Watcher::new(
-        root.clone(),
-        source.clone(),
-        desired.clone(),
-        Arc::new(ReconcileQueue::default()),
-        NotificationBus::default(),
-        Telemetry::new(SourceKind::Ebpf),
-    );
-    // The first walk, then the removal the source reported during it, then the end of the
-    // channel, which stops the watcher (the sync point).
-    let after_walk = source.clone();
-    let ended = watcher
-        .run(rx, CancellationToken::new(), move || {
-            after_walk.hints.lock().expect("lock").take();
-        })
-        .await;
-    assert!(ended.is_err(), "the watcher stops when its source does");
+    // The first walk, then the removal the source reported during it.
+    let desired = watch_once(&root, &source, rx).await;
 
     let expected: BTreeSet<PathBuf> = (0..300)
         .filter(|i| *i != 7 && *i != 8)
@@ -221,23 +232,8 @@ async fn a_created_path_is_announced_before_it_is_looked_at() {
         bound: Mutex::default(),
         hints: Mutex::new(Some(hints)),
     });
-    let desired = Arc::new(DesiredState::default());
-    let watcher = Watcher::new(
-        root.clone(),
-        source.clone(),
-        desired.clone(),
-        Arc::new(ReconcileQueue::default()),
-        NotificationBus::default(),
-        Telemetry::new(SourceKind::Ebpf),
-    );
-    // The first walk, then the hints sent before it, then the end of the channel.
-    let after_walk = source.clone();
-    let ended = watcher
-        .run(rx, CancellationToken::new(), move || {
-            after_walk.hints.lock().expect("lock").take();
-        })
-        .await;
-    assert!(ended.is_err(), "the watcher stops when its source does");
+    // The first walk, then the hints sent before it.
+    let desired = watch_once(&root, &source, rx).await;
 
     let expected = BTreeSet::from([early.clone(), late.clone()]);
     let held: BTreeSet<PathBuf> = desired.snapshot().into_iter().map(|(p, _)| p).collect();
