@@ -1,7 +1,8 @@
 //! Name hints (an entry a source could name but not place: an eBPF tracepoint saw a rename or an
 //! `unlink` by a path it cannot resolve in the kernel) are checked together, once per batch, but
 //! each keeps what its own record said: two sockets moved into the tree by two processes in the
-//! same batch each name their own creator and carry their own timestamp.
+//! same batch each name their own creator and carry their own timestamp, and so do two sockets
+//! of the same name moved into two directories.
 //!
 //! ```text
 //! NameChanged(a.sock, by 101) + NameChanged(b.sock, by 202) --one batch--> watcher
@@ -56,15 +57,22 @@ async fn name_hints_of_one_batch_each_keep_their_own_creator_and_timestamp() {
         .tempdir()
         .expect("tempdir");
     let root = base.path().join("plugins");
-    std::fs::create_dir_all(&root).expect("mkdir");
+    std::fs::create_dir_all(root.join("d1")).expect("mkdir");
+    std::fs::create_dir_all(root.join("d2")).expect("mkdir");
     let (a, b) = (root.join("a.sock"), root.join("b.sock"));
+    let (d1, d2) = (root.join("d1/csi.sock"), root.join("d2/csi.sock"));
 
     let (hints, rx) = mpsc::channel(16);
-    for (name, observed) in [("a.sock", by(101, 1_000)), ("b.sock", by(202, 2_000))] {
+    for (name, parent, observed) in [
+        ("a.sock", None, by(101, 1_000)),
+        ("b.sock", None, by(202, 2_000)),
+        ("csi.sock", Some("d1"), by(303, 3_000)),
+        ("csi.sock", Some("d2"), by(404, 4_000)),
+    ] {
         hints
             .try_send(FsEvent::NameChanged {
                 name: name.into(),
-                parent: None,
+                parent: parent.map(Into::into),
                 observed,
             })
             .expect("room in the channel");
@@ -81,7 +89,8 @@ async fn name_hints_of_one_batch_each_keep_their_own_creator_and_timestamp() {
     // The sockets appear after the first walk (which would have found them itself) and before
     // the hints are handled; the channel then ends, which stops the watcher.
     let listeners = Arc::new(Mutex::new(Vec::new()));
-    let (bound, paths) = (listeners.clone(), [a.clone(), b.clone()]);
+    let paths = [a.clone(), b.clone(), d1.clone(), d2.clone()];
+    let bound = listeners.clone();
     let hints = Mutex::new(Some(hints));
     let ended = watcher
         .run(rx, CancellationToken::new(), move || {
@@ -94,7 +103,12 @@ async fn name_hints_of_one_batch_each_keep_their_own_creator_and_timestamp() {
         .await;
     assert!(ended.is_err(), "the watcher stops when its source does");
 
-    for (path, pid, kernel_ns) in [(&a, 101, 1_000), (&b, 202, 2_000)] {
+    for (path, pid, kernel_ns) in [
+        (&a, 101, 1_000),
+        (&b, 202, 2_000),
+        (&d1, 303, 3_000),
+        (&d2, 404, 4_000),
+    ] {
         let entry = desired.get(path).expect("desired");
         match entry.creator {
             Creator::Recorded(actor) => assert_eq!(actor.pid, pid, "{}", path.display()),
@@ -103,5 +117,5 @@ async fn name_hints_of_one_batch_each_keep_their_own_creator_and_timestamp() {
         assert_eq!(entry.kernel_ns, Some(kernel_ns), "{}", path.display());
         assert!(entry.by_event, "{}", path.display());
     }
-    assert_eq!(listeners.lock().expect("lock").len(), 2);
+    assert_eq!(listeners.lock().expect("lock").len(), 4);
 }

@@ -17,21 +17,23 @@ use std::path::{Path, PathBuf};
 const FEW_NAMES: usize = 4;
 
 /// The name hints of one batch: names the source placed in a directory of a known name, by that
-/// name, and names that may be in any watched directory; and, by name, when and by whom the
-/// latest change so named was made.
+/// name, and names that may be in any watched directory; and, by parent and name, when and by
+/// whom the latest change so named was made.
 #[derive(Default)]
 pub(super) struct NameHints {
     in_dirs_named: HashMap<OsString, HashSet<OsString>>,
     anywhere: HashSet<OsString>,
-    /// Each name's own: two sockets moved in by two processes in one batch each keep their
-    /// creator (and their removal's timestamp), not the batch's first hint's.
-    observed: HashMap<OsString, Observed>,
+    /// Each hint's own: two sockets moved in by two processes in one batch each keep their
+    /// creator (and their removal's timestamp), not the batch's first hint's. By the parent's
+    /// name where the hint has one (`csi.sock` moved into two drivers' directories).
+    observed: HashMap<(Option<OsString>, OsString), Observed>,
 }
 
 impl NameHints {
     pub(super) fn add(&mut self, name: OsString, parent: Option<OsString>, observed: Observed) {
         // The latest: the look that follows sees the state the latest change left.
-        self.observed.insert(name.clone(), observed);
+        self.observed
+            .insert((parent.clone(), name.clone()), observed);
         match parent {
             Some(parent) => {
                 self.in_dirs_named.entry(parent).or_default().insert(name);
@@ -46,11 +48,17 @@ impl NameHints {
         self.in_dirs_named.is_empty() && self.anywhere.is_empty()
     }
 
-    /// What the latest hint named like `path` said of its change (nothing for a path whose name
-    /// no hint carried).
+    /// What the latest hint naming `path` said of its change: one with `path`'s parent directory's
+    /// name, else one without a parent (nothing for a path no hint named).
     fn observed_for(&self, path: &Path) -> Observed {
-        path.file_name()
-            .and_then(|name| self.observed.get(name))
+        let Some(name) = path.file_name() else {
+            return Observed::default();
+        };
+        let parent = path.parent().and_then(Path::file_name);
+        let with_parent = parent.map(|parent| (Some(parent.to_os_string()), name.to_os_string()));
+        with_parent
+            .and_then(|key| self.observed.get(&key))
+            .or_else(|| self.observed.get(&(None, name.to_os_string())))
             .copied()
             .unwrap_or_default()
     }
