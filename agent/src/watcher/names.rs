@@ -17,29 +17,28 @@ use std::path::{Path, PathBuf};
 const FEW_NAMES: usize = 4;
 
 /// The name hints of one batch: names the source placed in a directory of a known name, by that
-/// name, and names that may be in any watched directory; and, by parent and name, when and by
-/// whom the latest change so named was made.
+/// name, and names that may be in any watched directory; each with what its latest hint recorded
+/// (when, and by whom). A hint keeps its own: two sockets moved in by two processes in one batch
+/// each keep their creator (and their removal's timestamp), not the batch's first hint's, and so
+/// does `csi.sock` moved into two drivers' directories.
 #[derive(Default)]
 pub(super) struct NameHints {
-    in_dirs_named: HashMap<OsString, HashSet<OsString>>,
-    anywhere: HashSet<OsString>,
-    /// Each hint's own: two sockets moved in by two processes in one batch each keep their
-    /// creator (and their removal's timestamp), not the batch's first hint's. By the parent's
-    /// name where the hint has one (`csi.sock` moved into two drivers' directories).
-    observed: HashMap<(Option<OsString>, OsString), Observed>,
+    in_dirs_named: HashMap<OsString, HashMap<OsString, Observed>>,
+    anywhere: HashMap<OsString, Observed>,
 }
 
 impl NameHints {
     pub(super) fn add(&mut self, name: OsString, parent: Option<OsString>, observed: Observed) {
         // The latest: the look that follows sees the state the latest change left.
-        self.observed
-            .insert((parent.clone(), name.clone()), observed);
         match parent {
             Some(parent) => {
-                self.in_dirs_named.entry(parent).or_default().insert(name);
+                self.in_dirs_named
+                    .entry(parent)
+                    .or_default()
+                    .insert(name, observed);
             }
             None => {
-                self.anywhere.insert(name);
+                self.anywhere.insert(name, observed);
             }
         }
     }
@@ -54,11 +53,11 @@ impl NameHints {
         let Some(name) = path.file_name() else {
             return Observed::default();
         };
-        let parent = path.parent().and_then(Path::file_name);
-        let with_parent = parent.map(|parent| (Some(parent.to_os_string()), name.to_os_string()));
-        with_parent
-            .and_then(|key| self.observed.get(&key))
-            .or_else(|| self.observed.get(&(None, name.to_os_string())))
+        path.parent()
+            .and_then(Path::file_name)
+            .and_then(|parent| self.in_dirs_named.get(parent))
+            .and_then(|names| names.get(name))
+            .or_else(|| self.anywhere.get(name))
             .copied()
             .unwrap_or_default()
     }
@@ -85,12 +84,12 @@ impl Watcher {
         let mut candidates: Vec<PathBuf> = Vec::new();
         for dir in &dirs {
             if let Some(parents) = dir.file_name().and_then(|n| names.in_dirs_named.get(n)) {
-                candidates.extend(parents.iter().map(|name| dir.join(name)));
+                candidates.extend(parents.keys().map(|name| dir.join(name)));
             }
         }
         let anywhere: Vec<&OsString> = names
             .anywhere
-            .iter()
+            .keys()
             .filter(|name| !name.as_bytes().contains(&b'/'))
             .collect();
         if anywhere.len() <= FEW_NAMES {
