@@ -7,6 +7,9 @@
 
 use std::path::Path;
 
+#[path = "src/event_source/ebpf/fnv.rs"]
+mod fnv;
+
 fn main() {
     println!("cargo:rerun-if-env-changed=PLUGIN_AGENT_EBPF_OBJ");
     let Some(object) = std::env::var_os("PLUGIN_AGENT_EBPF_OBJ").filter(|p| !p.is_empty()) else {
@@ -20,7 +23,13 @@ fn main() {
             object.display()
         );
     }
+    let bytes = std::fs::read(object)
+        .unwrap_or_else(|err| panic!("cannot read {}: {err}", object.display()));
     println!("cargo:rustc-cfg=ebpf_object");
+    println!(
+        "cargo:rustc-env=PLUGIN_AGENT_EBPF_OBJ_FNV={:016x}",
+        fnv::fnv1a(&bytes)
+    );
     println!(
         "cargo:rustc-env=PLUGIN_AGENT_EBPF_OBJ_PATH={}",
         object.display()

@@ -20,12 +20,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use agent_ebpf::{DirKey, NameKey};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, MapData};
-use smallvec::{SmallVec, smallvec};
 use tokio::sync::Notify;
 
+use super::name_holders::NameHolders;
 use crate::event_source::{Entry, WatchedDir};
 
-/// The name table and userspace's ids for its names.
+/// The name table: the kernel's map, and userspace's half of it (see [`NameHolders`]).
 ///
 /// The kernel reports a name-only event with the id of the path's parent component when it found
 /// that component in the table (see `agent_ebpf::Event::parent`), so the watcher looks for the
@@ -42,36 +42,8 @@ use crate::event_source::{Entry, WatchedDir};
 /// (16,384 map deletions while events waited) and asked for a full rescan: the storm's tail.
 struct Names {
     map: BpfHashMap<MapData, NameKey, u32>,
-    /// A burst of 10,000 plugins keeps 10,000 names here for as long as their sockets exist.
-    by_name: HashMap<Name, NameEntry>,
-    /// Directory names only: a record names its path's parent component, never a socket.
-    by_id: HashMap<u32, Name>,
+    holders: NameHolders,
     next_id: u32,
-}
-
-/// A name's bytes, inline up to 24 (almost every socket name): stored in the tables themselves,
-/// not one small allocation per name.
-type Name = SmallVec<[u8; 24]>;
-
-/// A name in the table: its id, and the watched directories holding an entry so named (almost
-/// always one, kept inline; `csi.sock` in every driver's directory is the common exception).
-struct NameEntry {
-    /// 0 (none) until a directory carries the name. A socket is never a path's parent, so its
-    /// name needs no id and no `by_id` entry: at 10,000 plugins that was 0.8 MB, a third of the
-    /// name table.
-    id: u32,
-    dirs: SmallVec<[DirKey; 1]>,
-}
-
-impl NameEntry {
-    /// Records that `dir` holds an entry so named; true when it did not before.
-    fn held_in(&mut self, dir: DirKey) -> bool {
-        let new_here = !self.dirs.contains(&dir);
-        if new_here {
-            self.dirs.push(dir);
-        }
-        new_here
-    }
 }
 
 /// Gives `name` an id the kernel reports it by when it is a path's parent component. An existing
@@ -80,15 +52,12 @@ impl NameEntry {
 /// in every watched directory, as for any unknown parent).
 fn assign_id(
     map: &mut BpfHashMap<MapData, NameKey, u32>,
-    by_id: &mut HashMap<u32, Name>,
     next_id: &mut u32,
     key: &NameKey,
-    name: &[u8],
 ) -> Option<u32> {
     let id = *next_id;
     map.insert(key, id, 0).ok()?;
     *next_id = id.wrapping_add(1).max(1);
-    by_id.insert(id, Name::from_slice(name));
     Some(id)
 }
 
@@ -124,8 +93,7 @@ impl Filters {
             watched: Mutex::new(watched),
             names: Mutex::new(Names {
                 map: names,
-                by_name: HashMap::new(),
-                by_id: HashMap::new(),
+                holders: NameHolders::default(),
                 next_id: 1,
             }),
             paths: Mutex::new(HashMap::new()),
@@ -167,6 +135,7 @@ impl Filters {
         // Absent keys are fine: the watcher may unwatch what failed to watch.
         let _ = lock(&self.watched).remove(&key);
         lock(&self.paths).remove(&key);
+        lock(&self.names).holders.unwatched(&key);
     }
 
     /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path (and,
@@ -185,32 +154,30 @@ impl Filters {
         let Some(key) = NameKey::new(name.as_bytes()) else {
             return Ok(false);
         };
-        let dir = Self::key(dir);
         let mut guard = lock(&self.names);
         let Names {
             map,
-            by_name,
-            by_id,
+            holders,
             next_id,
         } = &mut *guard;
-        if let Some(known) = by_name.get_mut(name.as_bytes()) {
-            let new_here = known.held_in(dir);
-            if entry == Entry::Directory && known.id == 0 {
-                known.id = assign_id(map, by_id, next_id, &key, name.as_bytes()).unwrap_or(0);
+        let dir = holders.dir(Self::key(dir));
+        let name = name.as_bytes();
+        if let Some(new_here) = holders.hold(name, dir) {
+            if entry == Entry::Directory
+                && holders.id(name) == 0
+                && let Some(id) = assign_id(map, next_id, &key)
+            {
+                holders.set_id(name, id);
             }
             return Ok(new_here);
         }
         // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
         let id = match entry {
-            Entry::Directory => assign_id(map, by_id, next_id, &key, name.as_bytes()),
+            Entry::Directory => assign_id(map, next_id, &key),
             Entry::Socket => map.insert(key, 0, 0).ok().map(|()| 0),
         };
         if let Some(id) = id {
-            let entry = NameEntry {
-                id,
-                dirs: smallvec![dir],
-            };
-            by_name.insert(Name::from_slice(name.as_bytes()), entry);
+            holders.insert(name, dir, id);
             return Ok(true);
         }
         self.names_overflowed.store(true, Ordering::Release);
@@ -227,29 +194,25 @@ impl Filters {
         dir: &WatchedDir,
         names: &[&OsStr],
     ) -> Result<Vec<bool>, NamesFull> {
-        let dir = Self::key(dir);
         let mut guard = lock(&self.names);
-        let Names { map, by_name, .. } = &mut *guard;
+        let Names { map, holders, .. } = &mut *guard;
+        let dir = holders.dir(Self::key(dir));
         let mut new = vec![false; names.len()];
         let mut fresh: Vec<(usize, (NameKey, u32))> = Vec::new();
         for (index, name) in names.iter().enumerate() {
             let Some(key) = NameKey::new(name.as_bytes()) else {
                 continue;
             };
-            match by_name.get_mut(name.as_bytes()) {
-                Some(known) => new[index] = known.held_in(dir),
-                // A socket's name carries no id (see `NameEntry::id`).
+            match holders.hold(name.as_bytes(), dir) {
+                Some(new_here) => new[index] = new_here,
+                // A socket's name carries no id (a socket is never a path's parent).
                 None => fresh.push((index, (key, 0))),
             }
         }
         let entries: Vec<(NameKey, u32)> = fresh.iter().map(|(_, entry)| *entry).collect();
         let inserted = super::batched::insert(map, &entries);
         for (index, _) in &fresh[..inserted] {
-            let entry = NameEntry {
-                id: 0,
-                dirs: smallvec![dir],
-            };
-            by_name.insert(Name::from_slice(names[*index].as_bytes()), entry);
+            holders.insert(names[*index].as_bytes(), dir, 0);
             new[*index] = true;
         }
         if inserted < fresh.len() {
@@ -268,20 +231,10 @@ impl Filters {
         let Some(key) = NameKey::new(name.as_bytes()) else {
             return;
         };
-        let dir = Self::key(dir);
         let mut names = lock(&self.names);
-        if let Some(entry) = names.by_name.get_mut(name.as_bytes()) {
-            entry.dirs.retain(|d| *d != dir);
-            if !entry.dirs.is_empty() {
-                return;
-            }
-            let id = entry.id;
-            names.by_name.remove(name.as_bytes());
-            if id != 0 {
-                names.by_id.remove(&id);
-            }
-            crate::memory::shrink_if_sparse(&mut names.by_name);
-            crate::memory::shrink_if_sparse(&mut names.by_id);
+        let dir = names.holders.known_dir(&Self::key(dir));
+        if names.holders.release(name.as_bytes(), dir) {
+            return;
         }
         // Absent keys are fine: the name may never have been in the table.
         let _ = names.map.remove(&key);
@@ -291,8 +244,8 @@ impl Filters {
     pub fn name_of(&self, id: u64) -> Option<OsString> {
         let id = u32::try_from(id).ok().filter(|id| *id != 0)?;
         lock(&self.names)
-            .by_id
-            .get(&id)
+            .holders
+            .name_of(id)
             .map(|name| OsStr::from_bytes(name).to_os_string())
     }
 
@@ -310,8 +263,7 @@ impl Filters {
     pub fn forget_names(&self) {
         let mut names = lock(&self.names);
         super::batched::empty(&mut names.map);
-        names.by_name.clear();
-        names.by_id.clear();
+        names.holders.clear();
     }
 
     /// The agent's path of the watched directory with kernel identity `key`.

@@ -33,6 +33,14 @@ static OBJECT: Option<&[u8]> = Some(aya::include_bytes_aligned!(env!(
 #[cfg(not(ebpf_object))]
 static OBJECT: Option<&[u8]> = None;
 
+/// The object's FNV-1a hash, computed by the build script: telling the object apart from the one
+/// a set of pins was loaded from reads none of its 200 KiB, so an agent that adopts its pins
+/// (after a restart, or from its load child) never has them resident.
+#[cfg(ebpf_object)]
+static OBJECT_HASH: Option<&str> = Some(env!("PLUGIN_AGENT_EBPF_OBJ_FNV"));
+#[cfg(not(ebpf_object))]
+static OBJECT_HASH: Option<&str> = None;
+
 /// A syscall tracepoint program and the tracepoints it is attached to.
 struct TracepointHook {
     program: &'static str,
@@ -598,9 +606,9 @@ fn program_of<'a>(
         .with_context(|| format!("the eBPF object has no program {name}"))
 }
 
-/// The embedded kernel object (for its hash).
-pub fn object() -> Option<&'static [u8]> {
-    OBJECT
+/// The embedded kernel object's hash (see [`OBJECT_HASH`]).
+pub fn object_hash() -> Option<&'static str> {
+    OBJECT_HASH
 }
 
 /// A program the verifier refused: keep the end of its log, where the reason is.
@@ -684,11 +692,23 @@ mod tests {
         }
     }
 
+    /// The build script hashes the object file it embeds; the identity pins are matched by must
+    /// be that of the bytes the agent loads.
+    #[test]
+    fn the_build_s_hash_is_that_of_the_embedded_object() {
+        let (Some(object), Some(hash)) = (OBJECT, object_hash()) else {
+            assert!(OBJECT.is_none() && object_hash().is_none());
+            eprintln!("built without the eBPF object: nothing to check");
+            return;
+        };
+        assert_eq!(hash, format!("{:016x}", super::super::fnv::fnv1a(object)));
+    }
+
     /// `cargo xtask build-ebpf` removes the DWARF bpf-linker made the BTF from; the BTF stays
     /// (the verifier's function and line info). Section names are in the object's string tables.
     #[test]
     fn the_embedded_object_keeps_its_btf_and_carries_no_dwarf() {
-        let Some(object) = object() else {
+        let Some(object) = OBJECT else {
             eprintln!("built without the eBPF object: nothing to check");
             return;
         };

@@ -38,11 +38,13 @@
 mod batched;
 mod btf;
 mod filters;
+mod fnv;
 mod hooks;
 mod layout;
 mod load_child;
 mod loader;
 mod mapping;
+mod name_holders;
 mod pins;
 mod reader;
 mod record;
@@ -334,7 +336,7 @@ fn identity_settings(params: &LoadParams) -> String {
 
 /// The identity of the set this agent's object loads with `params`; none without an object.
 fn identity(params: &LoadParams) -> Option<pins::Identity> {
-    loader::object().map(|object| pins::Identity::new(object, identity_settings(params)))
+    loader::object_hash().map(|hash| pins::Identity::new(hash, identity_settings(params)))
 }
 
 /// How pinned programs came to be adopted.

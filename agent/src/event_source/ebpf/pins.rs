@@ -24,6 +24,7 @@ use agent_ebpf::{DirKey, META_BYTES, NameKey, names};
 use anyhow::{Context, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 
+use super::fnv::fnv1a;
 use super::ring::Ring;
 
 /// Where every tree's pins live.
@@ -81,9 +82,10 @@ pub struct Identity {
 }
 
 impl Identity {
-    pub fn new(object: &[u8], settings: String) -> Identity {
+    /// The object's hash (see `loader::object_hash`) and the settings it was loaded with.
+    pub fn new(object_hash: &str, settings: String) -> Identity {
         Identity {
-            object: format!("{:016x}", hash(object)),
+            object: object_hash.to_owned(),
             settings,
         }
     }
@@ -93,19 +95,10 @@ impl Identity {
     }
 }
 
-/// FNV-1a, 64 bits: stable across builds (std's hasher is not), so an upgraded agent finds the
-/// same tree directory. Not a security boundary (the pin directory is root's): it only tells
-/// objects and trees apart.
-fn hash(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 /// The pin directory of the tree at `root`.
 pub fn tree_dir(root: &Path) -> PathBuf {
     use std::os::unix::ffi::OsStrExt;
-    Path::new(PIN_ROOT).join(format!("{:016x}", hash(root.as_os_str().as_bytes())))
+    Path::new(PIN_ROOT).join(format!("{:016x}", fnv1a(root.as_os_str().as_bytes())))
 }
 
 /// The maps of an adopted set, and what the loader that made it computed.
@@ -342,11 +335,11 @@ mod tests {
 
     #[test]
     fn a_set_is_adopted_only_with_the_same_object_and_settings() {
-        let identity = Identity::new(b"object", "ring=2097152".into());
+        let identity = Identity::new("0123456789abcdef", "ring=2097152".into());
         assert!(identity.matches(&meta(&identity)));
-        let upgraded = Identity::new(b"object, one byte more", "ring=2097152".into());
+        let upgraded = Identity::new("fedcba9876543210", "ring=2097152".into());
         assert!(!upgraded.matches(&meta(&identity)));
-        let resized = Identity::new(b"object", "ring=4194304".into());
+        let resized = Identity::new("0123456789abcdef", "ring=4194304".into());
         assert!(!resized.matches(&meta(&identity)));
         let mut old_format = meta(&identity);
         old_format.format = FORMAT + 1;
@@ -355,7 +348,7 @@ mod tests {
 
     #[test]
     fn metadata_fits_its_map_value() {
-        let identity = Identity::new(b"object", "x".repeat(200));
+        let identity = Identity::new("0123456789abcdef", "x".repeat(200));
         let mut meta = meta(&identity);
         meta.attached = (0..30)
             .map(|i| format!("tracepoint syscalls/sys_enter_renameat{i}"))
