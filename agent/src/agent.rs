@@ -304,8 +304,12 @@ fn carry_on(
     if config.reregister_on_restart {
         info!(state_file = %file.display(), "--reregister-on-restart: registering every plugin found again");
     }
-    let (journal, entries) =
-        crate::persist::Journal::open(file, &config.plugin_dir, config.reregister_on_restart);
+    let (journal, entries) = crate::persist::Journal::open(
+        file,
+        &config.plugin_dir,
+        config.reregister_on_restart,
+        stages.actual.clone(),
+    );
     let report = crate::persist::Restore {
         desired: &stages.desired,
         actual: &stages.actual,
@@ -313,7 +317,7 @@ fn carry_on(
         observing: matches!(config.executor.mode, crate::mode::Mode::Observe { .. }),
     }
     .apply(entries);
-    journal.restored(&stages.actual);
+    journal.restored();
     if report != crate::persist::RestoreReport::default() {
         info!(
             state_file = %file.display(),

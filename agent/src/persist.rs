@@ -3,8 +3,9 @@
 //! ```text
 //! executor: registration begins (before handler Register) --begin-------> Journal --append--> state.journal
 //!           registration done (handler Register, Notify)  --registered-->         (one line each)
+//!           deregistration or rollback begins             --take--------> (out of actual state)
 //!           deregistration or rollback done               --deregistered->
-//!                                   every 1,024+ lines: --compact--> state.json (whole, atomic rename)
+//!           every 1,024+ lines: actual state (held) --compact--> state.json (whole, atomic rename)
 //! start: state.json + state.journal --open (format, tree checked)--> Restore --> state::desired +
 //!        state::actual, then the watcher's first walk: same socket instance: nothing happens;
 //!        gone: deregistered once; replaced: deregistered, then registered; new: registered
@@ -28,7 +29,10 @@
 //! the journal with a single `write(2)`, before the operation goes on or reports itself done: a
 //! SIGKILL right after loses nothing (the page cache has it). The journal is folded into the
 //! snapshot, written whole to a temporary file and renamed over the old one, every 1,024 lines (or
-//! the number of plugins, if more), and at exit. A start that read both files whole rewrites
+//! the number of plugins, now or in the last snapshot, if more), and at exit. The snapshot is
+//! written from actual state (held still meanwhile), the one copy of each plugin in memory; the
+//! journal keeps only which registration each entry on disk is, and the JSON of those whose
+//! deregistration is under way (actual state lets go of a plugin as its deregistration begins). A start that read both files whole rewrites
 //! nothing (what it did not restore is appended as removed); after a torn or unreadable file it
 //! writes them afresh. Anything unreadable (corrupt, another
 //! format, another tree) is a warning and today's behaviour: everything found is registered again;
@@ -37,10 +41,11 @@
 use crate::handler::{HandlerRegistry, Plugin, PluginHandler};
 use crate::provenance::{Creator, Process, Provenance};
 use crate::state::SocketId;
-use crate::state::actual::{ActualState, RegisteredPlugin};
+use crate::state::actual::{ActualState, Held, RegisteredPlugin};
 use crate::state::desired::DesiredState;
 use anyhow::Context;
 use serde_json::value::RawValue;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -59,8 +64,10 @@ pub const FORMAT: u32 = 1;
 /// doubling) at the moment the agent's memory peaked.
 const WRITE_BUFFER: usize = 64 * 1024;
 
-/// Journal lines before the journal is folded into the snapshot (at least; more with more
-/// plugins, so compaction stays a small share of the writes).
+/// Journal lines before the journal is folded into the snapshot: at least this many, and as many
+/// as there are entries now or were in the last snapshot, so writing snapshots costs each line a
+/// share of one entry's. (With entries now alone, 10,000 deregistrations rewrote a shrinking
+/// snapshot at 5,000, 2,500, ... entries left, and every 1,024 lines at the end.)
 const COMPACT_AFTER: usize = 1024;
 
 /// The snapshot.
@@ -69,59 +76,60 @@ struct StateFile {
     format: u32,
     /// The watched tree the entries are under: another tree's file is not this agent's.
     root: String,
-    plugins: Vec<Entry>,
+    plugins: Vec<Entry<'static>>,
 }
 
-/// One registered (or, in observe mode, observed) plugin.
+/// One registered (or, in observe mode, observed) plugin: owned as read, borrowed from actual
+/// state as written (a snapshot of 10,000 copies none of their strings).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Entry {
-    path: String,
+struct Entry<'a> {
+    path: Cow<'a, str>,
     generation: String,
     dev: u64,
     ino: u64,
     birth_ns: Option<i128>,
     handle: Option<u64>,
     #[serde(rename = "type")]
-    plugin_type: String,
-    name: String,
-    endpoint: String,
-    versions: Vec<String>,
+    plugin_type: Cow<'a, str>,
+    name: Cow<'a, str>,
+    endpoint: Cow<'a, str>,
+    versions: Cow<'a, [String]>,
     /// The handler's description (its target) it was registered with; none when observed.
     handler: Option<String>,
     registered_at_unix_ms: u64,
     /// Who created the socket, when known (absent in files of agents before provenance: an
     /// older agent reading a newer file ignores them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    creator: Option<Process>,
+    creator: Option<Cow<'a, Process>>,
     /// Who served the registration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    server: Option<Process>,
+    server: Option<Cow<'a, Process>>,
     /// Begun and not finished (see the module docs).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     unfinished: bool,
 }
 
-impl Entry {
+impl<'a> Entry<'a> {
     /// None for a path that is not UTF-8: its plugin is registered again after a restart.
-    fn of(path: &Path, entry: &RegisteredPlugin) -> Option<Entry> {
+    fn of(path: &'a Path, entry: &'a RegisteredPlugin) -> Option<Entry<'a>> {
         Some(Entry {
-            path: path.to_str()?.to_owned(),
+            path: Cow::Borrowed(path.to_str()?),
             generation: entry.generation.to_string(),
             dev: entry.socket.dev,
             ino: entry.socket.ino,
             birth_ns: entry.socket.birth_ns,
             handle: entry.socket.handle,
-            plugin_type: entry.plugin.plugin_type.clone(),
-            name: entry.plugin.name.clone(),
-            endpoint: entry.plugin.endpoint.clone(),
-            versions: entry.plugin.supported_versions.clone(),
+            plugin_type: Cow::Borrowed(&entry.plugin.plugin_type),
+            name: Cow::Borrowed(&entry.plugin.name),
+            endpoint: Cow::Borrowed(&entry.plugin.endpoint),
+            versions: Cow::Borrowed(&entry.plugin.supported_versions),
             handler: entry.handler.as_ref().map(|h| h.describe()),
             registered_at_unix_ms: entry
                 .registered_at
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            creator: entry.provenance.creator.process().cloned(),
-            server: entry.provenance.server.as_deref().cloned(),
+            creator: entry.provenance.creator.process().map(Cow::Borrowed),
+            server: entry.provenance.server.as_deref().map(Cow::Borrowed),
             unfinished: entry.interrupted,
         })
     }
@@ -133,10 +141,10 @@ impl Entry {
 enum Op {
     /// A registration began (unfinished); an agent before this line was written fails to read
     /// it and registers everything again.
-    Begin(Box<Entry>),
+    Begin(Box<Entry<'static>>),
     /// A registration finished: the whole entry when it was not begun in the journal (observe
     /// mode), else only which one.
-    Add(Box<Entry>),
+    Add(Box<Entry<'static>>),
     Done {
         path: String,
         generation: String,
@@ -147,53 +155,71 @@ enum Op {
     },
 }
 
-/// A journal line as written: entries go in as the JSON already kept for the snapshot (see
-/// [`Kept`]), so each is serialized once. Reads as [`Op`].
+/// A journal line as written. Reads as [`Op`].
 #[derive(serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 enum Line<'a> {
-    Begin(&'a RawValue),
-    Add(&'a RawValue),
+    Begin(&'a Entry<'a>),
+    Add(&'a Entry<'a>),
     Done { path: &'a str, generation: String },
     Remove { path: &'a str, generation: String },
 }
 
-/// An entry as the journal keeps it between compactions: the generation that `done` and
-/// `remove` lines must match, and the entry as the snapshot's JSON. One allocation per plugin
-/// besides its key, where the parsed [`Entry`] took a dozen and a table slot of ~370 bytes: a
-/// second copy of the actual state. With 10,000 plugins registered this keeps 3.5-4.2 MB less in
-/// use (malloc_stats), and the peak during a burst drops by more (no table of slots to regrow).
-struct Kept {
+/// What the journal knows of an entry on disk: which registration it is (`done` and `remove`
+/// lines must match it) and whether it is unfinished. The entry's contents are actual state's, one
+/// copy of each plugin in memory: a snapshot is written from there. Before, the journal kept each
+/// entry's JSON besides (~600 bytes a plugin, 6.9 MB of the 22.5 MB in use with 10,000
+/// registered, measured with glibc's `malloc_stats`).
+struct Recorded {
     generation: Uuid,
     unfinished: bool,
-    json: Box<RawValue>,
 }
 
-impl Kept {
-    fn of(entry: &Entry, generation: Uuid) -> Result<Kept, String> {
-        Ok(Kept {
-            generation,
-            unfinished: entry.unfinished,
-            json: serde_json::value::to_raw_value(entry)
-                .map_err(|e| format!("cannot serialize: {e}"))?,
-        })
-    }
-}
-
-/// The snapshot as written: the kept entries' JSON as they are (the same fields as [`StateFile`]).
+/// The snapshot as written (the same fields as [`StateFile`]).
 #[derive(serde::Serialize)]
 struct SnapshotOut<'a> {
     format: u32,
     root: &'a str,
-    plugins: KeptJson<'a>,
+    plugins: EntriesOut<'a>,
 }
 
-/// The kept entries' JSON, serialized straight from the table (no list of them first).
-struct KeptJson<'a>(&'a HashMap<Box<str>, Kept>);
+/// The entries on disk, serialized one at a time from actual state as it is held still (no list
+/// of them first), or from the JSON kept for a deregistration under way.
+struct EntriesOut<'a> {
+    recorded: &'a HashMap<Box<str>, Recorded>,
+    leaving: &'a HashMap<Box<str>, Box<RawValue>>,
+    actual: &'a Held<'a>,
+}
 
-impl serde::Serialize for KeptJson<'_> {
+/// One entry of the snapshot.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one at a time, on the stack, while the snapshot is written"
+)]
+enum EntryOut<'a> {
+    Registered(Entry<'a>),
+    Leaving(&'a RawValue),
+}
+
+impl serde::Serialize for EntriesOut<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_seq(self.0.values().map(|kept| &*kept.json))
+        serializer.collect_seq(self.recorded.iter().filter_map(|(path, recorded)| {
+            let registered = self
+                .actual
+                .get(Path::new(&**path))
+                .filter(|entry| entry.generation == recorded.generation);
+            if let Some(mut entry) = registered.and_then(|entry| Entry::of(Path::new(&**path), entry)) {
+                entry.unfinished = recorded.unfinished;
+                return Some(EntryOut::Registered(entry));
+            }
+            let leaving = self.leaving.get(path).map(|json| EntryOut::Leaving(json));
+            if leaving.is_none() {
+                tracing::debug!(socket_path = &**path, "a recorded registration is in neither actual state nor a deregistration under way: left out of the snapshot");
+            }
+            leaving
+        }))
     }
 }
 
@@ -217,13 +243,19 @@ pub struct Journal {
     snapshot: PathBuf,
     journal: PathBuf,
     root: String,
+    /// What the snapshot is written from.
+    actual: Arc<ActualState>,
     inner: Mutex<Inner>,
 }
 
 struct Inner {
-    entries: HashMap<Box<str>, Kept>,
+    entries: HashMap<Box<str>, Recorded>,
+    /// The JSON of entries on disk whose deregistration (or rollback) is under way: actual state
+    /// no longer holds them, and a snapshot written before they finish must (see
+    /// [`Journal::take`]).
+    leaving: HashMap<Box<str>, Box<RawValue>>,
     /// What the files held, by path, from `open` until [`Journal::restored`] takes it.
-    on_disk: HashMap<String, Entry>,
+    on_disk: HashMap<String, Entry<'static>>,
     /// Journal lines on disk when both files were read whole (the snapshot parsed, every journal
     /// line with it): `on_disk` is then what they say until the start has restored, and what it
     /// did not restore is appended as removed. None: compact at start.
@@ -231,6 +263,9 @@ struct Inner {
     /// Open for appending; none after a failure to open or write (the next compaction retries).
     log: Option<std::fs::File>,
     lines: usize,
+    /// Entries the last snapshot held: with the entries now, how many lines the journal takes
+    /// before the next (see [`COMPACT_AFTER`]).
+    snapshot_len: usize,
     /// A write failed and was reported; the next success says so.
     failing: bool,
 }
@@ -238,18 +273,26 @@ struct Inner {
 impl Journal {
     /// Reads the state at `snapshot` (and its journal) for the tree `root`, unless `ignore`; every
     /// problem is logged and yields nothing to restore. Returns the journal and what to restore;
-    /// call [`Journal::restored`] with what was actually restored before anything else.
-    pub fn open(snapshot: &Path, root: &Path, ignore: bool) -> (Journal, Vec<Restored>) {
+    /// restore them into `actual`, then call [`Journal::restored`] before anything else.
+    pub fn open(
+        snapshot: &Path,
+        root: &Path,
+        ignore: bool,
+        actual: Arc<ActualState>,
+    ) -> (Journal, Vec<Restored>) {
         let journal = Journal {
             snapshot: snapshot.to_path_buf(),
             journal: snapshot.with_extension("journal"),
             root: root.display().to_string(),
+            actual,
             inner: Mutex::new(Inner {
                 entries: HashMap::new(),
+                leaving: HashMap::new(),
                 on_disk: HashMap::new(),
                 read_whole: None,
                 log: None,
                 lines: 0,
+                snapshot_len: 0,
                 failing: false,
             }),
         };
@@ -276,7 +319,7 @@ impl Journal {
 
     /// The entries the files hold, by path, and the journal's line count when both were read
     /// whole.
-    fn read(&self, root: &Path) -> (HashMap<String, Entry>, Option<usize>) {
+    fn read(&self, root: &Path) -> (HashMap<String, Entry<'static>>, Option<usize>) {
         let bytes = match std::fs::read(&self.snapshot) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -288,8 +331,11 @@ impl Journal {
                 return (HashMap::new(), None);
             }
         };
-        let mut entries: HashMap<String, Entry> = match parse(&bytes, root) {
-            Ok(entries) => entries.into_iter().map(|e| (e.path.clone(), e)).collect(),
+        let mut entries: HashMap<String, Entry<'static>> = match parse(&bytes, root) {
+            Ok(entries) => entries
+                .into_iter()
+                .map(|e| (e.path.clone().into_owned(), e))
+                .collect(),
             Err(e) => {
                 tracing::warn!(state_file = %self.snapshot.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
                 return (HashMap::new(), None);
@@ -309,16 +355,19 @@ impl Journal {
     /// files were read whole, what was not restored is appended to the journal as removed (a
     /// few lines, not a rewrite of every plugin on the start's path); otherwise they are written
     /// afresh: a snapshot and an empty journal.
-    pub fn restored(&self, actual: &ActualState) {
+    pub fn restored(&self) {
         let mut inner = self.lock();
         let on_disk = std::mem::take(&mut inner.on_disk);
-        inner.entries = actual
-            .snapshot()
+        inner.entries = self
+            .actual
+            .hold()
             .iter()
             .filter_map(|(path, registered)| {
-                let entry = Entry::of(path, registered)?;
-                let kept = Kept::of(&entry, registered.generation).ok()?;
-                Some((Box::from(entry.path.as_str()), kept))
+                let recorded = Recorded {
+                    generation: registered.generation,
+                    unfinished: registered.interrupted,
+                };
+                Some((Box::from(path.to_str()?), recorded))
             })
             .collect();
         let Some(lines) = inner.read_whole.take() else {
@@ -336,7 +385,7 @@ impl Journal {
             }
         }
         for read in on_disk.into_values() {
-            let kept = inner.entries.get(read.path.as_str());
+            let kept = inner.entries.get(&*read.path);
             if kept.is_some_and(|kept| kept.generation.to_string() == read.generation) {
                 continue;
             }
@@ -358,19 +407,26 @@ impl Journal {
             return Ok(());
         };
         entry.unfinished = true;
-        let kept = Kept::of(&entry, registered.generation)?;
-        let line = Self::line(&Line::Begin(&kept.json))?;
-        let key: Box<str> = Box::from(entry.path.as_str());
+        let line = Self::line(&Line::Begin(&entry))?;
+        let key: Box<str> = Box::from(&*entry.path);
+        let recorded = Recorded {
+            generation: registered.generation,
+            unfinished: true,
+        };
         let mut inner = self.lock();
-        let previous = inner.entries.insert(key.clone(), kept);
-        let recorded = self.append(&mut inner, line);
-        if recorded.is_err() {
+        let previous = inner.entries.insert(key.clone(), recorded);
+        let previous_leaving = inner.leaving.remove(&key);
+        let written = self.append(&mut inner, line);
+        if written.is_err() {
             match previous {
-                Some(previous) => inner.entries.insert(key, previous),
+                Some(previous) => inner.entries.insert(key.clone(), previous),
                 None => inner.entries.remove(&key),
             };
+            if let Some(leaving) = previous_leaving {
+                inner.leaving.insert(key, leaving);
+            }
         }
-        recorded
+        written
     }
 
     /// A registration of `path` finished: recorded before it reports itself done. A failure
@@ -380,13 +436,10 @@ impl Journal {
             return;
         };
         entry.unfinished = false;
-        let Ok(kept) = Kept::of(&entry, registered.generation) else {
-            return;
-        };
         let mut inner = self.lock();
         let begun = inner
             .entries
-            .get(entry.path.as_str())
+            .get(&*entry.path)
             .is_some_and(|e| e.generation == registered.generation && e.unfinished);
         let line = if begun {
             Self::line(&Line::Done {
@@ -394,12 +447,47 @@ impl Journal {
                 generation: registered.generation.to_string(),
             })
         } else {
-            Self::line(&Line::Add(&kept.json))
+            Self::line(&Line::Add(&entry))
         };
-        inner.entries.insert(Box::from(entry.path.as_str()), kept);
+        let key: Box<str> = Box::from(&*entry.path);
+        inner.leaving.remove(&key);
+        let recorded = Recorded {
+            generation: registered.generation,
+            unfinished: false,
+        };
+        inner.entries.insert(key, recorded);
         if let Ok(line) = line {
             let _ = self.append(&mut inner, line);
         }
+    }
+
+    /// Takes `path`'s registration `generation` out of actual state for its deregistration (or
+    /// rollback); returns it. Until [`deregistered`](Self::deregistered) says it finished, its
+    /// record stays on disk, and a snapshot written meanwhile holds it (from JSON kept here, as
+    /// actual state no longer does): taken under the journal's lock, so no snapshot falls between.
+    pub fn take(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
+        let mut inner = self.lock();
+        let taken = self.actual.remove(path, generation)?;
+        let recorded = path.to_str().and_then(|key| {
+            let recorded = inner.entries.get(key)?;
+            (recorded.generation == generation).then_some((key, recorded.unfinished))
+        });
+        let Some((key, unfinished)) = recorded else {
+            // Not on disk (not UTF-8, or never recorded): nothing to keep.
+            return Some(taken);
+        };
+        if let Some(mut entry) = Entry::of(path, &taken) {
+            entry.unfinished = unfinished;
+            match serde_json::value::to_raw_value(&entry) {
+                Ok(json) => {
+                    inner.leaving.insert(Box::from(key), json);
+                }
+                Err(e) => {
+                    tracing::warn!(socket_path = key, error = %e, "cannot keep a deregistering plugin's record for the state file")
+                }
+            }
+        }
+        Some(taken)
     }
 
     /// A deregistration of `path` (the registration of `generation`) finished.
@@ -414,6 +502,7 @@ impl Journal {
             return;
         }
         inner.entries.remove(path);
+        inner.leaving.remove(path);
         crate::memory::shrink_if_sparse(&mut inner.entries);
         let line = Line::Remove {
             path,
@@ -458,7 +547,10 @@ impl Journal {
                 self.journal.display()
             )),
         };
-        if inner.log.is_none() || inner.lines >= COMPACT_AFTER.max(inner.entries.len()) {
+        let compact_after = COMPACT_AFTER
+            .max(inner.entries.len())
+            .max(inner.snapshot_len);
+        if inner.log.is_none() || inner.lines >= compact_after {
             let compacted = self.compact(inner);
             if written.is_err() {
                 // The snapshot holds the line's change if it was written.
@@ -471,14 +563,20 @@ impl Journal {
         written
     }
 
-    /// Writes the snapshot whole, then starts an empty journal.
+    /// Writes the snapshot whole, from actual state held still meanwhile, then starts an empty
+    /// journal.
     fn compact(&self, inner: &mut Inner) -> Result<(), String> {
-        let file = SnapshotOut {
-            format: FORMAT,
-            root: &self.root,
-            plugins: KeptJson(&inner.entries),
-        };
         let written = write_atomically(&self.snapshot, |out| {
+            let actual = self.actual.hold();
+            let file = SnapshotOut {
+                format: FORMAT,
+                root: &self.root,
+                plugins: EntriesOut {
+                    recorded: &inner.entries,
+                    leaving: &inner.leaving,
+                    actual: &actual,
+                },
+            };
             serde_json::to_writer(out, &file).map_err(std::io::Error::from)
         })
         .and_then(|()| {
@@ -493,6 +591,7 @@ impl Journal {
             Ok(log) => {
                 inner.log = Some(log);
                 inner.lines = 0;
+                inner.snapshot_len = inner.entries.len();
                 tracing::debug!(state_file = %self.snapshot.display(), plugins = inner.entries.len(), "state file written");
                 if std::mem::take(&mut inner.failing) {
                     tracing::info!(state_file = %self.snapshot.display(), "state file written again");
@@ -526,12 +625,12 @@ struct Replayed {
 }
 
 /// Applies journal lines to `entries`.
-fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> Replayed {
+fn replay(journal: &[u8], entries: &mut HashMap<String, Entry<'static>>) -> Replayed {
     let mut replayed = Replayed { lines: 0, torn: 0 };
     for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
         match serde_json::from_slice::<Op>(line) {
             Ok(Op::Begin(entry) | Op::Add(entry)) => {
-                entries.insert(entry.path.clone(), *entry);
+                entries.insert(entry.path.clone().into_owned(), *entry);
             }
             Ok(Op::Done { path, generation }) => {
                 if let Some(entry) = entries
@@ -559,7 +658,7 @@ fn replay(journal: &[u8], entries: &mut HashMap<String, Entry>) -> Replayed {
     replayed
 }
 
-fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry>> {
+fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry<'static>>> {
     // The format first, alone: a later format may change everything else.
     #[derive(serde::Deserialize)]
     struct Format {
@@ -580,10 +679,10 @@ fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry>> {
     Ok(file.plugins)
 }
 
-fn restored(entry: Entry, root: &Path) -> anyhow::Result<Restored> {
+fn restored(entry: Entry<'static>, root: &Path) -> anyhow::Result<Restored> {
     let generation = Uuid::parse_str(&entry.generation)
         .with_context(|| format!("bad generation for {}", entry.path))?;
-    let path = PathBuf::from(&entry.path);
+    let path = PathBuf::from(&*entry.path);
     anyhow::ensure!(
         path.starts_with(root),
         "entry {} is outside the tree",
@@ -598,19 +697,19 @@ fn restored(entry: Entry, root: &Path) -> anyhow::Result<Restored> {
             handle: entry.handle,
         },
         plugin: Plugin {
-            plugin_type: entry.plugin_type,
-            name: entry.name,
-            endpoint: entry.endpoint,
-            supported_versions: entry.versions,
-            socket_path: entry.path,
+            plugin_type: entry.plugin_type.into_owned(),
+            name: entry.name.into_owned(),
+            endpoint: entry.endpoint.into_owned(),
+            supported_versions: entry.versions.into_owned(),
+            socket_path: entry.path.into_owned(),
         },
         handler: entry.handler,
         registered_at: SystemTime::UNIX_EPOCH + Duration::from_millis(entry.registered_at_unix_ms),
         provenance: Provenance {
-            creator: entry
-                .creator
-                .map_or(Creator::FoundByWalk, |p| Creator::Known(Arc::new(p))),
-            server: entry.server.map(Arc::new),
+            creator: entry.creator.map_or(Creator::FoundByWalk, |p| {
+                Creator::Known(Arc::new(p.into_owned()))
+            }),
+            server: entry.server.map(|p| Arc::new(p.into_owned())),
         },
         interrupted: entry.unfinished,
         path,
@@ -747,12 +846,15 @@ mod tests {
         handlers
     }
 
-    /// A journal in a temporary directory for the tree `/plugins`, and its snapshot path.
-    fn journal(dir: &Path) -> (Journal, PathBuf) {
+    /// A journal in a temporary directory for the tree `/plugins`, its snapshot path, and the
+    /// actual state it writes snapshots from.
+    fn journal(dir: &Path) -> (Journal, PathBuf, Arc<ActualState>) {
         let snapshot = dir.join(FILE_NAME);
-        let (journal, restored) = Journal::open(&snapshot, Path::new("/plugins"), false);
+        let actual = Arc::new(ActualState::default());
+        let (journal, restored) =
+            Journal::open(&snapshot, Path::new("/plugins"), false, actual.clone());
         assert!(restored.is_empty());
-        (journal, snapshot)
+        (journal, snapshot, actual)
     }
 
     /// Registers `name` in `actual` and records it as finished.
@@ -787,7 +889,8 @@ mod tests {
     }
 
     fn reopen(snapshot: &Path) -> Vec<Restored> {
-        Journal::open(snapshot, Path::new("/plugins"), false).1
+        let actual = Arc::new(ActualState::default());
+        Journal::open(snapshot, Path::new("/plugins"), false, actual).1
     }
 
     /// What a start would restore from `snapshot`: each plugin's name and whether a kill
@@ -804,8 +907,7 @@ mod tests {
     #[test]
     fn what_finished_is_restored_into_desired_and_actual_state_without_a_flush() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         let a = register(&actual, &journal, "a", 10);
         let b = register(&actual, &journal, "b", 11);
         journal.deregistered(Path::new("/plugins/b.sock"), b.generation);
@@ -839,7 +941,7 @@ mod tests {
     #[test]
     fn who_created_and_who_served_a_socket_survive_a_restart() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
+        let (journal, snapshot, actual) = journal(dir.path());
         let cgroup = Arc::new(crate::provenance::Cgroup {
             path: "/kubepods/pod5c1d8a3e-2f4b-4c6d-9e8f-0a1b2c3d4e5f/x".into(),
             id: Some(42),
@@ -858,7 +960,7 @@ mod tests {
             server: Some(Arc::new(process(8))),
         };
         let path = PathBuf::from("/plugins/a.sock");
-        let entry = ActualState::default().add(
+        let entry = actual.add(
             path.clone(),
             Uuid::new_v4(),
             socket(10),
@@ -890,12 +992,12 @@ mod tests {
     #[test]
     fn a_registration_killed_before_its_register_is_not_restored_nor_a_deregistration_lost() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         let a = register(&actual, &journal, "a", 10);
         // Killed during b's Validate (not begun in the journal) and a's DeRegister.
         add(&actual, "b", 11);
-        actual.remove(Path::new("/plugins/a.sock"), a.generation);
+        let taken = journal.take(Path::new("/plugins/a.sock"), a.generation);
+        assert_eq!(taken.map(|a| a.generation), Some(a.generation));
         drop(journal);
         assert_eq!(
             reopen_interrupted(&snapshot),
@@ -904,13 +1006,44 @@ mod tests {
         );
     }
 
+    /// Snapshots are written from actual state, which a deregistration leaves as it begins: one
+    /// written while it runs still holds the plugin (from what `take` kept), and one written
+    /// while a registration is before its `begin` does not hold that one yet.
+    #[test]
+    fn a_snapshot_written_meanwhile_holds_what_is_on_disk_not_what_actual_state_holds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, snapshot, actual) = journal(dir.path());
+        let a = register(&actual, &journal, "a", 10);
+        let (b_path, b) = add(&actual, "b", 11);
+        journal.begin(&b_path, &b).expect("begin b");
+        register(&actual, &journal, "c", 12);
+        add(&actual, "d", 13);
+        let a_path = Path::new("/plugins/a.sock");
+        journal.take(a_path, a.generation).expect("a registered");
+        journal.take(&b_path, b.generation).expect("b registered");
+        assert!(actual.get(a_path).is_none() && actual.get(&b_path).is_none());
+        journal.flush();
+        let on_disk = [
+            ("a".to_owned(), false),
+            ("b".to_owned(), true),
+            ("c".to_owned(), false),
+        ];
+        assert_eq!(reopen_interrupted(&snapshot), on_disk, "from the snapshot");
+        // The deregistrations finish; the next snapshot leaves them out.
+        journal.deregistered(a_path, a.generation);
+        journal.deregistered(&b_path, b.generation);
+        journal.flush();
+        assert_eq!(reopen_interrupted(&snapshot), [("c".to_owned(), false)]);
+        drop(journal);
+        assert_eq!(reopen_interrupted(&snapshot), [("c".to_owned(), false)]);
+    }
+
     /// kubernetes issue 136462's other half: what a handler may hold is on disk before it is
     /// told, so a kill between Register and Notify loses nothing.
     #[test]
     fn a_registration_killed_after_it_began_is_restored_interrupted_until_it_finishes() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         let (a_path, a) = add(&actual, "a", 10);
         journal.begin(&a_path, &a).expect("begin a");
         let (b_path, b) = add(&actual, "b", 11);
@@ -919,17 +1052,17 @@ mod tests {
         let (c_path, c) = add(&actual, "c", 12);
         journal.begin(&c_path, &c).expect("begin c");
         // c's Register failed: rolled back.
-        actual.remove(&c_path, c.generation);
+        journal.take(&c_path, c.generation).expect("c began");
         journal.deregistered(&c_path, c.generation);
         drop(journal);
         let want = [("a".to_owned(), true), ("b".to_owned(), false)];
         assert_eq!(reopen_interrupted(&snapshot), want, "from the journal");
 
         // The same through a snapshot (a start's compaction), and into actual state.
-        let entries = reopen(&snapshot);
-        let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false);
-        let (desired, actual, handlers) =
-            (DesiredState::default(), ActualState::default(), registry());
+        let actual = Arc::new(ActualState::default());
+        let (journal, entries) =
+            Journal::open(&snapshot, Path::new("/plugins"), false, actual.clone());
+        let (desired, handlers) = (DesiredState::default(), registry());
         let report = Restore {
             desired: &desired,
             actual: &actual,
@@ -938,7 +1071,7 @@ mod tests {
         }
         .apply(entries);
         assert_eq!((report.restored, report.interrupted), (2, 1));
-        journal.restored(&actual);
+        journal.restored();
         journal.flush();
         drop(journal);
         assert_eq!(reopen_interrupted(&snapshot), want, "from the snapshot");
@@ -956,9 +1089,9 @@ mod tests {
         // the snapshot fails too, its temporary file cannot be created.
         std::fs::create_dir(snapshot.with_extension("journal")).expect("a directory in the way");
         std::fs::create_dir(snapshot.with_extension("json.tmp")).expect("a directory in the way");
-        let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false);
-        journal.restored(&ActualState::default());
-        let actual = ActualState::default();
+        let actual = Arc::new(ActualState::default());
+        let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false, actual.clone());
+        journal.restored();
         let (path, entry) = add(&actual, "a", 10);
         let error = journal.begin(&path, &entry).expect_err("nowhere to write");
         assert!(
@@ -981,12 +1114,13 @@ mod tests {
     #[test]
     fn compaction_keeps_the_state_and_empties_the_journal() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         for i in 0..(COMPACT_AFTER as u64 + 10) {
             let entry = register(&actual, &journal, &format!("p{}", i % 20), i);
             if i % 3 == 0 {
-                journal.deregistered(Path::new(&entry.plugin.socket_path), entry.generation);
+                let path = Path::new(&entry.plugin.socket_path);
+                journal.take(path, entry.generation).expect("registered");
+                journal.deregistered(path, entry.generation);
             }
         }
         let lines = std::fs::read(snapshot.with_extension("journal"))
@@ -1011,8 +1145,7 @@ mod tests {
     #[test]
     fn a_torn_journal_line_is_skipped() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         register(&actual, &journal, "a", 10);
         drop(journal);
         tear_journal(&snapshot);
@@ -1021,9 +1154,11 @@ mod tests {
 
     /// Restores what `snapshot` holds with the CSI handler, as a start does; returns the journal
     /// the start carries on with and the restored plugins' names.
-    fn start(snapshot: &Path) -> (Journal, ActualState, Vec<String>) {
-        let (journal, entries) = Journal::open(snapshot, Path::new("/plugins"), false);
-        let (desired, actual) = (DesiredState::default(), ActualState::default());
+    fn start(snapshot: &Path) -> (Journal, Arc<ActualState>, Vec<String>) {
+        let actual = Arc::new(ActualState::default());
+        let (journal, entries) =
+            Journal::open(snapshot, Path::new("/plugins"), false, actual.clone());
+        let desired = DesiredState::default();
         Restore {
             desired: &desired,
             actual: &actual,
@@ -1031,7 +1166,7 @@ mod tests {
             observing: false,
         }
         .apply(entries);
-        journal.restored(&actual);
+        journal.restored();
         let mut names: Vec<String> = actual
             .snapshot()
             .into_iter()
@@ -1044,8 +1179,7 @@ mod tests {
     #[test]
     fn a_start_that_read_the_files_whole_rewrites_nothing_and_appends_what_it_dropped() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         register(&actual, &journal, "a", 10);
         journal.flush();
         register(&actual, &journal, "b", 11);
@@ -1095,8 +1229,8 @@ mod tests {
     #[test]
     fn a_start_after_a_torn_journal_line_writes_the_files_afresh() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        register(&ActualState::default(), &journal, "a", 10);
+        let (journal, snapshot, actual) = journal(dir.path());
+        register(&actual, &journal, "a", 10);
         drop(journal);
         tear_journal(&snapshot);
         let (journal, actual, names) = start(&snapshot);
@@ -1115,8 +1249,7 @@ mod tests {
     #[test]
     fn entries_of_another_handler_or_mode_are_not_restored() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(dir.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(dir.path());
         register(&actual, &journal, "a", 10);
         register(&actual, &journal, "b", 11);
         let (desired, restored) = (DesiredState::default(), ActualState::default());
@@ -1181,12 +1314,11 @@ mod tests {
         std::fs::write(&garbage, b"\x00\xffnot json").expect("write");
         assert!(reopen(&garbage).is_empty());
         let other = tempfile::tempdir().expect("tempdir");
-        let (journal, snapshot) = journal(other.path());
-        let actual = ActualState::default();
+        let (journal, snapshot, actual) = journal(other.path());
         register(&actual, &journal, "a", 10);
         journal.flush();
         assert!(
-            Journal::open(&snapshot, Path::new("/plugins"), true)
+            Journal::open(&snapshot, Path::new("/plugins"), true, actual)
                 .1
                 .is_empty()
         );

@@ -21,6 +21,16 @@ async fn pinned_at(agent: &AgentProcess) -> PathBuf {
     PathBuf::from(loaded.field("pins").unwrap_or_default())
 }
 
+/// The hash of the kernel object `agent` loaded (its log says).
+async fn loaded_object(agent: &AgentProcess) -> String {
+    let loaded = agent
+        .wait_for_log("programs loaded", EVENT_TIMEOUT, |l| {
+            l.message() == "eBPF programs loaded" && l.field("object").is_some()
+        })
+        .await;
+    loaded.field("object").unwrap_or_default()
+}
+
 /// The pinned sets (one per load) in a tree's pin directory.
 fn sets(dir: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir)
@@ -123,21 +133,37 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
 
 /// A copy of the agent whose embedded kernel object differs (a byte of its debug information:
 /// what an upgrade changes, without changing what the programs do).
-fn upgraded_agent(dir: &PluginDir) -> PathBuf {
+fn upgraded_agent(dir: &PluginDir, object_hash: &str) -> PathBuf {
     let original = plugin_agent_tests::env::agent_bin();
     let mut bytes = std::fs::read(&original).expect("read the agent binary");
-    let (from, to) = (b"agent-ebpf/src/main.rs", b"agent-ebpf/src/mai2.rs");
-    let mut changed = 0;
-    let mut at = 0;
-    while let Some(found) = bytes[at..].windows(from.len()).position(|w| w == from) {
-        let start = at + found;
-        bytes[start..start + to.len()].copy_from_slice(to);
-        at = start + to.len();
-        changed += 1;
-    }
+    let replace = |bytes: &mut Vec<u8>, from: &[u8], to: &[u8]| {
+        let mut changed = 0;
+        let mut at = 0;
+        while let Some(found) = bytes[at..].windows(from.len()).position(|w| w == from) {
+            let start = at + found;
+            bytes[start..start + to.len()].copy_from_slice(to);
+            at = start + to.len();
+            changed += 1;
+        }
+        changed
+    };
     assert!(
-        changed > 0,
+        replace(
+            &mut bytes,
+            b"agent-ebpf/src/main.rs",
+            b"agent-ebpf/src/mai2.rs"
+        ) > 0,
         "the kernel object's source path is in the agent binary"
+    );
+    // The build hashes the object it embeds: another object comes with another hash.
+    let other_hash: String = object_hash
+        .chars()
+        .map(|c| if c == '0' { '1' } else { '0' })
+        .collect();
+    assert!(
+        object_hash.len() == 16
+            && replace(&mut bytes, object_hash.as_bytes(), other_hash.as_bytes()) > 0,
+        "the object's hash {object_hash:?} is in the agent binary"
     );
     let upgraded = dir.outside("plugin-agent-upgraded");
     std::fs::write(&upgraded, bytes).expect("write the upgraded agent");
@@ -156,6 +182,7 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
         return;
     };
     let pins = pinned_at(&first).await;
+    let object = loaded_object(&first).await;
     let plugin = plugin!(dir.path("p.sock")).name("p").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let old_sets = sets(&pins);
@@ -163,7 +190,7 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
     first.stop().await;
 
     let mut upgraded = options(&dir);
-    upgraded.binary = Some(upgraded_agent(&dir));
+    upgraded.binary = Some(upgraded_agent(&dir, &object));
     let second = AgentProcess::start(&test, upgraded)
         .await
         .expect("started once");

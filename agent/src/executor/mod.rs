@@ -440,6 +440,16 @@ impl OperationExecutor {
         let _ = self.journal.set(journal);
     }
 
+    /// Takes `path`'s registration `generation` out of actual state for its deregistration or
+    /// rollback, through the journal when one is kept (its record stays on disk until
+    /// [`deregistered`](Self::deregistered); see `persist::Journal::take`).
+    fn take_registered(&self, path: &Path, generation: uuid::Uuid) -> Option<RegisteredPlugin> {
+        match self.journal.get() {
+            Some(journal) => journal.take(path, generation),
+            None => self.actual.remove(path, generation),
+        }
+    }
+
     /// A deregistration of `path` (the registration of `generation`) finished.
     fn deregistered(&self, path: &Path, generation: uuid::Uuid) {
         if let Some(journal) = self.journal.get() {

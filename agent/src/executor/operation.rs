@@ -228,7 +228,7 @@ impl OperationExecutor {
 
     /// Undoes a registration whose last steps failed: actual state, then the handler.
     async fn roll_back(&self, path: &Path, entry: &RegisteredPlugin) {
-        if self.actual.remove(path, entry.generation).is_none() {
+        if self.take_registered(path, entry.generation).is_none() {
             return;
         }
         let Some(handler) = &entry.handler else {
@@ -258,7 +258,7 @@ impl OperationExecutor {
         // socket of the same name registered since (a DRA driver's rolling update, kubelet
         // 1.33+): the handler tells its instances apart by endpoint.
         self.liveness.forget(path, registered.generation);
-        let Some(entry) = self.actual.remove(path, registered.generation) else {
+        let Some(entry) = self.take_registered(path, registered.generation) else {
             self.observe_deregister("not_registered", None, started);
             return;
         };

@@ -83,6 +83,24 @@ impl Plugins {
     }
 }
 
+/// See [`ActualState::hold`].
+pub struct Held<'a>(std::sync::MutexGuard<'a, Plugins>);
+
+impl Held<'_> {
+    /// The entry for `path`.
+    pub fn get(&self, path: &Path) -> Option<&RegisteredPlugin> {
+        self.0.by_path.get(path).map(|entry| &**entry)
+    }
+
+    /// Every registered path and its entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&Path, &RegisteredPlugin)> {
+        self.0
+            .by_path
+            .iter()
+            .map(|(path, entry)| (&**path, &**entry))
+    }
+}
+
 impl ActualState {
     /// Records a registration for `path` (replacing any entry there) and returns it. Give the
     /// desired state's `Arc<Path>` to share its allocation.
@@ -166,6 +184,12 @@ impl ActualState {
             .by_path
             .get(path)
             .is_some_and(|entry| entry.generation == generation)
+    }
+
+    /// Actual state held still while something is written from it (`persist`'s snapshot):
+    /// entries are read in place, none copied. Registrations wait meanwhile: keep it short.
+    pub fn hold(&self) -> Held<'_> {
+        Held(self.lock())
     }
 
     /// Every registered path and its entry, in no particular order.

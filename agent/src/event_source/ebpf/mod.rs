@@ -247,7 +247,8 @@ pub fn open(
         .as_deref()
         .filter(|_| pinned)
         .map(|dir| dir.display().to_string());
-    tracing::info!(timings = %loaded.timings, pinned, pins, "eBPF programs loaded");
+    let object = loader::object_hash().unwrap_or_default();
+    tracing::info!(timings = %loaded.timings, pinned, pins, object, "eBPF programs loaded");
     let ebpf = &mut loaded.ebpf;
     pins::set_agent(take_map(ebpf, names::AGENT)?)?;
     let maps = Maps {
@@ -400,11 +401,14 @@ fn start_adopted(
         .unwrap_or_default()
         .display()
         .to_string();
+    // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
+    let object = loader::object_hash().unwrap_or_default();
     // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
     let (hooks, how) = match how {
         Adoption::Restart => {
             tracing::info!(
                 pins,
+                object,
                 opened_in = ?adopted.opened_in,
                 saved_load_ms = adopted.meta.load_ms,
                 backlog_bytes = backlog,
@@ -417,6 +421,7 @@ fn start_adopted(
                 timings,
                 pinned = true,
                 pins,
+                object,
                 loaded_in = "a child process",
                 "eBPF programs loaded"
             );
