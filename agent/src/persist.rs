@@ -32,11 +32,11 @@
 //! the number of plugins, now or in the last snapshot, if more), and at exit. The snapshot is
 //! written from actual state (held still meanwhile), the one copy of each plugin in memory; the
 //! journal keeps only which registration each entry on disk is, and the JSON of those whose
-//! deregistration is under way (actual state lets go of a plugin as its deregistration begins). A start that read both files whole rewrites
-//! nothing (what it did not restore is appended as removed); after a torn or unreadable file it
-//! writes them afresh. Anything unreadable (corrupt, another
-//! format, another tree) is a warning and today's behaviour: everything found is registered again;
-//! a torn last journal line (a kill mid-write) is skipped.
+//! deregistration is under way (actual state lets go of a plugin as its deregistration begins).
+//! A start that read both files whole rewrites nothing (what it did not restore is appended as
+//! removed); after a torn or unreadable file it writes them afresh. Anything unreadable (corrupt,
+//! another format, another tree) is a warning and today's behaviour: everything found is
+//! registered again; a torn last journal line (a kill mid-write) is skipped.
 
 use crate::handler::{HandlerRegistry, Plugin, PluginHandler};
 use crate::provenance::{Creator, Process, Provenance};
