@@ -9,8 +9,9 @@
 //! Guarantees: never two operations for one socket path at once (the second is refused with
 //! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); never two handler calls for one
 //! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
-//! queues rather than exhausting the agent, and at most four registrations per slot wait for one
-//! as tasks, the rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and
+//! queues rather than exhausting the agent, a quarter of them dialling plugins (see
+//! [`slots::Slot::dialling`]), and at most four registrations per slot wait for one as tasks, the
+//! rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and
 //! handler call has a deadline, so a hung plugin or handler holds one slot for a bounded time
 //! and never blocks other plugins.
 //!
@@ -144,6 +145,10 @@ pub enum Start {
 /// Registrations waiting for a slot, per slot, before further ones wait as a listed path.
 const WAITING_PER_SLOT: usize = 4;
 
+/// Slots per dial permit: a quarter of the operations may be dialling a plugin and waiting for
+/// its `PluginInfo` at once (see [`slots::Slot::dialling`]).
+const SLOTS_PER_DIAL: usize = 4;
+
 /// See the module docs.
 pub struct OperationExecutor {
     actual: Arc<ActualState>,
@@ -201,7 +206,11 @@ impl OperationExecutor {
             config,
             in_flight: Mutex::new(HashMap::new()),
             backoff: Arc::default(),
-            slots: Slots::new(config.max_concurrent, cancel.clone()),
+            slots: Slots::new(
+                config.max_concurrent,
+                config.max_concurrent.div_ceil(SLOTS_PER_DIAL),
+                cancel.clone(),
+            ),
             backlog: slots::Backlog::new(config.max_concurrent.saturating_mul(WAITING_PER_SLOT)),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),

@@ -7,7 +7,7 @@ use super::slots::Slot;
 use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::Contact;
-use crate::registration::{OnInvalid, PluginConnection};
+use crate::registration::OnInvalid;
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
 
@@ -31,20 +31,9 @@ impl OperationExecutor {
                 socket_path: path.display().to_string(),
             },
             Contact::GetInfo => {
-                let answer = PluginConnection::get_info(
-                    path,
-                    desired.socket,
-                    self.plugin_timeouts(desired),
-                    slot,
-                    OnInvalid::Silent,
-                    &self.steps,
-                );
-                let Some(answer) =
-                    Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await
-                else {
-                    return Err(RegisterFailure::ShuttingDown);
-                };
-                let (mut unanswered, info) = answer?;
+                let (mut unanswered, info) = self
+                    .dial_for_info(path, desired, slot, OnInvalid::Silent)
+                    .await?;
                 server = unanswered.take_server();
                 plugin_of(path, info)
             }

@@ -116,23 +116,12 @@ impl OperationExecutor {
         desired: &DesiredPlugin,
         slot: &mut Slot,
     ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
-        // Until the plugin has answered, nothing was told to anyone: shutdown may drop the dial.
-        let answer = PluginConnection::get_info(
-            path,
-            desired.socket,
-            self.plugin_timeouts(desired),
-            slot,
-            OnInvalid::Notify,
-            &self.steps,
-        );
-        // Every step below is boxed where it is awaited: a future is as large as its largest
-        // step, and an operation that waits (for a slot, or in a dial's pauses) should cost
-        // that wait's few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
-        let Some(answer) = Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await
-        else {
-            return Err(RegisterFailure::ShuttingDown);
-        };
-        let (mut connection, info) = answer?;
+        // Every step is boxed where it is awaited: a future is as large as its largest step, and
+        // an operation that waits (for a slot, or in a dial's pauses) should cost that wait's
+        // few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
+        let (mut connection, info) = self
+            .dial_for_info(path, desired, slot, OnInvalid::Notify)
+            .await?;
         let plugin = plugin_of(path, info);
         let span = tracing::Span::current();
         super::observe::record(&span, "plugin_name", &plugin.name);
@@ -214,6 +203,33 @@ impl OperationExecutor {
             return Err(e.into());
         }
         Ok((plugin, connection.take_server()))
+    }
+
+    /// Dials the plugin at `path` and asks for its `PluginInfo`, holding one of the slots' dial
+    /// permits meanwhile (see [`Slot::dialling`]). Until the plugin has answered, nothing was told
+    /// to anyone, so shutdown drops the dial: [`RegisterFailure::ShuttingDown`].
+    pub(super) async fn dial_for_info(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+        slot: &mut Slot,
+        on_invalid: OnInvalid,
+    ) -> Result<(PluginConnection, PluginInfo), RegisterFailure> {
+        let answer = slot.dialling(async |slot: &mut Slot| {
+            PluginConnection::get_info(
+                path,
+                desired.socket,
+                self.plugin_timeouts(desired),
+                slot,
+                on_invalid,
+                &self.steps,
+            )
+            .await
+        });
+        match Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await {
+            Some(answer) => Ok(answer?),
+            None => Err(RegisterFailure::ShuttingDown),
+        }
     }
 
     /// The plugin call deadlines for `desired`: a socket found by a walk is waited for only

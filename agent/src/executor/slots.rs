@@ -8,6 +8,10 @@
 //! pause (past the first few milliseconds) gives the slot back and queues for one again
 //! afterwards; the semaphore is fair, so operations that were waiting for a slot go first. A
 //! pause ends early when the kernel reports the socket's `listen()` (eBPF source).
+//!
+//! Of the slots, fewer may be dialling at once (connecting, HTTP/2's handshake, `GetInfo`): that
+//! is where a registration holds a connection and waits on the plugin's CPU, not on a handler.
+//! See [`Slot::dialling`].
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -25,15 +29,19 @@ use crate::registration::Pause;
 #[derive(Clone)]
 pub struct Slots {
     pool: Arc<Semaphore>,
+    /// Permits to dial: see [`Slot::dialling`].
+    dials: Arc<Semaphore>,
     /// The agent's shutdown: no slot is handed out once it fires, so no operation starts.
     stop: CancellationToken,
 }
 
 impl Slots {
-    /// A pool of `count` slots (at least one) that hands out none once `stop` fires.
-    pub fn new(count: usize, stop: CancellationToken) -> Self {
+    /// A pool of `count` slots (at least one), `dials` of which (at least one) may be dialling
+    /// at once, that hands out none once `stop` fires.
+    pub fn new(count: usize, dials: usize, stop: CancellationToken) -> Self {
         Slots {
             pool: Arc::new(Semaphore::new(count.max(1))),
+            dials: Arc::new(Semaphore::new(dials.max(1))),
             stop,
         }
     }
@@ -48,6 +56,8 @@ impl Slots {
         Some(Slot {
             pool: self.pool.clone(),
             permit: Some(permit),
+            dials: self.dials.clone(),
+            dial: None,
             listened: None,
         })
     }
@@ -149,6 +159,10 @@ impl Backlog {
 pub struct Slot {
     pool: Arc<Semaphore>,
     permit: Option<OwnedSemaphorePermit>,
+    dials: Arc<Semaphore>,
+    /// `Some` from [`Slot::dialling`] until its end; the permit inside is given back with the
+    /// slot during a long pause, and taken again after it.
+    dial: Option<Option<OwnedSemaphorePermit>>,
     /// Ends a pause early: the kernel reported that the socket listens now.
     listened: Option<Arc<Notify>>,
 }
@@ -161,6 +175,24 @@ impl Slot {
             listened: Some(listened),
             ..self
         }
+    }
+
+    /// Runs `dial` (connecting to the plugin and asking for its `PluginInfo`) holding one of the
+    /// pool's dial permits, given back with the slot in a long pause and taken again after it.
+    ///
+    /// A registration's connection costs ~30 KB of HTTP/2 state and buffers (the write buffer
+    /// alone is 16 KiB, fixed in `h2`). In a burst, every slot was taken by a registration
+    /// waiting for a plugin busy on the same CPUs to answer `GetInfo`: 256 connections at once,
+    /// the agent's peak 1.25 x its memory with 10,000 plugins registered. Fewer slots bound that,
+    /// at the same throughput (the plugins' CPU sets it), but also bound the registrations that
+    /// wait for a slow handler, which need no CPU (64 slots: a 100 ms handler's p99 1.6 x). A
+    /// bound on dialling alone takes the first without the second. A plugin that accepts and
+    /// never answers holds its permit for the `GetInfo` deadline (1 s), then pauses without it.
+    pub async fn dialling<T>(&mut self, dial: impl AsyncFnOnce(&mut Slot) -> T) -> T {
+        self.dial = Some(self.dials.clone().acquire_owned().await.ok());
+        let dialled = dial(self).await;
+        self.dial = None;
+        dialled
     }
 }
 
@@ -178,6 +210,9 @@ impl Pause for Slot {
     fn pause(&mut self, duration: Duration) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async move {
             if duration > KEEP_SLOT_FOR {
+                if let Some(dial) = &mut self.dial {
+                    *dial = None;
+                }
                 self.permit = None;
             }
             match &self.listened {
@@ -192,6 +227,9 @@ impl Pause for Slot {
             if self.permit.is_none() {
                 self.permit = self.pool.clone().acquire_owned().await.ok();
             }
+            if let Some(dial @ None) = &mut self.dial {
+                *dial = self.dials.clone().acquire_owned().await.ok();
+            }
         })
     }
 }
@@ -202,7 +240,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pausing_operation_lets_another_take_its_slot() {
-        let slots = Slots::new(1, CancellationToken::new());
+        let slots = Slots::new(1, 1, CancellationToken::new());
         let mut waiting = slots.acquire().await.expect("open");
         assert_eq!(slots.available(), 0);
         let pause = tokio::spawn(async move {
@@ -250,7 +288,7 @@ mod tests {
     #[tokio::test]
     async fn no_slot_is_handed_out_once_the_agent_stops() {
         let stop = CancellationToken::new();
-        let slots = Slots::new(1, stop.clone());
+        let slots = Slots::new(1, 1, stop.clone());
         let held = slots.acquire().await.expect("open");
         let waiting = tokio::spawn({
             let slots = slots.clone();
@@ -268,10 +306,65 @@ mod tests {
         );
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn dialling_is_bounded_apart_from_the_slots_and_a_long_pause_gives_its_permit_back() {
+        let slots = Slots::new(3, 1, CancellationToken::new());
+        let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+        // Each dialler says when it dials, pauses as long as it is told, and says when it is on.
+        let dialler = |name: &'static str| {
+            let slots = slots.clone();
+            let entered = entered_tx.clone();
+            let (go, told) = tokio::sync::oneshot::channel::<Duration>();
+            let task = tokio::spawn(async move {
+                let mut slot = slots.acquire().await.expect("open");
+                slot.dialling(async |slot: &mut Slot| {
+                    entered.send(name).expect("test alive");
+                    slot.pause(told.await.expect("told")).await;
+                    entered.send(name).expect("test alive");
+                })
+                .await;
+            });
+            (go, task)
+        };
+        let (go_first, first) = dialler("first");
+        assert_eq!(entered.recv().await, Some("first"));
+        let (go_second, second) = dialler("second");
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        // Both hold a slot (a third is free); one dials, the second waits for the permit.
+        assert_eq!(slots.available(), 1, "both took a slot");
+        assert!(entered.try_recv().is_err(), "two dialled with one permit");
+        // A short pause keeps the permit; the second gets it when the first's dial ends.
+        go_first
+            .send(Duration::from_millis(1))
+            .expect("first waits");
+        assert_eq!(entered.recv().await, Some("first"), "the first went on");
+        first.await.expect("first");
+        assert_eq!(entered.recv().await, Some("second"));
+        // The second's long pause gives its slot and its permit back, and takes both again after.
+        let (go_third, third) = dialler("third");
+        go_second
+            .send(Duration::from_secs(5))
+            .expect("second waits");
+        assert_eq!(
+            entered.recv().await,
+            Some("third"),
+            "the permit was kept through a long pause"
+        );
+        go_third.send(Duration::ZERO).expect("third waits");
+        assert_eq!(entered.recv().await, Some("third"));
+        third.await.expect("third");
+        assert_eq!(entered.recv().await, Some("second"), "the pause ended");
+        second.await.expect("second");
+        assert_eq!(slots.available(), 3);
+        assert_eq!(slots.dials.available_permits(), 1);
+    }
+
     /// Paused, unnotified: this pause runs its full length (paused clock: no real wait).
     #[tokio::test(start_paused = true)]
     async fn a_pause_ends_when_the_kernel_reports_the_listen() {
-        let slots = Slots::new(1, CancellationToken::new());
+        let slots = Slots::new(1, 1, CancellationToken::new());
         let listened = Arc::new(Notify::new());
         let mut slot = slots
             .acquire()
@@ -316,7 +409,7 @@ mod tests {
     /// does not queue again behind everything that waits for one.
     #[tokio::test(start_paused = true)]
     async fn a_short_pause_keeps_the_slot() {
-        let slots = Slots::new(1, CancellationToken::new());
+        let slots = Slots::new(1, 1, CancellationToken::new());
         let mut slot = slots.acquire().await.expect("open");
         let other = tokio::spawn({
             let slots = slots.clone();
