@@ -60,7 +60,8 @@ pub struct RunArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     pub safety_period: Option<Duration>,
 
-    /// Registration and deregistration operations running at once [default: 256].
+    /// Registration and deregistration operations running at once [default: 256]; a quarter of
+    /// them may be dialling plugins (connect, GetInfo) at once.
     #[arg(long)]
     pub max_concurrent: Option<usize>,
 
