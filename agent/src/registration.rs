@@ -58,7 +58,15 @@ pub trait Pause: Send {
         &mut self,
         duration: Duration,
     ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
+
+    /// The plugin has not answered `GetInfo` within [`SLOW_ANSWER`]: the attempt now waits on a
+    /// slow or hung plugin, not on this node's CPU (the executor's slot lets its dial permit go).
+    fn answer_slow(&mut self) {}
 }
+
+/// How long a `GetInfo` may take before [`Pause::answer_slow`]: a quarter of kubelet's 1 s
+/// deadline, as a quarter of the executor's slots may dial (see `executor::slots`).
+pub const SLOW_ANSWER: Duration = Duration::from_millis(250);
 
 /// A plain sleep, for callers that hold nothing worth giving back.
 pub struct Sleep;
@@ -287,13 +295,16 @@ impl PluginConnection {
             };
             let span = info_span!("GetInfo");
             let asked = Instant::now();
-            let called = Box::pin(
-                answer_within(
-                    client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
-                    &peer,
-                    timeouts.get_info,
-                )
-                .instrument(span.clone()),
+            let called = telling_when_slow(
+                Box::pin(
+                    answer_within(
+                        client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
+                        &peer,
+                        timeouts.get_info,
+                    )
+                    .instrument(span.clone()),
+                ),
+                waiting,
             )
             .await;
             span.in_scope(|| {
@@ -575,6 +586,20 @@ async fn connect_when_listening(
 /// answer, and only a server that spoke and then left the request unanswered that long is hung.
 /// (Counted from the request alone, a plugin that began serving just before the deadline was
 /// taken for a hung one.)
+/// Awaits `call`, telling `waiting` when it has taken [`SLOW_ANSWER`].
+async fn telling_when_slow<F: std::future::Future + Unpin>(
+    mut call: F,
+    waiting: &mut dyn Pause,
+) -> F::Output {
+    match tokio::time::timeout(SLOW_ANSWER, &mut call).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            waiting.answer_slow();
+            call.await
+        }
+    }
+}
+
 async fn answer_within<F: std::future::Future>(
     call: F,
     peer: &PeerBytes,

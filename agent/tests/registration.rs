@@ -2,7 +2,7 @@
 //! its timeouts, the bounded answer size, and plugins that bind or listen before they serve.
 
 use plugin_agent::registration::{
-    OnInvalid, PluginCallError, PluginConnection, Sleep, StepTimer, Timeouts,
+    OnInvalid, Pause, PluginCallError, PluginConnection, Sleep, StepTimer, Timeouts,
 };
 use plugin_agent::state::{EntryKind, SocketId};
 use plugin_agent_proto::pluginregistration::registration_server::{
@@ -20,6 +20,8 @@ struct Plugin {
     name: String,
     notify_error: Option<String>,
     hang_get_info: bool,
+    /// Answers GetInfo only once this is notified.
+    answer_when: Option<std::sync::Arc<tokio::sync::Notify>>,
     versions: usize,
 }
 
@@ -31,6 +33,9 @@ impl Registration for Plugin {
     ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
         if self.hang_get_info {
             std::future::pending::<()>().await;
+        }
+        if let Some(answer) = &self.answer_when {
+            answer.notified().await;
         }
         Ok(tonic::Response::new(PluginInfo {
             r#type: "CSIPlugin".into(),
@@ -424,4 +429,61 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
         "got {:?}",
         result.err()
     );
+}
+
+/// Sleeps, and says when the attempt was told its plugin is slow to answer.
+struct TellingPause(tokio::sync::mpsc::UnboundedSender<()>);
+
+impl Pause for TellingPause {
+    fn pause(
+        &mut self,
+        duration: Duration,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(tokio::time::sleep(duration))
+    }
+
+    fn answer_slow(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+#[tokio::test]
+async fn get_info_tells_its_pause_when_the_answer_is_slow() {
+    let dir = tempfile::tempdir().expect("dir");
+    let socket = dir.path().join("slow.sock");
+    let answer = std::sync::Arc::new(tokio::sync::Notify::new());
+    let _stop = serve(
+        tokio::net::UnixListener::bind(&socket).expect("bind"),
+        Plugin {
+            name: "slow".into(),
+            answer_when: Some(answer.clone()),
+            ..Plugin::default()
+        },
+    );
+    let (told_tx, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let timeouts = Timeouts {
+        get_info: Duration::from_secs(30),
+        ..fast()
+    };
+    let attempt = tokio::spawn({
+        let socket = socket.clone();
+        async move {
+            PluginConnection::get_info(
+                &socket,
+                identity(&socket),
+                timeouts,
+                &mut TellingPause(told_tx),
+                OnInvalid::Notify,
+                &StepTimer::default(),
+            )
+            .await
+            .map(|(_, info)| info.name)
+        }
+    });
+    // The plugin answers only once the attempt has been told it is slow: were it never told,
+    // the attempt would time out (30 s) and drop its pause, and `recv` would fail.
+    told.recv().await.expect("told the answer is slow");
+    answer.notify_one();
+    assert_eq!(attempt.await.expect("task").expect("GetInfo"), "slow");
+    assert!(told.try_recv().is_err(), "told more than once");
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 per_source!(
     times_out_a_hung_get_info_without_delaying_other_plugins,
+    plugins_slow_to_answer_get_info_do_not_hold_the_dial_permits,
     rolls_back_and_retries_when_notify_registration_status_fails_kubernetes_issue_133725,
     tells_a_plugin_of_a_type_without_handler_that_it_is_not_registered,
     refuses_a_get_info_answer_larger_than_64_kib,
@@ -167,6 +168,56 @@ async fn times_out_a_hung_get_info_without_delaying_other_plugins(source: Source
     );
     // And it is retried after its backoff.
     hung.wait_for_events("get_info", 2, EVENT_TIMEOUT).await;
+}
+
+/// A quarter of the operation slots may be dialling at once, but a `GetInfo` unanswered after
+/// 250 ms waits without its permit (`Pause::answer_slow`). One permit here (`--max-concurrent 4`)
+/// and a 30 s GetInfo deadline: the second hung plugin is asked only because the first let its
+/// permit go, and the good ones register beside both while they still hang (held for the
+/// deadline, the permit would keep them all waiting past the test's limits).
+async fn plugins_slow_to_answer_get_info_do_not_hold_the_dial_permits(source: Source) {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let config = dir.outside("plugin-agent.toml");
+    std::fs::write(&config, "[timeouts]\nget_info = \"30s\"\n").expect("write config");
+    let mut options = AgentOptions::new(source, &dir.root());
+    options.extra = [
+        "--config",
+        &config.display().to_string(),
+        "--max-concurrent",
+        "4",
+    ]
+    .map(String::from)
+    .to_vec();
+    let Some(_agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    let hung: Vec<_> = (0..2)
+        .map(|i| {
+            plugin!(dir.path(&format!("hung-{i}.sock")))
+                .arg("--get-info-hang")
+                .spawn()
+        })
+        .collect();
+    for plugin in &hung {
+        plugin.wait_for_event("get_info", EVENT_TIMEOUT).await;
+    }
+    let good: Vec<_> = (0..2)
+        .map(|i| {
+            plugin!(dir.path(&format!("good-{i}.sock")))
+                .name(&format!("good-{i}.example.com"))
+                .spawn()
+        })
+        .collect();
+    for plugin in &good {
+        plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    }
+    for plugin in &hung {
+        assert!(
+            plugin.notifications().is_empty(),
+            "{test}: a hung plugin was answered"
+        );
+    }
 }
 
 /// kubernetes issue 133725 (fixed upstream by PR 133335): a registration whose Notify failed was

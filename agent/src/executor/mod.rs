@@ -11,9 +11,9 @@
 //! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
 //! queues rather than exhausting the agent, a quarter of them dialling plugins (see
 //! [`slots::Slot::dialling`]), and at most four registrations per slot wait for one as tasks, the
-//! rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and
-//! handler call has a deadline, so a hung plugin or handler holds one slot for a bounded time
-//! and never blocks other plugins.
+//! rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and handler call has a
+//! deadline, so a hung plugin or handler holds one slot for a bounded time and never blocks other
+//! plugins.
 //!
 //! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
 //! which wakes the reconciler: no polling.

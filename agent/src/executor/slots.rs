@@ -9,9 +9,9 @@
 //! afterwards; the semaphore is fair, so operations that were waiting for a slot go first. A
 //! pause ends early when the kernel reports the socket's `listen()` (eBPF source).
 //!
-//! Of the slots, fewer may be dialling at once (connecting, HTTP/2's handshake, `GetInfo`): that
-//! is where a registration holds a connection and waits on the plugin's CPU, not on a handler.
-//! See [`Slot::dialling`].
+//! Of the slots, fewer may be dialling at once (connecting, HTTP/2's handshake, `GetInfo` until
+//! it is slow): that is where a registration holds a connection and waits on the plugin's CPU,
+//! not on a handler. See [`Slot::dialling`].
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -187,8 +187,10 @@ impl Slot {
     /// the agent's peak 1.25 x its memory with 10,000 plugins registered. Fewer slots bound that,
     /// at the same throughput (the plugins' CPU sets it), but also bound the registrations that
     /// wait for a slow handler, which need no CPU (64 slots: a 100 ms handler's registration p99 1.8 x). A
-    /// bound on dialling alone takes the first without the second. A plugin that accepts and
-    /// never answers holds its permit for the `GetInfo` deadline (1 s), then pauses without it.
+    /// bound on dialling alone takes the first without the second. A plugin that has not
+    /// answered within [`crate::registration::SLOW_ANSWER`] (a quarter of the 1 s deadline)
+    /// waits without the permit: hung plugins hold the permits no longer, in share, than they
+    /// held the slots before.
     pub async fn dialling<T>(&mut self, dial: impl AsyncFnOnce(&mut Slot) -> T) -> T {
         self.dialling = true;
         self.dial = self.dials.clone().acquire_owned().await.ok();
@@ -232,6 +234,11 @@ impl Pause for Slot {
                 self.dial = self.dials.clone().acquire_owned().await.ok();
             }
         })
+    }
+
+    /// The plugin is slow to answer (or hung): its wait needs no dial permit.
+    fn answer_slow(&mut self) {
+        self.dial = None;
     }
 }
 
@@ -360,6 +367,42 @@ mod tests {
         second.await.expect("second");
         assert_eq!(slots.available(), 3);
         assert_eq!(slots.dials.available_permits(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_answer_gives_the_dial_permit_to_another_dial() {
+        let slots = Slots::new(2, 1, CancellationToken::new());
+        let mut slow = slots.acquire().await.expect("open");
+        let (slow_told, told) = tokio::sync::oneshot::channel::<()>();
+        let (asked, mut dialled) = tokio::sync::mpsc::unbounded_channel();
+        let waiting = tokio::spawn(async move {
+            slow.dialling(async |slot: &mut Slot| {
+                asked.send(()).expect("test alive");
+                told.await.expect("told");
+                slot.answer_slow();
+                // Still waiting for the slow plugin's answer.
+                std::future::pending::<()>().await;
+            })
+            .await;
+        });
+        dialled.recv().await.expect("the slow one dials");
+        let other = tokio::spawn({
+            let slots = slots.clone();
+            async move {
+                let mut slot = slots.acquire().await.expect("open");
+                slot.dialling(async |_: &mut Slot| ()).await;
+            }
+        });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!other.is_finished(), "two dialled with one permit");
+        slow_told.send(()).expect("slow waits");
+        tokio::time::timeout(Duration::from_secs(1), other)
+            .await
+            .expect("the other dialled beside a slow answer")
+            .expect("task");
+        waiting.abort();
     }
 
     /// Paused, unnotified: this pause runs its full length (paused clock: no real wait).
