@@ -580,12 +580,6 @@ async fn connect_when_listening(
     }
 }
 
-/// Waits for `call`'s answer for `deadline`, counted from the request or, when the peer only
-/// began to speak meanwhile, from its first bytes: a gRPC server speaks first (its SETTINGS), so
-/// one that starts serving while the request waits in its socket gets the whole `deadline` to
-/// answer, and only a server that spoke and then left the request unanswered that long is hung.
-/// (Counted from the request alone, a plugin that began serving just before the deadline was
-/// taken for a hung one.)
 /// Awaits `call`, telling `waiting` when it has taken [`SLOW_ANSWER`].
 async fn telling_when_slow<F: std::future::Future + Unpin>(
     mut call: F,
@@ -600,6 +594,12 @@ async fn telling_when_slow<F: std::future::Future + Unpin>(
     }
 }
 
+/// Waits for `call`'s answer for `deadline`, counted from the request or, when the peer only
+/// began to speak meanwhile, from its first bytes: a gRPC server speaks first (its SETTINGS), so
+/// one that starts serving while the request waits in its socket gets the whole `deadline` to
+/// answer, and only a server that spoke and then left the request unanswered that long is hung.
+/// (Counted from the request alone, a plugin that began serving just before the deadline was
+/// taken for a hung one.)
 async fn answer_within<F: std::future::Future>(
     call: F,
     peer: &PeerBytes,

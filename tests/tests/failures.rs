@@ -2,8 +2,8 @@
 //! register as if it were not there. Run once per event source.
 
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginOptions, Scenario,
-    Source, logs, per_source, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginOptions, PluginProcess,
+    Scenario, Source, logs, per_source, plugin, test_name,
 };
 use std::time::{Duration, Instant};
 
@@ -77,13 +77,7 @@ async fn bad_plugin_is_reported_and_others_register(
     let bad_plugin = bad_options(plugin!(&bad_socket), bad).spawn();
     bad_plugin.wait_for_event("serving", EVENT_TIMEOUT).await;
     let serving = Instant::now();
-    let good: Vec<_> = (0..3)
-        .map(|i| {
-            plugin!(dir.path(&format!("good-{i}.sock")))
-                .name(&format!("good-{i}.example.com"))
-                .spawn()
-        })
-        .collect();
+    let good = good_plugins(&dir, 3);
     for plugin in &good {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
@@ -126,6 +120,18 @@ async fn bad_plugin_is_reported_and_others_register(
 }
 
 /// Applies the space-separated example-plugin flags in `bad`.
+/// `n` well-behaved plugins, `good-{i}.sock`, started now: the ones a misbehaving plugin must
+/// not hold up.
+fn good_plugins(dir: &PluginDir, n: usize) -> Vec<PluginProcess> {
+    (0..n)
+        .map(|i| {
+            plugin!(dir.path(&format!("good-{i}.sock")))
+                .name(&format!("good-{i}.example.com"))
+                .spawn()
+        })
+        .collect()
+}
+
 fn bad_options(options: PluginOptions, bad: &str) -> PluginOptions {
     bad.split_whitespace().fold(options, PluginOptions::arg)
 }
@@ -139,13 +145,7 @@ async fn times_out_a_hung_get_info_without_delaying_other_plugins(source: Source
     hung.wait_for_event("get_info", EVENT_TIMEOUT).await;
     // While the agent waits on the hung plugin, others register at full speed.
     let started = Instant::now();
-    let good: Vec<_> = (0..3)
-        .map(|i| {
-            plugin!(dir.path(&format!("good-{i}.sock")))
-                .name(&format!("good-{i}.example.com"))
-                .spawn()
-        })
-        .collect();
+    let good = good_plugins(&dir, 3);
     for plugin in &good {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     }
@@ -202,13 +202,7 @@ async fn plugins_slow_to_answer_get_info_do_not_hold_the_dial_permits(source: So
     for plugin in &hung {
         plugin.wait_for_event("get_info", EVENT_TIMEOUT).await;
     }
-    let good: Vec<_> = (0..2)
-        .map(|i| {
-            plugin!(dir.path(&format!("good-{i}.sock")))
-                .name(&format!("good-{i}.example.com"))
-                .spawn()
-        })
-        .collect();
+    let good = good_plugins(&dir, 2);
     for plugin in &good {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     }

@@ -186,9 +186,9 @@ impl Slot {
     /// waiting for a plugin busy on the same CPUs to answer `GetInfo`: 256 connections at once,
     /// the agent's peak 1.25 x its memory with 10,000 plugins registered. Fewer slots bound that,
     /// at the same throughput (the plugins' CPU sets it), but also bound the registrations that
-    /// wait for a slow handler, which need no CPU (64 slots: a 100 ms handler's registration p99 1.8 x). A
-    /// bound on dialling alone takes the first without the second. A plugin that has not
-    /// answered within [`crate::registration::SLOW_ANSWER`] (a quarter of the 1 s deadline)
+    /// wait for a slow handler, which need no CPU (64 slots: a 100 ms handler's registration p99
+    /// 1.8 x). A bound on dialling alone takes the first without the second. A plugin that has
+    /// not answered within [`crate::registration::SLOW_ANSWER`] (a quarter of the 1 s deadline)
     /// waits without the permit: hung plugins hold the permits no longer, in share, than they
     /// held the slots before.
     pub async fn dialling<T>(&mut self, dial: impl AsyncFnOnce(&mut Slot) -> T) -> T {
