@@ -636,3 +636,66 @@ async fn list_watch_and_metrics_agree_on_a_plugin_state_during_a_retry() {
     );
     agent.stop().await;
 }
+
+/// A client that connects as soon as the agent logs its first scan (the e2e harness does, and so
+/// may an operator's script) must reach this agent, never a previous agent's socket file with
+/// nothing behind it: the socket is bound before the agent starts, and a connection made before
+/// the API is served waits in the backlog and is answered once it is.
+#[tokio::test]
+async fn the_admin_socket_takes_connections_before_it_is_served_and_answers_them_after() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let runtime = tempfile::tempdir().expect("temp dir");
+    let socket = runtime.path().join("admin.sock");
+    // A previous agent's socket file, nothing listening on it.
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("stale socket"));
+    let refused = std::os::unix::net::UnixStream::connect(&socket)
+        .expect_err("nothing listens on the stale socket");
+    assert_eq!(
+        refused.kind(),
+        std::io::ErrorKind::ConnectionRefused,
+        "{refused}"
+    );
+
+    let bound = plugin_agent::admin::server::bind(&socket).expect("binds over the stale file");
+    let mut early = tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("a connection before the API is served waits in the backlog");
+    early
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("HTTP/2 preface");
+
+    let harness = start_agent(&[]).await;
+    let cancel = CancellationToken::new();
+    let server = tokio::spawn(plugin_agent::admin::server::serve(
+        bound,
+        AdminService::new(&harness.agent),
+        cancel.clone(),
+    ));
+    let mut frame_header = [0u8; 9];
+    tokio::time::timeout(WAIT, early.read_exact(&mut frame_header))
+        .await
+        .expect("the early connection is answered once the API is served")
+        .expect("reads the server's first frame");
+    assert_eq!(
+        frame_header[3], 0x4,
+        "HTTP/2 starts with SETTINGS: {frame_header:?}"
+    );
+
+    let mut client = plugin_agent::admin::client::connect(&socket)
+        .await
+        .expect("connects");
+    let listed = client
+        .list_plugins(plugin_agent_proto::pluginagent::v1::ListPluginsRequest::default())
+        .await
+        .expect("lists");
+    assert!(listed.into_inner().plugins.is_empty());
+
+    cancel.cancel();
+    drop(early);
+    server
+        .await
+        .expect("server task")
+        .expect("serves until cancelled");
+    assert!(!socket.exists(), "the socket file is removed at shutdown");
+}

@@ -453,13 +453,17 @@ fn validate_type(plugin_type: &str) -> Result<(), Status> {
 /// How long open admin calls get to end gracefully at shutdown before their connections are cut.
 const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
-/// Serves the admin API on `socket` until `cancel` fires. The socket's directory is created
-/// 0700 and the socket chmod 0600; a stale socket file from a previous run is replaced.
-pub async fn serve(
-    socket: &Path,
-    service: AdminService,
-    cancel: CancellationToken,
-) -> anyhow::Result<()> {
+/// The admin API's socket, bound and not yet served.
+pub struct AdminListener {
+    listener: tokio::net::UnixListener,
+    socket: std::path::PathBuf,
+}
+
+/// Binds the admin socket. Called before the agent starts, so that by the time it reports its
+/// first scan a client's connection waits in the backlog instead of being refused (or reaching
+/// a previous agent's stale socket file). The socket's directory is created 0700 and the socket
+/// chmod 0600; a stale socket file from a previous run is replaced.
+pub fn bind(socket: &Path) -> anyhow::Result<AdminListener> {
     use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
     if let Some(dir) = socket.parent() {
         std::fs::DirBuilder::new()
@@ -481,6 +485,19 @@ pub async fn serve(
         .with_context(|| format!("cannot bind admin socket {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot chmod admin socket {}", socket.display()))?;
+    Ok(AdminListener {
+        listener,
+        socket: socket.to_path_buf(),
+    })
+}
+
+/// Serves the admin API on a bound socket until `cancel` fires, then removes the socket file.
+pub async fn serve(
+    bound: AdminListener,
+    service: AdminService,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let AdminListener { listener, socket } = bound;
     tracing::info!(admin_socket = %socket.display(), "admin API listening");
     let service = AdminService {
         shutdown: cancel.clone(),
@@ -522,6 +539,6 @@ pub async fn serve(
         .await;
     cut.cancel();
     let _ = cutter.await;
-    let _ = std::fs::remove_file(socket);
+    let _ = std::fs::remove_file(&socket);
     result.context("admin API server failed")
 }

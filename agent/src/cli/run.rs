@@ -392,6 +392,13 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
         .map(crate::runtime_dir::lock)
         .transpose()?;
     say_mode(&settings);
+    // Bound before the agent starts (see `admin::server::bind`); an admin socket that cannot be
+    // bound is logged and the agent runs without one, as it would without `--admin-socket`.
+    let admin_listener = settings.admin_socket.as_deref().and_then(|socket| {
+        admin::server::bind(socket)
+            .inspect_err(|e| tracing::error!(error = format!("{e:#}"), "no admin API"))
+            .ok()
+    });
     let handlers = Arc::new(HandlerRegistry::default());
     for (plugin_type, target) in &settings.handlers {
         let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;
@@ -413,11 +420,11 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
         }
     }
     let admin_cancel = tokio_util::sync::CancellationToken::new();
-    let admin = settings.admin_socket.map(|socket| {
+    let admin = admin_listener.map(|listener| {
         let service = admin::server::AdminService::new(&agent);
         let cancel = admin_cancel.clone();
         tokio::spawn(async move {
-            if let Err(e) = admin::server::serve(&socket, service, cancel).await {
+            if let Err(e) = admin::server::serve(listener, service, cancel).await {
                 tracing::error!(error = format!("{e:#}"), "admin API stopped");
             }
         })
