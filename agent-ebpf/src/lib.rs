@@ -138,6 +138,18 @@ impl NameKey {
     }
 }
 
+/// A `NAMES` value: what userspace knows of the name. The programs read `id` only; `dir` is
+/// userspace's bookkeeping, kept here so that userspace holds no copy of the table's names.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NameHolder {
+    /// Userspace's id for a name that is a directory's, reported as a name-only event's parent
+    /// (0: none).
+    pub id: u32,
+    /// Userspace's index of a watched directory holding an entry so named (0: none).
+    pub dir: u32,
+}
+
 /// One record in the ring buffer: a successful syscall that changed an entry under the tree.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -161,7 +173,7 @@ pub struct Event {
     /// The caller's command name (`task_struct.comm`), NUL-padded.
     pub comm: [u8; COMM_LEN],
     /// The directory holding the entry, when `scope` is [`scope::EXACT`]. When it is
-    /// [`scope::NAME_ONLY`], `dev` is 0 and `ino` is the `NAMES` value (userspace's id for the
+    /// [`scope::NAME_ONLY`], `dev` is 0 and `ino` is the `NAMES` value's id (userspace's id for the
     /// name) of the path's parent component if the kernel matched it there, else 0: a hint of
     /// which watched directories to look in.
     pub parent: DirKey,
@@ -386,6 +398,7 @@ mod user {
     // no implicit padding, so every bit pattern is a valid value.
     unsafe impl aya::Pod for super::DirKey {}
     unsafe impl aya::Pod for super::NameKey {}
+    unsafe impl aya::Pod for super::NameHolder {}
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::KernelOffsets {}
     unsafe impl aya::Pod for super::Config {}

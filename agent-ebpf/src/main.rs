@@ -35,8 +35,8 @@ mod programs {
     use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
     use agent_ebpf::{
-        COMM_LEN, Config, DirKey, Event, META_BYTES, NAME_LEN, NameKey, PATH_BUF_LEN, kind, loss,
-        scope,
+        COMM_LEN, Config, DirKey, Event, META_BYTES, NAME_LEN, NameHolder, NameKey, PATH_BUF_LEN,
+        kind, loss, scope,
     };
     use aya_ebpf::EbpfContext;
     use aya_ebpf::helpers::generated::bpf_get_current_cgroup_id;
@@ -67,7 +67,8 @@ mod programs {
     static WATCHED: HashMap<DirKey, u8> = HashMap::with_max_entries(16384, 0);
 
     #[map]
-    static NAMES: HashMap<NameKey, u32> = HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
+    static NAMES: HashMap<NameKey, NameHolder> =
+        HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
 
     /// Each CPU's counter per reason, at `cpu * loss::COUNT + reason`; the loader sizes it to the
     /// possible CPUs. A plain array, not a per-CPU one, because it can be mapped: the agent reads
@@ -808,15 +809,15 @@ mod programs {
         }
         // SAFETY: the value is copied out at once.
         match unsafe { NAMES.get(&scratch.parent) } {
-            Some(id) => {
-                scratch.parent_id = u64::from(*id);
+            Some(holder) => {
+                scratch.parent_id = u64::from(holder.id);
                 true
             }
             None => false,
         }
     }
 
-    /// The `parent` of a name-only event: no identity (dev 0), and in `ino` the NAMES value of
+    /// The `parent` of a name-only event: no identity (dev 0), and in `ino` the NAMES id of
     /// the path's parent component when [`parent_known`] found one, so userspace checks the name
     /// only in the watched directories so named (0: unknown, check everywhere).
     #[inline(always)]

@@ -172,10 +172,10 @@ fn one_by_one<K: Pod, V: Pod>(map: &mut BpfHashMap<MapData, K, V>) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::os::fd::{FromRawFd, OwnedFd};
 
-    use agent_ebpf::NameKey;
+    use agent_ebpf::{NameHolder, NameKey};
     use aya::maps::Map;
 
     use super::*;
@@ -184,7 +184,7 @@ mod tests {
     /// `None` where this process may not create BPF maps (the test fails instead under `CI=true`,
     /// except where there is no `bpf` syscall at all: qemu-user, which `cargo xtask cross-test`
     /// runs the arm64 build under, does not emulate it; the host stage runs these natively).
-    fn name_table(max_entries: u32) -> Option<BpfHashMap<MapData, NameKey, u32>> {
+    pub(crate) fn name_table(max_entries: u32) -> Option<BpfHashMap<MapData, NameKey, NameHolder>> {
         #[repr(C)]
         #[derive(Default)]
         struct CreateAttr {
@@ -197,7 +197,7 @@ mod tests {
         let attr = CreateAttr {
             map_type: 1, // BPF_MAP_TYPE_HASH
             key_size: size_of::<NameKey>() as u32,
-            value_size: 4,
+            value_size: size_of::<NameHolder>() as u32,
             max_entries,
             map_flags: 1, // BPF_F_NO_PREALLOC
         };
@@ -220,10 +220,11 @@ mod tests {
         Some(BpfHashMap::try_from(Map::HashMap(data)).expect("a hash map"))
     }
 
-    fn fill(map: &mut BpfHashMap<MapData, NameKey, u32>, count: u32) {
+    fn fill(map: &mut BpfHashMap<MapData, NameKey, NameHolder>, count: u32) {
         for i in 0..count {
             let key = NameKey::new(format!("p-{i}.sock").as_bytes()).expect("a short name");
-            map.insert(key, i, 0).expect("room in the map");
+            map.insert(key, NameHolder { id: i, dir: 1 }, 0)
+                .expect("room in the map");
         }
     }
 
@@ -253,15 +254,15 @@ mod tests {
         let Some(mut map) = name_table(600) else {
             return;
         };
-        let entries: Vec<(NameKey, u32)> = (0..700u32)
+        let entries: Vec<(NameKey, NameHolder)> = (0..700u32)
             .map(|i| {
                 let key = NameKey::new(format!("n-{i}").as_bytes()).expect("a short name");
-                (key, i)
+                (key, NameHolder { id: i, dir: i + 1 })
             })
             .collect();
         // Three chunks fit (a partial one last); the map's 600 stop the rest.
         assert_eq!(insert(&mut map, &entries[..550]), 550);
-        assert_eq!(map.get(&entries[549].0, 0).ok(), Some(549));
+        assert_eq!(map.get(&entries[549].0, 0).ok(), Some(entries[549].1));
         assert_eq!(map.keys().count(), 550);
         // Overwriting what is there takes no room; the 51st new one does not fit.
         assert_eq!(insert(&mut map, &entries[500..]), 100);

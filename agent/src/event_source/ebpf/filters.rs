@@ -17,20 +17,21 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use agent_ebpf::{DirKey, NameKey};
+use agent_ebpf::{DirKey, NameHolder, NameKey};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, MapData};
 use tokio::sync::Notify;
 
-use super::name_holders::NameHolders;
+use super::name_holders::{NameHolders, NameTable};
 use crate::event_source::{Entry, WatchedDir};
 
-/// The name table: the kernel's map, and userspace's half of it (see [`NameHolders`]).
+/// The name table: the kernel's map, whose entries also say which watched directory holds each
+/// name, and what userspace keeps beside it (see [`NameHolders`]).
 ///
 /// The kernel reports a name-only event with the id of the path's parent component when it found
 /// that component in the table (see `agent_ebpf::Event::parent`), so the watcher looks for the
 /// entry only in the watched directories so named instead of in every one. Ids start at 1 (0 is
-/// "none", which the kernel's own insertions carry until the watcher announces the name).
+/// "none": sockets, and directories until one is announced as such).
 ///
 /// The table holds the names of the entries in the tree, no more: a name leaves it when the last
 /// entry carrying it does (`forget_name`). Names of sockets that came and went (a storm of
@@ -41,23 +42,21 @@ use crate::event_source::{Entry, WatchedDir};
 /// name went in and the table filled every 16,384 names, and each time the reader cleared it
 /// (16,384 map deletions while events waited) and asked for a full rescan: the storm's tail.
 struct Names {
-    map: BpfHashMap<MapData, NameKey, u32>,
+    map: NameTable,
     holders: NameHolders,
     next_id: u32,
 }
 
-/// Gives `name` an id the kernel reports it by when it is a path's parent component. An existing
-/// key is overwritten in place (no new element), so this fails only on a kernel error; the name
-/// then stays without an id, and a record naming it as a parent carries none (the watcher looks
-/// in every watched directory, as for any unknown parent).
-fn assign_id(
-    map: &mut BpfHashMap<MapData, NameKey, u32>,
-    next_id: &mut u32,
-    key: &NameKey,
-) -> Option<u32> {
-    let id = *next_id;
-    map.insert(key, id, 0).ok()?;
-    *next_id = id.wrapping_add(1).max(1);
+/// Gives `name` (`key`, held as `holder` says) an id the kernel reports it by when it is a path's
+/// parent component. An existing key is overwritten in place (no new element), so this fails
+/// only on a kernel error (or, for a new name, a full table); the name then stays without an id,
+/// and a record naming it as a parent carries none (the watcher looks in every watched
+/// directory, as for any unknown parent).
+fn assign_id(names: &mut Names, key: &NameKey, name: &[u8], holder: NameHolder) -> Option<u32> {
+    let id = names.next_id;
+    names.map.insert(key, NameHolder { id, ..holder }, 0).ok()?;
+    names.next_id = id.wrapping_add(1).max(1);
+    names.holders.named(name, id);
     Some(id)
 }
 
@@ -86,7 +85,7 @@ impl Filters {
     /// Takes the two filter maps from the loaded object.
     pub fn new(
         watched: BpfHashMap<MapData, DirKey, u8>,
-        names: BpfHashMap<MapData, NameKey, u32>,
+        names: NameTable,
         watched_capacity: u32,
     ) -> Self {
         Filters {
@@ -141,7 +140,7 @@ impl Filters {
     /// Lets the kernel match a later removal of `name` from `dir` by a multi-component path (and,
     /// for a directory, name it as a path's parent).
     ///
-    /// Returns whether the name is new to userspace's table in `dir` (the caller then looks at
+    /// Returns whether the name is new in `dir` (the caller then looks at
     /// the entry, or withdraws the name when it announced it before looking and found nothing:
     /// the withdrawal then takes back exactly this announcement), or [`NamesFull`]; the reader is
     /// then told to clear the table and ask for a rescan.
@@ -155,29 +154,21 @@ impl Filters {
             return Ok(false);
         };
         let mut guard = lock(&self.names);
-        let Names {
-            map,
-            holders,
-            next_id,
-        } = &mut *guard;
-        let dir = holders.dir(Self::key(dir));
+        let names = &mut *guard;
+        let dir = names.holders.dir(Self::key(dir));
         let name = name.as_bytes();
-        if let Some(new_here) = holders.hold(name, dir) {
-            if entry == Entry::Directory
-                && holders.id(name) == 0
-                && let Some(id) = assign_id(map, next_id, &key)
-            {
-                holders.set_id(name, id);
+        if let Some(held) = names.holders.hold(&names.map, &key, name, dir) {
+            if entry == Entry::Directory && held.entry.id == 0 {
+                let _ = assign_id(names, &key, name, held.entry);
             }
-            return Ok(new_here);
+            return Ok(held.new_here);
         }
-        // Overwrites any insertion of the name by the kernel (id 0) with userspace's id.
-        let id = match entry {
-            Entry::Directory => assign_id(map, next_id, &key),
-            Entry::Socket => map.insert(key, 0, 0).ok().map(|()| 0),
+        let holder = NameHolders::new_holder(dir, 0);
+        let inserted = match entry {
+            Entry::Directory => assign_id(names, &key, name, holder).is_some(),
+            Entry::Socket => names.map.insert(key, holder, 0).is_ok(),
         };
-        if let Some(id) = id {
-            holders.insert(name, dir, id);
+        if inserted {
             return Ok(true);
         }
         self.names_overflowed.store(true, Ordering::Release);
@@ -198,21 +189,20 @@ impl Filters {
         let Names { map, holders, .. } = &mut *guard;
         let dir = holders.dir(Self::key(dir));
         let mut new = vec![false; names.len()];
-        let mut fresh: Vec<(usize, (NameKey, u32))> = Vec::new();
+        let mut fresh: Vec<(usize, (NameKey, NameHolder))> = Vec::new();
         for (index, name) in names.iter().enumerate() {
             let Some(key) = NameKey::new(name.as_bytes()) else {
                 continue;
             };
-            match holders.hold(name.as_bytes(), dir) {
-                Some(new_here) => new[index] = new_here,
+            match holders.hold(map, &key, name.as_bytes(), dir) {
+                Some(held) => new[index] = held.new_here,
                 // A socket's name carries no id (a socket is never a path's parent).
-                None => fresh.push((index, (key, 0))),
+                None => fresh.push((index, (key, NameHolders::new_holder(dir, 0)))),
             }
         }
-        let entries: Vec<(NameKey, u32)> = fresh.iter().map(|(_, entry)| *entry).collect();
+        let entries: Vec<(NameKey, NameHolder)> = fresh.iter().map(|(_, entry)| *entry).collect();
         let inserted = super::batched::insert(map, &entries);
         for (index, _) in &fresh[..inserted] {
-            holders.insert(names[*index].as_bytes(), dir, 0);
             new[*index] = true;
         }
         if inserted < fresh.len() {
@@ -224,20 +214,16 @@ impl Filters {
     }
 
     /// The entry `name` in `dir` is gone: the name leaves the table once no watched directory
-    /// holds an entry so named. A name the kernel added that no entry announced (a directory made
-    /// and removed before the watcher looked) goes too; an entry not yet announced that carries
-    /// it is looked at again when it is (see [`Names`]).
+    /// holds an entry so named; an entry not yet announced that carries it is looked at again
+    /// when it is (see [`Names`]).
     pub fn forget_name(&self, dir: &WatchedDir, name: &OsStr) {
         let Some(key) = NameKey::new(name.as_bytes()) else {
             return;
         };
-        let mut names = lock(&self.names);
-        let dir = names.holders.known_dir(&Self::key(dir));
-        if names.holders.release(name.as_bytes(), dir) {
-            return;
-        }
-        // Absent keys are fine: the name may never have been in the table.
-        let _ = names.map.remove(&key);
+        let mut guard = lock(&self.names);
+        let Names { map, holders, .. } = &mut *guard;
+        let dir = holders.known_dir(&Self::key(dir));
+        holders.release(map, &key, name.as_bytes(), dir);
     }
 
     /// The name the kernel's id `id` stands for (see [`Names`]).

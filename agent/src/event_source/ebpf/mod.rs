@@ -56,7 +56,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agent_ebpf::{DirKey, NameKey, names};
+use agent_ebpf::{DirKey, names};
 use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use ring::Ring;
@@ -297,7 +297,7 @@ pub fn open(
 /// The maps the source reads and steers.
 struct Maps {
     watched: BpfHashMap<MapData, DirKey, u8>,
-    names: BpfHashMap<MapData, NameKey, u32>,
+    names: name_holders::NameTable,
     ring: Ring,
     losses: Array<MapData, u64>,
 }

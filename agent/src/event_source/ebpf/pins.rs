@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use agent_ebpf::{DirKey, META_BYTES, NameKey, names};
+use agent_ebpf::{DirKey, META_BYTES, names};
 use anyhow::{Context, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 
@@ -105,7 +105,7 @@ pub fn tree_dir(root: &Path) -> PathBuf {
 pub struct Adopted {
     pub events: Ring,
     pub watched: BpfHashMap<MapData, DirKey, u8>,
-    pub names: BpfHashMap<MapData, NameKey, u32>,
+    pub names: super::name_holders::NameTable,
     pub losses: Array<MapData, u64>,
     pub meta: Meta,
     /// Time to find and open the set.
