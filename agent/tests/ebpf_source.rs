@@ -928,7 +928,10 @@ async fn a_name_announced_as_a_socket_names_no_parent_until_a_directory_carries_
     }
     let root = WatchedDir::stat(f.watched.parent().expect("a parent")).expect("stat");
     let watched_name = f.watched.file_name().expect("a name").to_os_string();
-    f.source.entry_present(&root, &watched_name, Entry::Socket);
+    assert!(
+        f.source.entry_present(&root, &watched_name, Entry::Socket),
+        "a name new to the table is new in its directory"
+    );
     let first = f.in_watched("first.sock");
     let setup = [Action::Bind(first.clone())];
     assert_eq!(
@@ -939,8 +942,11 @@ async fn a_name_announced_as_a_socket_names_no_parent_until_a_directory_carries_
         name_only_parents(&mut f, &[Action::Unlink(first)], "sentinel-1.sock").await,
         vec![(f.name("first.sock").into(), None)]
     );
-    f.source
-        .entry_present(&root, &watched_name, Entry::Directory);
+    assert!(
+        !f.source
+            .entry_present(&root, &watched_name, Entry::Directory),
+        "the directory holds the name already"
+    );
     let second = f.in_watched("second.sock");
     let setup = [Action::Bind(second.clone())];
     assert_eq!(

@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_ebpf::{DirKey, NameHolder, NameKey};
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
 use tokio::sync::Notify;
 
 use super::name_holders::{NameHolders, NameTable};
@@ -47,18 +47,24 @@ struct Names {
     next_id: u32,
 }
 
-/// Gives `name` (`key`, held as `holder` says) an id the kernel reports it by when it is a path's
-/// parent component. An existing key is overwritten in place (no new element), so this fails
-/// only on a kernel error (or, for a new name, a full table); the name then stays without an id,
-/// and a record naming it as a parent carries none (the watcher looks in every watched
-/// directory, as for any unknown parent).
-fn assign_id(names: &mut Names, key: &NameKey, name: &[u8], holder: NameHolder) -> Option<u32> {
+/// Gives `name` (`key`, in the table as `holder`) an id the kernel reports it by when it is a
+/// path's parent component. The key is overwritten in place (no new element), so this fails only
+/// on a kernel error; the name then stays without an id, and a record naming it as a parent
+/// carries none (the watcher looks in every watched directory, as for any unknown parent).
+fn assign_id(names: &mut Names, key: &NameKey, name: &[u8], holder: NameHolder) {
     let id = names.next_id;
-    names.map.insert(key, NameHolder { id, ..holder }, 0).ok()?;
-    names.next_id = id.wrapping_add(1).max(1);
-    names.holders.named(name, id);
-    Some(id)
+    if names
+        .map
+        .insert(key, NameHolder { id, ..holder }, 0)
+        .is_ok()
+    {
+        names.next_id = id.wrapping_add(1).max(1);
+        names.holders.named(name, id);
+    }
 }
+
+/// `BPF_NOEXIST`: an update that only inserts.
+const BPF_NOEXIST: u64 = 1;
 
 /// The name table is full: the reader clears it and asks for a rescan, which refills it.
 #[derive(Debug)]
@@ -157,20 +163,37 @@ impl Filters {
         let names = &mut *guard;
         let dir = names.holders.dir(Self::key(dir));
         let name = name.as_bytes();
-        if let Some(held) = names.holders.hold(&names.map, &key, name, dir) {
-            if entry == Entry::Directory && held.entry.id == 0 {
-                let _ = assign_id(names, &key, name, held.entry);
-            }
-            return Ok(held.new_here);
-        }
-        let holder = NameHolders::new_holder(dir, 0);
-        let inserted = match entry {
-            Entry::Directory => assign_id(names, &key, name, holder).is_some(),
-            Entry::Socket => names.map.insert(key, holder, 0).is_ok(),
+        // Most names are new to the table: inserting it is one syscall, and only a name it has
+        // already is looked up.
+        let id = match entry {
+            Entry::Directory => names.next_id,
+            Entry::Socket => 0,
         };
-        if inserted {
-            return Ok(true);
+        match names
+            .map
+            .insert(key, NameHolders::new_holder(dir, id), BPF_NOEXIST)
+        {
+            Ok(()) => {
+                if id != 0 {
+                    names.next_id = id.wrapping_add(1).max(1);
+                    names.holders.named(name, id);
+                }
+                return Ok(true);
+            }
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                if let Some(held) = names.holders.hold(&names.map, &key, name, dir) {
+                    if entry == Entry::Directory && held.entry.id == 0 {
+                        assign_id(names, &key, name, held.entry);
+                    }
+                    return Ok(held.new_here);
+                }
+            }
+            Err(_) => {}
         }
+        // Full, or gone between the insertion and the lookup (only a kernel error takes a name
+        // out): not remembered, and the reader is told.
         self.names_overflowed.store(true, Ordering::Release);
         self.overflow.notify_one();
         Err(NamesFull)
