@@ -8,7 +8,8 @@
 //! copy of the names: a burst of 10,000 plugins keeps 10,000 in the kernel's table and none here.
 //! Before, userspace kept a row per name (a 22-byte inline name, the directory, the id): 0.54 MB
 //! at 10,000 plugins, the one table an eBPF agent kept that a fanotify agent does not, bought
-//! back with a map lookup (one `bpf` syscall) per announcement and removal. What stays here is
+//! back with a map lookup (one `bpf` syscall) per removal and per name a walk announces (a new
+//! name announced alone is still one insertion: see `Filters::remember_name`). What stays here is
 //! what is rare: the other directories holding a name (`csi.sock` in every driver's directory)
 //! and the names of directories by id.
 
