@@ -58,8 +58,15 @@ fn assign_id(names: &mut Names, key: &NameKey, name: &[u8], holder: NameHolder) 
         .insert(key, NameHolder { id, ..holder }, 0)
         .is_ok()
     {
-        names.next_id = id.wrapping_add(1).max(1);
-        names.holders.named(name, id);
+        names.took_id(name, id);
+    }
+}
+
+impl Names {
+    /// `name` went into the table with the next id: the one after it is next.
+    fn took_id(&mut self, name: &[u8], id: u32) {
+        self.next_id = id.wrapping_add(1).max(1);
+        self.holders.named(name, id);
     }
 }
 
@@ -175,8 +182,7 @@ impl Filters {
         {
             Ok(()) => {
                 if id != 0 {
-                    names.next_id = id.wrapping_add(1).max(1);
-                    names.holders.named(name, id);
+                    names.took_id(name, id);
                 }
                 return Ok(true);
             }
