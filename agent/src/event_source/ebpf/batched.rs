@@ -180,11 +180,16 @@ pub(crate) mod tests {
 
     use super::*;
 
-    /// A name table as the programs declare it (`BPF_F_NO_PREALLOC`), created directly, or
+    /// A name table as the programs declare it: see [`hash_map`].
+    pub(crate) fn name_table(max_entries: u32) -> Option<BpfHashMap<MapData, NameKey, NameHolder>> {
+        hash_map(max_entries)
+    }
+
+    /// A hash map as the programs declare theirs (`BPF_F_NO_PREALLOC`), created directly, or
     /// `None` where this process may not create BPF maps (the test fails instead under `CI=true`,
     /// except where there is no `bpf` syscall at all: qemu-user, which `cargo xtask cross-test`
     /// runs the arm64 build under, does not emulate it; the host stage runs these natively).
-    pub(crate) fn name_table(max_entries: u32) -> Option<BpfHashMap<MapData, NameKey, NameHolder>> {
+    pub(crate) fn hash_map<K: Pod, V: Pod>(max_entries: u32) -> Option<BpfHashMap<MapData, K, V>> {
         #[repr(C)]
         #[derive(Default)]
         struct CreateAttr {
@@ -196,8 +201,8 @@ pub(crate) mod tests {
         }
         let attr = CreateAttr {
             map_type: 1, // BPF_MAP_TYPE_HASH
-            key_size: size_of::<NameKey>() as u32,
-            value_size: size_of::<NameHolder>() as u32,
+            key_size: size_of::<K>() as u32,
+            value_size: size_of::<V>() as u32,
             max_entries,
             map_flags: 1, // BPF_F_NO_PREALLOC
         };

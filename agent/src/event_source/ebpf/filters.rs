@@ -10,7 +10,7 @@
 //! halves live here so they are updated together: a directory's path is known before the kernel can
 //! report anything in it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
@@ -22,7 +22,7 @@ use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
 use tokio::sync::Notify;
 
-use super::name_holders::{NameHolders, NameTable};
+use super::name_holders::{DirIndex, NameHolders, NameTable};
 use crate::event_source::{Entry, WatchedDir};
 
 /// The name table: the kernel's map, whose entries also say which watched directory holds each
@@ -45,6 +45,73 @@ struct Names {
     map: NameTable,
     holders: NameHolders,
     next_id: u32,
+    /// What the kernel's table holds, when a walk can know it without a lookup per name.
+    fresh: Fresh,
+}
+
+/// What the kernel's table is known to hold (userspace is its only writer), so that a walk's
+/// names need no lookup each: after a start (a new table, or an adopted one emptied) the first
+/// walk finds every socket name new. 10,000 sockets there were 10,000 `bpf` lookups (each
+/// failing) before their batched insertion.
+enum Fresh {
+    /// Sockets of `walked`, inserted by walks, and at most the names in `others` (announced one
+    /// by one: directories, sockets an event found). A name of `walked` not in `others` is in
+    /// the table only as that directory's socket, if at all, so inserting it again changes
+    /// nothing (and calls it new: the caller looks at it once more).
+    Known {
+        walked: Option<DirIndex>,
+        others: HashSet<Box<[u8]>>,
+    },
+    /// Anything: every name is looked up.
+    Mixed,
+}
+
+/// Names announced one by one that [`Fresh::Known`] keeps apart before it gives up.
+const MOST_OTHERS: usize = 1024;
+
+impl Fresh {
+    /// What a table taken over holds: read once.
+    fn of(map: &NameTable) -> Fresh {
+        match map.keys().next() {
+            None => Fresh::Known {
+                walked: None,
+                others: HashSet::new(),
+            },
+            Some(_) => Fresh::Mixed,
+        }
+    }
+
+    /// Whether a walk of `dir` may insert `name` without looking it up.
+    fn needs_no_lookup(&self, dir: DirIndex, name: &[u8]) -> bool {
+        match self {
+            Fresh::Known { walked, others } => {
+                walked.is_none_or(|walked| walked == dir) && !others.contains(name)
+            }
+            Fresh::Mixed => false,
+        }
+    }
+
+    /// `name` was announced one by one (it may have gone in, or taken an id).
+    fn announced(&mut self, name: &[u8]) {
+        if let Fresh::Known { others, .. } = self {
+            if others.len() < MOST_OTHERS {
+                others.insert(name.into());
+            } else {
+                *self = Fresh::Mixed;
+            }
+        }
+    }
+
+    /// A walk of `dir` inserted names.
+    fn walked(&mut self, dir: DirIndex) {
+        if let Fresh::Known { walked, .. } = self {
+            match walked {
+                None => *walked = Some(dir),
+                Some(walked) if *walked == dir => {}
+                Some(_) => *self = Fresh::Mixed,
+            }
+        }
+    }
 }
 
 /// Gives `name` (`key`, in the table as `holder`) an id the kernel reports it by when it is a
@@ -104,6 +171,7 @@ impl Filters {
         Filters {
             watched: Mutex::new(watched),
             names: Mutex::new(Names {
+                fresh: Fresh::of(&names),
                 map: names,
                 holders: NameHolders::default(),
                 next_id: 1,
@@ -170,6 +238,7 @@ impl Filters {
         let names = &mut *guard;
         let dir = names.holders.dir(Self::key(dir));
         let name = name.as_bytes();
+        names.fresh.announced(name);
         // Most names are new to the table: inserting it is one syscall, and only a name it has
         // already is looked up.
         let id = match entry {
@@ -215,26 +284,39 @@ impl Filters {
         names: &[&OsStr],
     ) -> Result<Vec<bool>, NamesFull> {
         let mut guard = lock(&self.names);
-        let Names { map, holders, .. } = &mut *guard;
+        let Names {
+            map,
+            holders,
+            fresh,
+            ..
+        } = &mut *guard;
         let dir = holders.dir(Self::key(dir));
         let mut new = vec![false; names.len()];
-        let mut fresh: Vec<(usize, (NameKey, NameHolder))> = Vec::new();
+        let mut to_insert: Vec<(usize, (NameKey, NameHolder))> = Vec::new();
         for (index, name) in names.iter().enumerate() {
             let Some(key) = NameKey::new(name.as_bytes()) else {
                 continue;
             };
-            match holders.hold(map, &key, name.as_bytes(), dir) {
+            let held = match fresh.needs_no_lookup(dir, name.as_bytes()) {
+                true => None,
+                false => holders.hold(map, &key, name.as_bytes(), dir),
+            };
+            match held {
                 Some(held) => new[index] = held.new_here,
                 // A socket's name carries no id (a socket is never a path's parent).
-                None => fresh.push((index, (key, NameHolders::new_holder(dir, 0)))),
+                None => to_insert.push((index, (key, NameHolders::new_holder(dir, 0)))),
             }
         }
-        let entries: Vec<(NameKey, NameHolder)> = fresh.iter().map(|(_, entry)| *entry).collect();
+        let entries: Vec<(NameKey, NameHolder)> =
+            to_insert.iter().map(|(_, entry)| *entry).collect();
         let inserted = super::batched::insert(map, &entries);
-        for (index, _) in &fresh[..inserted] {
+        if inserted > 0 {
+            fresh.walked(dir);
+        }
+        for (index, _) in &to_insert[..inserted] {
             new[*index] = true;
         }
-        if inserted < fresh.len() {
+        if inserted < to_insert.len() {
             self.names_overflowed.store(true, Ordering::Release);
             self.overflow.notify_one();
             return Err(NamesFull);
@@ -278,11 +360,92 @@ impl Filters {
     pub fn forget_names(&self) {
         let mut names = lock(&self.names);
         super::batched::empty(&mut names.map);
+        names.fresh = Fresh::of(&names.map);
         names.holders.clear();
     }
 
     /// The agent's path of the watched directory with kernel identity `key`.
     pub fn path_of(&self, key: &DirKey) -> Option<PathBuf> {
         lock(&self.paths).get(key).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::batched::tests::{hash_map, name_table};
+    use super::*;
+
+    fn filters() -> Option<Filters> {
+        Some(Filters::new(hash_map(8)?, name_table(64)?, 8))
+    }
+
+    fn dir(ino: u64) -> WatchedDir {
+        WatchedDir {
+            path: PathBuf::from(format!("/plugins/{ino}")),
+            dev: 1,
+            ino,
+        }
+    }
+
+    fn names(list: &[&'static str]) -> Vec<&'static OsStr> {
+        list.iter().map(|name| OsStr::new(*name)).collect()
+    }
+
+    /// The kernel's entry for `name`.
+    fn entry(filters: &Filters, name: &str) -> Option<NameHolder> {
+        let key = NameKey::new(name.as_bytes())?;
+        lock(&filters.names).map.get(&key, 0).ok()
+    }
+
+    #[test]
+    fn a_first_walk_inserts_without_lookups_and_keeps_what_was_announced_alone() {
+        let Some(filters) = filters() else {
+            return;
+        };
+        let (root, other) = (dir(1), dir(2));
+        // The walk announces the directory `sub` (of `root`) on its own: it takes an id.
+        assert!(matches!(
+            filters.remember_name(&root, OsStr::new("sub"), Entry::Directory),
+            Ok(true)
+        ));
+        let sub = entry(&filters, "sub").expect("announced");
+        assert_ne!(sub.id, 0);
+        // A socket named like that directory, in the directory walked next, is looked up: the
+        // directory's entry keeps its id and its holder.
+        let found = filters.remember_sockets(&other, &names(&["a.sock", "sub"]));
+        assert_eq!(found.ok(), Some(vec![true, true]));
+        assert_eq!(entry(&filters, "sub"), Some(sub));
+        assert!(matches!(
+            lock(&filters.names).fresh,
+            Fresh::Known {
+                walked: Some(_),
+                ..
+            }
+        ));
+        // The same directory's next chunk: new names go in unlooked; one it has is its own.
+        let found = filters.remember_sockets(&other, &names(&["b.sock", "a.sock"]));
+        assert_eq!(found.ok(), Some(vec![true, true]));
+        let other_index = entry(&filters, "a.sock").expect("inserted").dir;
+        assert_eq!(entry(&filters, "b.sock").map(|e| e.dir), Some(other_index));
+        assert_eq!(entry(&filters, "a.sock").map(|e| e.id), Some(0));
+        // Another directory's walk looks its names up: `a.sock` stays `other`'s entry, and is
+        // new in `root`; from then on every walk looks names up.
+        let found = filters.remember_sockets(&root, &names(&["a.sock", "c.sock"]));
+        assert_eq!(found.ok(), Some(vec![true, true]));
+        assert_eq!(entry(&filters, "a.sock").map(|e| e.dir), Some(other_index));
+        assert!(matches!(lock(&filters.names).fresh, Fresh::Mixed));
+        let found = filters.remember_sockets(&other, &names(&["a.sock", "d.sock"]));
+        assert_eq!(found.ok(), Some(vec![false, true]));
+        // Both holders have to go before the name leaves the table.
+        filters.forget_name(&other, OsStr::new("a.sock"));
+        assert!(entry(&filters, "a.sock").is_some());
+        filters.forget_name(&root, OsStr::new("a.sock"));
+        assert_eq!(entry(&filters, "a.sock"), None);
+        // Emptied (after an overflow), the table is known again.
+        filters.forget_names();
+        assert!(matches!(
+            lock(&filters.names).fresh,
+            Fresh::Known { walked: None, .. }
+        ));
     }
 }

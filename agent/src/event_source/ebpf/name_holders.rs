@@ -9,7 +9,8 @@
 //! Before, userspace kept a row per name (a 22-byte inline name, the directory, the id): 0.54 MB
 //! at 10,000 plugins, the one table an eBPF agent kept that a fanotify agent does not, bought
 //! back with a map lookup (one `bpf` syscall) per removal and per name a walk announces (a new
-//! name announced alone is still one insertion: see `Filters::remember_name`). What stays here is
+//! name announced alone is still one insertion: see `Filters::remember_name`; a start's first
+//! walk looks nothing up: see `Fresh` there). What stays here is
 //! what is rare: the other directories holding a name (`csi.sock` in every driver's directory)
 //! and the names of directories by id.
 
