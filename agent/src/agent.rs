@@ -329,10 +329,10 @@ fn carry_on(
     }
     let journal = Arc::new(journal);
     stages.executor.keep_journal(journal.clone());
-    // Restored registrations have no registration connection to learn their servers from: one
-    // connect each learns them, after the first walk. Before it, those connects (and the
-    // plugins' accepts) would compete with the walk that decides what changed while no agent
-    // ran. A server that exits before its connect is found by that connect (refused).
+    // Restored registrations have no registration connection to learn their servers from: the
+    // servers the previous agent recorded are found again by pid (else one connect each learns
+    // them), after the first walk, which decides what changed while no agent ran. A server that
+    // exited meanwhile is found then (its pidfd is readable at once, or the connect refused).
     let executor = stages.executor.clone();
     tokio::spawn(async move {
         if walked.wait_for(|walked| *walked).await.is_ok() {

@@ -17,9 +17,11 @@
 //!   name (they are the `listen()` caller's). The registration stays; what ends it from then on is
 //!   the socket's next change (or, with the eBPF source, the kernel's report of its release).
 //!
-//! A registration restored from a previous agent (`persist`) has no registration connection: its
-//! server is learned with one bare connect (no RPC, so the plugin is not "called"), which also
-//! finds sockets whose server died while no agent ran.
+//! A registration restored from a previous agent (`persist`) has no registration connection. The
+//! previous agent recorded its server's pid and pidfs inode (Linux 6.9+), and while that process
+//! runs (the pid opens a pidfd with the same inode) the registration waits on it again, with no
+//! connection to the plugin; otherwise one bare connect learns the server (no RPC, so the plugin
+//! is not "called"). Both find sockets whose server died while no agent ran.
 //!
 //! With the eBPF source the kernel adds two hints ([`Liveness::kernel_hint`]): a registered
 //! plugin's listening socket was released (fentry: its last reference dropped, whoever held it,
@@ -391,6 +393,21 @@ impl Liveness {
             });
             return;
         };
+        // Already watched for another socket: this pidfd is closed here, unused.
+        self.join_process(path, generation, socket, (id, server.pid), || Some(pidfd));
+    }
+
+    /// Puts `path`'s registration on the exit watch of process `id`, shared with every other
+    /// registration it serves; the first one starts the wait, on the pidfd `pidfd` gives. False,
+    /// and nothing put in, when that gives none.
+    fn join_process(
+        self: &Arc<Self>,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        (id, pid): (u64, Option<u32>),
+        pidfd: impl FnOnce() -> Option<OwnedFd>,
+    ) -> bool {
         let watch = Watch {
             generation,
             socket,
@@ -400,11 +417,11 @@ impl Liveness {
         let abort = {
             let mut watches = self.lock();
             match watches.processes.get_mut(&id) {
-                // Already watched for another socket: this pidfd is closed here, unused.
                 Some(process) => process.registrations += 1,
                 None => {
+                    let Some(pidfd) = pidfd() else { return false };
                     let this = Arc::downgrade(self);
-                    let task = tokio::spawn(process_exit(this, id, pidfd, server.pid));
+                    let task = tokio::spawn(process_exit(this, id, pidfd, pid));
                     let process = ProcessWatch {
                         task: task.abort_handle(),
                         registrations: 1,
@@ -415,11 +432,37 @@ impl Liveness {
             watches.insert(path, watch)
         };
         abort_all(abort);
+        true
     }
 
-    /// Learns the server of a restored registration with one bare connect, and watches it; a
-    /// refused connect is a loss at once.
-    pub fn attach(self: &Arc<Self>, path: Arc<Path>, generation: Uuid, socket: SocketId) {
+    /// Watches the server of a restored registration. The previous agent's record of it
+    /// (`known`: its pid and pidfs inode) is enough while that process runs: the pid opens a
+    /// pidfd with the same inode (which names one process for as long as the machine runs, so a
+    /// reused pid does not pass), and the registration waits on it as it did before the restart,
+    /// without a connection to the plugin (a restart of an agent serving 1,000 plugins made 1,000
+    /// connects, and their accepts held up the registrations of the plugins that came meanwhile).
+    /// Otherwise one bare connect learns the server; a refused one is a loss at once.
+    pub fn attach(
+        self: &Arc<Self>,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        known: Option<(u32, u64)>,
+    ) {
+        if let Some((pid, id)) = known {
+            let same_process =
+                || pidfd_open(pid).filter(|pidfd| pidfs_inode(pidfd.as_fd()) == Some(id));
+            if self.join_process(
+                path.clone(),
+                generation,
+                socket,
+                (id, Some(pid)),
+                same_process,
+            ) {
+                tracing::debug!(socket_path = %path.display(), server = %DisplayPid(Some(pid)), found_by = "record", "the restored plugin's server, watched for its exit");
+                return;
+            }
+        }
         let this = Arc::downgrade(self);
         let owned = path.clone();
         let permits = self.attaches.clone();
@@ -441,7 +484,7 @@ impl Liveness {
                 (Probe::Served, Some(stream)) => match Server::of(stream.as_fd()) {
                     // The watch replaces this task's entry: same path and generation.
                     Ok(server) => {
-                        tracing::debug!(socket_path = %owned.display(), %server, "the restored plugin's server, watched for its exit");
+                        tracing::debug!(socket_path = %owned.display(), %server, found_by = "connect", "the restored plugin's server, watched for its exit");
                         this.watch(owned.clone(), generation, socket, server);
                     }
                     Err(e) => {
@@ -784,6 +827,86 @@ mod tests {
         assert!(
             losses.try_recv().is_err(),
             "the forgotten registration is not reported"
+        );
+    }
+
+    /// A restored registration whose server the previous agent recorded (pid and pidfs inode)
+    /// waits on that process again at once, with no connection to the plugin, and learns of its
+    /// exit as before; a record whose inode is not the pid's process now (a reused pid) is not
+    /// trusted: one connect learns the server.
+    #[tokio::test]
+    async fn a_restored_registration_rejoins_its_recorded_server_without_a_connect() {
+        let socket_of = |path: &Path| match EntryKind::of(path) {
+            Ok(EntryKind::Socket(socket)) => socket,
+            other => panic!("{} is not a socket: {other:?}", path.display()),
+        };
+        let liveness = Arc::new(Liveness::default());
+        let (tx, mut losses) = tokio::sync::mpsc::unbounded_channel();
+        liveness.on_loss(move |loss| {
+            let _ = tx.send(loss);
+        });
+
+        // Served by another process, recorded by "the previous agent" from its connection.
+        let (_dir, paths, mut server) = serve(1);
+        let recorded = {
+            let connection = std::os::unix::net::UnixStream::connect(&paths[0]).expect("connect");
+            Server::of(connection.as_fd()).expect("credentials")
+        };
+        let (Some(pid), Some(identity)) = (recorded.pid, recorded.identity()) else {
+            eprintln!("skipped: pidfds name no process identity on this kernel (before 6.9)");
+            return;
+        };
+        let served = Uuid::new_v4();
+        let path: Arc<Path> = Arc::from(paths[0].as_path());
+        liveness.attach(path, served, socket_of(&paths[0]), Some((pid, identity)));
+        // Joined in the call itself: no task, no connect.
+        assert_eq!((liveness.watched(), liveness.processes()), (1, 1));
+
+        // Served by this process, which can see whether anything connected.
+        let here = tempfile::tempdir().expect("tempdir");
+        let own = here.path().join("own.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&own).expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let me = std::process::id();
+        let my_identity = pidfd_open(me)
+            .and_then(|pidfd| pidfs_inode(pidfd.as_fd()))
+            .expect("pidfs names this process too");
+        liveness.attach(
+            Arc::from(own.as_path()),
+            Uuid::new_v4(),
+            socket_of(&own),
+            Some((me, my_identity)),
+        );
+        assert_eq!((liveness.watched(), liveness.processes()), (2, 2));
+
+        // A record of a process gone, whose pid was reused (by this process): the pid opens a
+        // pidfd of another inode.
+        let reused = here.path().join("reused.sock");
+        let reused_listener = tokio::net::UnixListener::bind(&reused).expect("bind");
+        liveness.attach(
+            Arc::from(reused.as_path()),
+            Uuid::new_v4(),
+            socket_of(&reused),
+            Some((me, u64::MAX)),
+        );
+        tokio::time::timeout(Duration::from_secs(10), reused_listener.accept())
+            .await
+            .expect("the server is learned with a connect")
+            .expect("accept");
+        assert_eq!(
+            listener.accept().map_err(|e| e.kind()).err(),
+            Some(io::ErrorKind::WouldBlock),
+            "a recorded server that still runs is not connected to"
+        );
+
+        server.exit();
+        let loss = tokio::time::timeout(Duration::from_secs(10), losses.recv())
+            .await
+            .expect("the recorded server's exit is reported")
+            .expect("liveness alive");
+        assert_eq!(
+            (&*loss.path, loss.generation, loss.learned_by),
+            (paths[0].as_path(), served, LearnedBy::Pidfd)
         );
     }
 

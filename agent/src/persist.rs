@@ -954,6 +954,7 @@ mod tests {
             gid: Some(0),
             command: Some("driver".into()),
             cgroup: Some(cgroup.clone()),
+            pidfs_ino: Some(u64::from(pid) + 1000),
         };
         let provenance = Provenance {
             creator: Creator::Known(Arc::new(process(7))),

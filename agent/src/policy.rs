@@ -257,6 +257,7 @@ mod tests {
                 pod_uid: None,
                 container_id: None,
             })),
+            pidfs_ino: None,
         })
     }
 

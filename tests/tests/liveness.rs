@@ -266,12 +266,34 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
         1,
         "{test}: the restored plugin was not called again"
     );
-    second
+    let learned = second
         .wait_for_log("the restored plugin's server learned", EVENT_TIMEOUT, |l| {
             l.message() == "the restored plugin's server, watched for its exit"
                 && l.field_is("socket_path", &alive.to_string_lossy())
         })
         .await;
+    // Where the first agent recorded its server's pidfs inode (Linux 6.9+), the server is found
+    // again by that record, with no connection to the plugin; otherwise one connect learns it.
+    let state_file = options
+        .admin_socket
+        .parent()
+        .expect("the admin socket has a directory")
+        .join("state.json");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&state_file).expect("the first agent's state file"),
+    )
+    .expect("JSON");
+    let recorded = state["plugins"]
+        .as_array()
+        .expect("plugins")
+        .iter()
+        .find(|p| p["path"].as_str() == Some(&*alive.to_string_lossy()))
+        .is_some_and(|p| p["server"]["pidfs_ino"].is_u64());
+    assert_eq!(
+        learned.field("found_by").as_deref(),
+        Some(if recorded { "record" } else { "connect" }),
+        "{test}: how the restored plugin's server was found (recorded: {recorded})"
+    );
     let mark = second.mark();
     let how = death_learned_by(&second).await;
     alive_plugin.kill().await;

@@ -514,16 +514,19 @@ impl OperationExecutor {
     }
 
     /// Carries on from registrations restored from a previous agent, once the first walk said
-    /// which sockets are still there: watches the servers of the finished ones (one bare
-    /// connect each learns them; a refused one is unserved at once), and runs again those a
-    /// kill interrupted (the walk already queued those whose sockets went).
+    /// which sockets are still there: watches the servers of the finished ones (the server the
+    /// previous agent recorded, while that process runs; else one bare connect learns it, and a
+    /// refused one is unserved at once), and runs again those a kill interrupted (the walk
+    /// already queued those whose sockets went).
     pub fn watch_restored(&self) {
         for (path, entry) in self.actual.snapshot() {
             if entry.interrupted {
                 self.queue.mark(path);
             } else {
+                let server = entry.provenance.server.as_deref();
+                let known = server.and_then(|s| Some((s.pid?, s.pidfs_ino?)));
                 self.liveness
-                    .attach(Arc::from(path), entry.generation, entry.socket);
+                    .attach(Arc::from(path), entry.generation, entry.socket, known);
             }
         }
     }

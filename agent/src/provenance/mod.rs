@@ -78,6 +78,11 @@ pub struct Process {
     pub command: Option<Box<str>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<Arc<Cgroup>>,
+    /// A plugin server's pidfd inode on pidfs (Linux 6.9+), as the registration connection gave
+    /// it: it names this process and no other for as long as the machine runs, so the next agent
+    /// finds the server again by its pid without connecting to its sockets (see `liveness`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pidfs_ino: Option<u64>,
 }
 
 impl Process {
@@ -349,6 +354,7 @@ impl Resolver {
             gid: actor.gid,
             command,
             cgroup,
+            pidfs_ino: None,
         }
     }
 
@@ -372,7 +378,10 @@ impl Resolver {
         {
             return process.clone();
         }
-        let process = Arc::new(self.process(pid, Some(uid), Some(gid)));
+        let process = Arc::new(Process {
+            pidfs_ino: identity,
+            ..self.process(pid, Some(uid), Some(gid))
+        });
         if let Some(key) = identity {
             let mut servers = self.servers();
             if servers.len() >= MAX_INTERNED {
@@ -623,6 +632,7 @@ mod tests {
             gid: Some(0),
             command: Some("driver".into()),
             cgroup: None,
+            pidfs_ino: None,
         });
         let fanotify = Actor {
             pid: 42,
