@@ -393,7 +393,6 @@ impl Liveness {
             });
             return;
         };
-        // Already watched for another socket: this pidfd is closed here, unused.
         self.join_process(path, generation, socket, (id, server.pid), || Some(pidfd));
     }
 
@@ -417,6 +416,8 @@ impl Liveness {
         let abort = {
             let mut watches = self.lock();
             match watches.processes.get_mut(&id) {
+                // Already watched for another socket: `pidfd` is not called (a pidfd it holds
+                // is closed unused).
                 Some(process) => process.registrations += 1,
                 None => {
                     let Some(pidfd) = pidfd() else { return false };

@@ -297,9 +297,10 @@ impl Filters {
             let Some(key) = NameKey::new(name.as_bytes()) else {
                 continue;
             };
-            let held = match fresh.needs_no_lookup(dir, name.as_bytes()) {
-                true => None,
-                false => holders.hold(map, &key, name.as_bytes(), dir),
+            let held = if fresh.needs_no_lookup(dir, name.as_bytes()) {
+                None
+            } else {
+                holders.hold(map, &key, name.as_bytes(), dir)
             };
             match held {
                 Some(held) => new[index] = held.new_here,
