@@ -9,7 +9,7 @@
 //! running. [`AgentProcess::stop`] is the graceful path (SIGTERM, as systemd or kubelet's pod
 //! would send).
 
-use crate::env::{Source, agent_bin, privileged, skip};
+use crate::env::{SharedBinary, Source, agent_bin, privileged, skip};
 use crate::events::{EventLog, Line, Mark, WaitError};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -73,6 +73,8 @@ pub struct AgentProcess {
     child: Option<Child>,
     log: EventLog,
     test: String,
+    /// The binary's copy for the user a wrapper runs it as, kept while the agent runs.
+    _binary: Option<SharedBinary>,
 }
 
 impl AgentProcess {
@@ -84,10 +86,14 @@ impl AgentProcess {
             return None;
         }
         let binary = options.binary.clone().unwrap_or_else(agent_bin);
+        // A wrapper may run the agent as another user, who may not reach the checkout.
+        let shared = (!options.wrapper.is_empty()).then(|| SharedBinary::new(&binary));
         let mut command = match options.wrapper.split_first() {
             Some((program, args)) => {
                 let mut command = Command::new(program);
-                command.args(args).arg(binary);
+                command
+                    .args(args)
+                    .arg(shared.as_ref().map_or(binary.as_path(), SharedBinary::path));
                 command
             }
             None => Command::new(binary),
@@ -122,6 +128,7 @@ impl AgentProcess {
             child: Some(child),
             log,
             test: test.to_string(),
+            _binary: shared,
         };
 
         let ready = agent

@@ -85,6 +85,42 @@ pub fn agent_bin() -> PathBuf {
     bin
 }
 
+/// A binary placed where any user may execute it, for a test that runs it as another user: the
+/// checkout may be under a directory only its owner can search (`/root`, `mktemp -d`: 0700).
+/// A hard link in a fresh 0755 directory under the temp dir (a copy across file systems); it is
+/// removed when dropped, so keep it as long as the process started from it may still exec it.
+#[derive(Debug)]
+pub struct SharedBinary {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl SharedBinary {
+    /// Places `bin` (mode 0755, as cargo writes it) in a new directory any user can search.
+    pub fn new(bin: &Path) -> SharedBinary {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new()
+            .prefix("pa-bin-")
+            .tempdir()
+            .expect("create a temporary directory");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("make the binary's directory searchable by anyone");
+        let path = dir
+            .path()
+            .join(bin.file_name().expect("a binary has a file name"));
+        if std::fs::hard_link(bin, &path).is_err() {
+            std::fs::copy(bin, &path)
+                .unwrap_or_else(|e| panic!("cannot copy {} for another user: {e}", bin.display()));
+        }
+        SharedBinary { _dir: dir, path }
+    }
+
+    /// Where any user can execute it.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// A private plugin registration directory, removed with everything in it when dropped.
 ///
 /// The agent watches `root()`, which does not exist until the agent creates it (kubelet creates

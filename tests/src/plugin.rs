@@ -9,6 +9,7 @@
 //! Dropping a [`PluginProcess`] stops it (SIGTERM, then SIGKILL) and removes its socket if the path
 //! still holds the socket it bound, so a failed test leaves neither a process nor a stale socket.
 
+use crate::env::SharedBinary;
 use crate::events::{EventLog, Line, Mark};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -81,7 +82,12 @@ impl PluginOptions {
 
     /// Starts the plugin without waiting for anything.
     pub fn spawn(self) -> PluginProcess {
-        let mut command = Command::new(&self.bin);
+        // Another user may not reach the checkout's binary: run a copy it can reach.
+        let shared = self.user.map(|_| SharedBinary::new(&self.bin));
+        let bin = shared
+            .as_ref()
+            .map_or(self.bin.as_path(), SharedBinary::path);
+        let mut command = Command::new(bin);
         command
             .arg("--socket")
             .arg(&self.socket)
@@ -113,6 +119,7 @@ impl PluginOptions {
             stderr: EventLog::read_from(stderr, format!("plugin-err-{}", self.label)),
             child: Some(child),
             socket: self.socket,
+            _binary: shared,
         }
     }
 
@@ -138,6 +145,8 @@ pub struct PluginProcess {
     events: EventLog,
     stderr: EventLog,
     socket: PathBuf,
+    /// The binary's copy for another user, kept while the plugin runs.
+    _binary: Option<SharedBinary>,
 }
 
 impl PluginProcess {

@@ -137,8 +137,14 @@ fn cli(admin: &Path, args: &[&str]) -> (bool, String, String) {
 }
 
 fn cli_as(admin: &Path, args: &[&str], uid: Option<u32>) -> (bool, String, String) {
+    use plugin_agent_tests::env::{SharedBinary, agent_bin};
     use std::os::unix::process::CommandExt;
-    let mut command = Command::new(plugin_agent_tests::env::agent_bin());
+    // Another user may not reach the checkout's binary: it runs a copy it can reach.
+    let shared = uid.map(|_| SharedBinary::new(&agent_bin()));
+    let mut command = match &shared {
+        Some(shared) => Command::new(shared.path()),
+        None => Command::new(agent_bin()),
+    };
     command.arg("--admin-socket").arg(admin).args(args);
     if let Some(uid) = uid {
         command.uid(uid).gid(uid);

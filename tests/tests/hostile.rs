@@ -5,6 +5,7 @@
 //! What touches discovery runs once per event source; what only touches the plugin or handler
 //! side runs on inotify.
 
+use plugin_agent_tests::env::SharedBinary;
 use plugin_agent_tests::procfs;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source,
@@ -763,15 +764,20 @@ async fn status_when(dir: &PluginDir, what: &str, shown: impl Fn(&str) -> bool) 
 }
 
 /// `slow-client` processes (run as nobody), killed when dropped.
-struct SlowClients(std::process::Child);
+struct SlowClients {
+    child: std::process::Child,
+    /// The binary's copy nobody can reach, kept while they run.
+    _binary: SharedBinary,
+}
 
 impl SlowClients {
     /// Opens `connections` connections to `target` (`--tcp ADDR` or `--unix PATH`) as uid 65534,
     /// each sent `send`, and waits until all were tried; returns how many are open.
     async fn open(test: &str, target: [&str; 2], connections: usize, send: &str) -> (Self, u64) {
+        let binary = SharedBinary::new(std::path::Path::new(env!("CARGO_BIN_EXE_slow-client")));
         let mut child = std::process::Command::new(NOBODY[0])
             .args(&NOBODY[1..])
-            .arg(env!("CARGO_BIN_EXE_slow-client"))
+            .arg(binary.path())
             .args(target)
             .args(["--connections", &connections.to_string(), "--send", send])
             .stdin(std::process::Stdio::piped())
@@ -789,14 +795,20 @@ impl SlowClients {
             .and_then(|n| n.parse().ok())
             .unwrap_or(0);
         eprintln!("{test}: slow clients: {line}");
-        (SlowClients(child), connected)
+        (
+            SlowClients {
+                child,
+                _binary: binary,
+            },
+            connected,
+        )
     }
 }
 
 impl Drop for SlowClients {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -19,13 +19,26 @@ pub struct Options {
     pub debug: bool,
 }
 
-/// The eBPF object's path for a profile.
-pub fn object_path(release: bool) -> PathBuf {
-    let profile = if release { "release" } else { "debug" };
+fn profile(release: bool) -> &'static str {
+    if release { "release" } else { "debug" }
+}
+
+/// Where cargo leaves the linked object (with its DWARF), for a profile.
+fn linked_path(release: bool) -> PathBuf {
     shell::workspace_root()
         .join("target/ebpf/bpfel-unknown-none")
-        .join(profile)
+        .join(profile(release))
         .join("agent-ebpf")
+}
+
+/// The object the agent embeds (stripped of DWARF), for a profile: a file of its own, rewritten
+/// only when its bytes change, because the agent's build script reruns when its mtime moves, and
+/// that rebuilds the agent and every test binary above it (minutes) for an unchanged object.
+pub fn object_path(release: bool) -> PathBuf {
+    shell::workspace_root()
+        .join("target/ebpf/embed")
+        .join(profile(release))
+        .join("agent-ebpf.o")
 }
 
 /// Builds the object and returns its path.
@@ -68,26 +81,38 @@ pub fn build(options: &Options) -> anyhow::Result<PathBuf> {
         command.arg("--release");
     }
     shell::run(&mut command).context("building the eBPF object (is `cargo xtask deps` done?)")?;
-    let object = object_path(!options.debug);
-    if !object.is_file() {
+    let linked = linked_path(!options.debug);
+    if !linked.is_file() {
         bail!(
             "the eBPF build succeeded but {} is missing",
-            object.display()
+            linked.display()
         );
     }
-    strip_dwarf(&object)?;
-    eprintln!("xtask: eBPF object: {}", object.display());
+    let object = object_path(!options.debug);
+    let stripped = strip_dwarf(&linked)?;
+    if std::fs::read(&object).is_ok_and(|embedded| embedded == stripped) {
+        eprintln!("xtask: eBPF object: {} (up to date)", object.display());
+        return Ok(object);
+    }
+    let directory = object.parent().context("the object's path has a parent")?;
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let temporary = object.with_extension("writing");
+    std::fs::write(&temporary, &stripped)
+        .with_context(|| format!("writing {}", temporary.display()))?;
+    std::fs::rename(&temporary, &object)
+        .with_context(|| format!("replacing {}", object.display()))?;
+    eprintln!("xtask: eBPF object: {} (changed)", object.display());
     Ok(object)
 }
 
-/// Removes the DWARF sections (and their relocations) from the object, in place.
+/// The object without its DWARF sections (and their relocations).
 ///
 /// bpf-linker derives the object's BTF from DWARF, so the build needs `-Cdebuginfo=2`; but the
 /// loader reads only the programs, maps and BTF, and the agent embeds the object: the DWARF was
-/// three quarters of its 840 KB, parsed at every load and resident in every agent's memory.
-/// Cargo's next build of an unchanged crate leaves the stripped file alone (it fingerprints the
-/// sources, not the output), and a rebuild writes a fresh object, stripped again here.
-fn strip_dwarf(path: &std::path::Path) -> anyhow::Result<()> {
+/// three quarters of its 840 KB, parsed at every load and resident in every agent's memory. The
+/// linked file is left as cargo wrote it (cargo copies it there again on every build).
+fn strip_dwarf(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
     use object::build::elf::SectionData;
     let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let mut builder = object::build::elf::Builder::read(&*data)
@@ -104,7 +129,7 @@ fn strip_dwarf(path: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     if removed == 0 {
-        return Ok(());
+        return Ok(data);
     }
     builder.delete_orphans();
     // LLVM keeps section names in the symbol string table; the writer wants a table of its own.
@@ -123,14 +148,10 @@ fn strip_dwarf(path: &std::path::Path) -> anyhow::Result<()> {
     builder
         .write(&mut stripped)
         .with_context(|| format!("writing {} without DWARF", path.display()))?;
-    let temporary = path.with_extension("stripping");
-    std::fs::write(&temporary, &stripped)
-        .with_context(|| format!("writing {}", temporary.display()))?;
-    std::fs::rename(&temporary, path).with_context(|| format!("replacing {}", path.display()))?;
     eprintln!(
         "xtask: eBPF object: {removed} DWARF sections removed ({} -> {} bytes)",
         data.len(),
         stripped.len()
     );
-    Ok(())
+    Ok(stripped)
 }

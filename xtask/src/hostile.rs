@@ -16,7 +16,7 @@
 //! the same faults into churn for minutes; this runs each alone so its figure is its own.
 
 use crate::soak::{Guard, Run, rss_kib, target_dir};
-use crate::{build, shell};
+use crate::{build, build_ebpf, shell};
 use anyhow::{Context, bail};
 use std::io::{BufRead, Read, Write};
 use std::os::fd::AsRawFd;
@@ -538,7 +538,7 @@ pub fn hostile(options: &Options) -> anyhow::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("the hostile cases need root (eBPF, fanotify, mounts, uid 65534)");
     }
-    let object = shell::workspace_root().join("target/ebpf/bpfel-unknown-none/release/agent-ebpf");
+    let object = build_ebpf::object_path(true);
     let object = object.is_file().then_some(object.as_path());
     if object.is_none() && options.sources.iter().any(|s| s == "ebpf") {
         bail!("no eBPF object: run `cargo xtask build-ebpf` first");

@@ -26,7 +26,7 @@ pub fn run(options: Options) -> anyhow::Result<()> {
         "plugin-agent",
     ]);
     build::with_ebpf_object(&mut cargo, &object);
-    shell::run(&mut cargo)?;
+    build::run_reporting(&mut cargo)?;
 
     let binary = shell::workspace_root().join("target/release/plugin-agent");
     let mut agent = Command::new(binary);

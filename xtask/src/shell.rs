@@ -33,7 +33,8 @@ pub fn cargo() -> Command {
     command
 }
 
-fn display(command: &Command) -> String {
+/// A command as a shell would read it, environment first.
+pub fn display(command: &Command) -> String {
     let envs: Vec<String> = command
         .get_envs()
         .filter_map(|(k, v)| v.map(|v| format!("{}={}", k.to_string_lossy(), v.to_string_lossy())))

@@ -18,7 +18,7 @@
 //! agent under the same churn and other faults: flat means its RSS at the end is within 16 MiB
 //! of its RSS at the start of that half. Logs of every process are kept in the run directory.
 
-use crate::{build, shell};
+use crate::{build, build_ebpf, shell};
 use anyhow::{Context, bail};
 use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
@@ -363,7 +363,7 @@ pub fn soak(options: &Options) -> anyhow::Result<()> {
     if options.duration > Duration::from_secs(600) {
         bail!("--duration is at most 10 minutes");
     }
-    let object = shell::workspace_root().join("target/ebpf/bpfel-unknown-none/release/agent-ebpf");
+    let object = build_ebpf::object_path(true);
     let object = object.is_file().then_some(object.as_path());
     if object.is_none() {
         eprintln!(

@@ -1,7 +1,8 @@
 //! `cargo xtask test`: everything CI checks, from a bare machine: install what is missing, build the
 //! eBPF object and the workspace with it embedded, lint, and run every test (privileged ones too).
 //!
-//! Then `cargo xtask cross-test` runs the agent's unit tests built for arm64 under qemu-user, and
+//! The host stage is followed by the same build once more, which must compile nothing (a no-op
+//! build is seconds; a contributor pays it before every command). Then `cargo xtask cross-test` runs the agent's unit tests built for arm64 under qemu-user, and
 //! `cargo xtask vm-test` the eBPF tests on Debian's stock kernel in a VM, on both hook families
 //! (`--no-vm` skips both; a test filter in the cargo arguments does too).
 //!
@@ -48,6 +49,17 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
         build::with_ebpf_object(&mut command, &object);
         shell::run(&mut command)
     });
+    // The contributor loop's floor: the same build again, nothing changed, compiles nothing (only
+    // when the build was the whole workspace's: a package selection builds other units).
+    let whole_workspace = options.cargo_args.first().is_none_or(|arg| arg == "--");
+    let host = if whole_workspace {
+        let no_op = timed("no-op build", || {
+            build::check_no_op(&["test", "--workspace", "--no-run"])
+        });
+        host.and(no_op)
+    } else {
+        host
+    };
     // The other architecture and the second kernel run even when a host test failed: their
     // results say whether a failure is tied to one of them.
     if !stages_after_host {
