@@ -317,6 +317,10 @@ fn carry_on(
         observing: matches!(config.executor.mode, crate::mode::Mode::Observe { .. }),
     }
     .apply(entries);
+    let stats = stages.telemetry.watcher.clone();
+    journal.report_problems_to(Box::new(move |problem| {
+        stats.health.condition("state file", problem);
+    }));
     journal.restored();
     if report != crate::persist::RestoreReport::default() {
         info!(

@@ -73,7 +73,13 @@ impl Server {
             nix::sys::socket::getsockopt(&connection, nix::sys::socket::sockopt::PeerCredentials)
                 .map_err(io::Error::from)?;
         let pid = u32::try_from(cred.pid()).ok().filter(|pid| *pid > 0);
-        let pidfd = peer_pidfd(connection).or_else(|| pid.and_then(pidfd_open));
+        let pidfd = match peer_pidfd(connection) {
+            PeerPidfd::Given(pidfd) => Some(pidfd),
+            // The process that listened is gone (its listener handed on, or inherited by a
+            // child): its pid may name another process by now, so it is not opened.
+            PeerPidfd::ListenerGone => None,
+            PeerPidfd::Unsupported => pid.and_then(pidfd_open),
+        };
         let identity = pidfd.as_ref().and_then(|pidfd| pidfs_inode(pidfd.as_fd()));
         Ok(Server {
             pid,
@@ -82,6 +88,13 @@ impl Server {
             pidfd,
             identity,
         })
+    }
+
+    /// The kernel's handle on the server process, while it has one: what makes reading the
+    /// process's `/proc` entries by pid safe against a recycled pid (see
+    /// `provenance::Resolver::server`).
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(AsFd::as_fd)
     }
 
     /// Whether the agent can be woken by this server's exit.
@@ -121,8 +134,20 @@ impl std::fmt::Display for Server {
     }
 }
 
+/// What `SO_PEERPIDFD` gave for a connection.
+enum PeerPidfd {
+    Given(OwnedFd),
+    /// The kernel has no process for the peer any more (`EINVAL`/`ESRCH`/`ENODATA`): the
+    /// process that called `listen` exited, though its listener lives on in another (kernels
+    /// 6.5 to 6.15; since 6.16 the kernel gives a pidfd of the reaped process instead, which
+    /// `provenance::Resolver::server` finds no longer holding its pid).
+    ListenerGone,
+    /// A kernel before 6.5 (`ENOPROTOOPT`).
+    Unsupported,
+}
+
 /// `SO_PEERPIDFD` (Linux 6.5): the kernel's own pidfd for the peer, immune to pid reuse.
-fn peer_pidfd(connection: BorrowedFd<'_>) -> Option<OwnedFd> {
+fn peer_pidfd(connection: BorrowedFd<'_>) -> PeerPidfd {
     let mut fd: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes into `fd`, which is that large.
@@ -135,12 +160,20 @@ fn peer_pidfd(connection: BorrowedFd<'_>) -> Option<OwnedFd> {
             &raw mut len,
         )
     };
-    // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
-    (rc == 0 && fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    if rc == 0 && fd >= 0 {
+        // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
+        return PeerPidfd::Given(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    match io::Error::last_os_error().raw_os_error() {
+        Some(libc::ENOPROTOOPT) => PeerPidfd::Unsupported,
+        _ => PeerPidfd::ListenerGone,
+    }
 }
 
-/// `pidfd_open(2)`, for kernels without `SO_PEERPIDFD`; racy against pid reuse only between the
-/// connection and this call (a few microseconds), which the connect probe after an exit covers.
+/// `pidfd_open(2)`, for kernels without `SO_PEERPIDFD`. The pid is `SO_PEERCRED`'s, the process
+/// that called `listen`: if it exited and its listener lives on in another process, the pid may
+/// name an unrelated process by now, and this opens that one. Kernels since 6.5 never take this
+/// path (docs/operations.md, "What each kernel gives").
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };

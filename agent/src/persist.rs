@@ -246,6 +246,7 @@ pub struct Journal {
     /// What the snapshot is written from.
     actual: Arc<ActualState>,
     inner: Mutex<Inner>,
+    reporter: std::sync::OnceLock<ProblemReporter>,
 }
 
 struct Inner {
@@ -269,6 +270,9 @@ struct Inner {
     /// A write failed and was reported; the next success says so.
     failing: bool,
 }
+
+/// Told when the state file stops or starts again being written (status and `/readyz` show it).
+pub type ProblemReporter = Box<dyn Fn(Option<String>) + Send + Sync>;
 
 impl Journal {
     /// Reads the state at `snapshot` (and its journal) for the tree `root`, unless `ignore`; every
@@ -295,6 +299,7 @@ impl Journal {
                 snapshot_len: 0,
                 failing: false,
             }),
+            reporter: std::sync::OnceLock::new(),
         };
         if !ignore {
             let (entries, read_whole) = journal.read(root);
@@ -320,7 +325,7 @@ impl Journal {
     /// The entries the files hold, by path, and the journal's line count when both were read
     /// whole.
     fn read(&self, root: &Path) -> (HashMap<String, Entry<'static>>, Option<usize>) {
-        let bytes = match std::fs::read(&self.snapshot) {
+        let bytes = match read_own_file(&self.snapshot) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 tracing::info!(state_file = %self.snapshot.display(), "no state file: registering every plugin found");
@@ -341,7 +346,16 @@ impl Journal {
                 return (HashMap::new(), None);
             }
         };
-        let log = std::fs::read(&self.journal).unwrap_or_default();
+        drop(bytes);
+        let log = match read_own_file(&self.journal) {
+            Ok(log) => log,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                tracing::warn!(journal = %self.journal.display(), error = %e, "cannot read the journal: its plugins are registered again");
+                // Not read whole: the files are written afresh once the start has restored.
+                return (entries, None);
+            }
+        };
         let replayed = replay(&log, &mut entries);
         if replayed.torn > 0 {
             tracing::warn!(journal = %self.journal.display(), lines = replayed.torn, "skipped unreadable journal lines (a kill mid-write?): their plugins are registered again");
@@ -374,7 +388,7 @@ impl Journal {
             let _ = self.compact(&mut inner);
             return;
         };
-        match std::fs::OpenOptions::new().append(true).open(&self.journal) {
+        match open_own_file(&self.journal, libc::O_WRONLY | libc::O_APPEND) {
             Ok(log) => {
                 inner.log = Some(log);
                 inner.lines = lines;
@@ -580,11 +594,10 @@ impl Journal {
             serde_json::to_writer(out, &file).map_err(std::io::Error::from)
         })
         .and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .truncate(true)
-                .open(&self.journal)
+            // A new empty file renamed over the old journal: nothing is written through a
+            // symbolic link someone put there, nor into a file it names.
+            write_atomically(&self.journal, |_| Ok(()))?;
+            open_own_file(&self.journal, libc::O_WRONLY | libc::O_APPEND)
                 .with_context(|| format!("cannot start {}", self.journal.display()))
         });
         match written {
@@ -595,6 +608,7 @@ impl Journal {
                 tracing::debug!(state_file = %self.snapshot.display(), plugins = inner.entries.len(), "state file written");
                 if std::mem::take(&mut inner.failing) {
                     tracing::info!(state_file = %self.snapshot.display(), "state file written again");
+                    self.report(None);
                 }
                 Ok(())
             }
@@ -611,11 +625,77 @@ impl Journal {
         if !std::mem::replace(&mut inner.failing, true) {
             tracing::warn!(state_file = %self.snapshot.display(), error, "cannot write the state file: a restart will register every plugin again");
         }
+        self.report(Some(format!(
+            "cannot be written, so registrations fail until it can: {error}"
+        )));
+    }
+
+    /// Reports the state file's problem (none: written again) to whoever asked for it.
+    pub fn report_problems_to(&self, reporter: ProblemReporter) {
+        let _ = self.reporter.set(reporter);
+    }
+
+    fn report(&self, problem: Option<String>) {
+        if let Some(reporter) = self.reporter.get() {
+            reporter(problem);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// The most the snapshot or the journal may hold, read: 64 MiB is a snapshot of over 100,000
+/// registrations (an entry is ~500 bytes), more than a node's plugin directory holds. A larger
+/// file is not this agent's (or was padded to exhaust its memory) and is refused whole.
+const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// Opens one of the agent's own state files: never through a symbolic link (`O_NOFOLLOW`), never
+/// blocking on a FIFO someone put there (`O_NONBLOCK`), and only a regular file.
+fn open_own_file(path: &Path, access: libc::c_int) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(access & libc::O_ACCMODE == libc::O_RDONLY)
+        .write(access & libc::O_ACCMODE == libc::O_WRONLY)
+        .append(access & libc::O_APPEND != 0)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "it is a symbolic link, which the agent never follows",
+            ),
+            _ => e,
+        })?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "it is not a regular file",
+        ));
+    }
+    Ok(file)
+}
+
+/// Reads one of the agent's own state files whole (see [`open_own_file`]), refusing one larger
+/// than [`MAX_FILE_BYTES`] before reading any of it.
+fn read_own_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = open_own_file(path, libc::O_RDONLY)?;
+    let size = file.metadata()?.len();
+    if size > MAX_FILE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{size} bytes, more than the {} MiB a state file holds",
+                MAX_FILE_BYTES >> 20
+            ),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    // A file that grows meanwhile is read up to the bound, and is then torn, as a kill leaves it.
+    file.take(MAX_FILE_BYTES).read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// How many journal lines were applied, and how many could not be read.
@@ -799,11 +879,15 @@ fn write_atomically(
     write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
 ) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
-    let tmp = file.with_extension("json.tmp");
+    let mut tmp = file.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    // A file of its own, made here (`O_EXCL`): whatever was left at the name (a link, another
+    // file's second name) is unlinked first, never written through.
+    let _ = std::fs::remove_file(&tmp);
     let out = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
@@ -1092,6 +1176,9 @@ mod tests {
         std::fs::create_dir(snapshot.with_extension("json.tmp")).expect("a directory in the way");
         let actual = Arc::new(ActualState::default());
         let (journal, _) = Journal::open(&snapshot, Path::new("/plugins"), false, actual.clone());
+        let reported = Arc::new(Mutex::new(None));
+        let to = reported.clone();
+        journal.report_problems_to(Box::new(move |problem| *to.lock().expect("lock") = problem));
         journal.restored();
         let (path, entry) = add(&actual, "a", 10);
         let error = journal.begin(&path, &entry).expect_err("nowhere to write");
@@ -1099,11 +1186,21 @@ mod tests {
             error.contains("json.tmp") && error.contains("state.journal"),
             "the error names what failed: {error}"
         );
+        let problem = reported.lock().expect("lock").clone();
+        assert!(
+            problem.as_deref().is_some_and(|p| p.contains("json.tmp")),
+            "the failure is reported for status and /readyz: {problem:?}"
+        );
         // Writable again: what failed is not in the next snapshot.
         std::fs::remove_dir(snapshot.with_extension("journal")).expect("rmdir");
         std::fs::remove_dir(snapshot.with_extension("json.tmp")).expect("rmdir");
         let (b_path, b) = add(&actual, "b", 11);
         journal.begin(&b_path, &b).expect("writable again");
+        assert_eq!(
+            *reported.lock().expect("lock"),
+            None,
+            "the problem is cleared"
+        );
         drop(journal);
         let names: Vec<String> = reopen(&snapshot)
             .into_iter()
@@ -1305,6 +1402,74 @@ mod tests {
             parse(&good, Path::new("/other")).expect_err("refused")
         );
         assert!(error.contains("this agent watches /other"), "{error}");
+    }
+
+    /// The files are the agent's own: a state file that is a link (to a FIFO that would block
+    /// the start forever, or to anything else), a FIFO, or larger than any state file restores
+    /// nothing; a journal that is a link is replaced, never written through (the file it named
+    /// keeps its bytes).
+    #[test]
+    fn links_fifos_and_oversized_files_restore_nothing_and_are_never_written_through() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let snapshot = dir.path().join(FILE_NAME);
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .expect("mkfifo");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"someone else's bytes").expect("write");
+
+        // Each open must return, not block: run it on a thread and give up on it after 10 s.
+        let open_in_time = |snapshot: PathBuf| {
+            let (done, wait) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = done.send(reopen(&snapshot).len());
+            });
+            wait.recv_timeout(Duration::from_secs(10))
+                .expect("the start does not block on the state file")
+        };
+        std::os::unix::fs::symlink(&fifo, &snapshot).expect("symlink");
+        assert_eq!(open_in_time(snapshot.clone()), 0, "a link to a FIFO");
+        std::fs::remove_file(&snapshot).expect("rm");
+        nix::unistd::mkfifo(&snapshot, nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .expect("mkfifo");
+        assert_eq!(open_in_time(snapshot.clone()), 0, "a FIFO");
+        std::fs::remove_file(&snapshot).expect("rm");
+
+        // Valid JSON padded past the bound (sparse: no disk is spent) is refused unread.
+        let (first, _, actual) = journal(dir.path());
+        first.restored();
+        register(&actual, &first, "a", 10);
+        first.flush();
+        drop(first);
+        assert_eq!(reopen(&snapshot).len(), 1);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&snapshot)
+            .expect("open");
+        file.set_len(MAX_FILE_BYTES + 1).expect("grow");
+        assert!(reopen(&snapshot).is_empty(), "larger than a state file");
+        std::fs::remove_file(&snapshot).expect("rm");
+
+        // The journal a link to another file: the agent's compaction replaces the link.
+        let journal_path = snapshot.with_extension("journal");
+        std::fs::remove_file(&journal_path).expect("rm");
+        std::os::unix::fs::symlink(&victim, &journal_path).expect("symlink");
+        let (second, _, actual) = journal(dir.path());
+        second.restored();
+        register(&actual, &second, "b", 11);
+        second.flush();
+        drop(second);
+        assert_eq!(
+            std::fs::read(&victim).expect("victim"),
+            b"someone else's bytes",
+            "nothing written through the link"
+        );
+        let kind = std::fs::symlink_metadata(&journal_path)
+            .expect("journal")
+            .file_type();
+        assert!(kind.is_file() && !kind.is_fifo(), "the link was replaced");
+        assert_eq!(reopen_interrupted(&snapshot), [("b".to_string(), false)]);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! watcher walk ──> WalkReport (unreadable directories, paths beyond PATH_MAX, a root that is no
 //!                  directory) ──> log lines, plugin_agent_walk_errors_total, WatchHealth
 //! WatchHealth ──> `plugin-agent status` (problems), `/readyz` (503 while nothing is watched)
+//! the journal (persist) ──condition("state file")──> WatchHealth (503 while it cannot write)
 //! ```
 //!
 //! Why a failed read keeps state: the safety pass converges desired state on what a walk found.
@@ -56,10 +57,13 @@ pub fn is_too_long(path: &Path, error: &std::io::Error) -> bool {
     error.raw_os_error() == Some(libc::ENAMETOOLONG) || path.as_os_str().len() >= PATH_MAX
 }
 
-/// The watcher's blind spots after its last full walk; read by status and `/readyz`.
+/// The watcher's blind spots after its last full walk, and what else keeps the agent from its
+/// job (a state file it cannot write); read by status and `/readyz`.
 #[derive(Debug, Default)]
 pub struct WatchHealth {
     problems: Mutex<Problems>,
+    /// Problems outside the walk, by what has them; each holds until its owner clears it.
+    conditions: Mutex<std::collections::BTreeMap<&'static str, String>>,
 }
 
 /// A snapshot of [`WatchHealth`].
@@ -69,6 +73,8 @@ pub struct Problems {
     pub root: Option<String>,
     /// One line per blind spot (the first few), then how many more.
     pub lines: Vec<String>,
+    /// One line per problem outside the walk (see [`WatchHealth::condition`]).
+    pub conditions: Vec<String>,
 }
 
 impl WatchHealth {
@@ -90,12 +96,32 @@ impl WatchHealth {
             lines.truncate(SHOWN);
             lines.push(format!("and {} more", total - SHOWN));
         }
-        *self.lock() = Problems { root, lines };
+        *self.lock() = Problems {
+            root,
+            lines,
+            conditions: Vec::new(),
+        };
+    }
+
+    /// Says that `what` (e.g. "state file") has `problem` now, or none any more: shown by
+    /// status, and `/readyz` fails while any is set.
+    pub fn condition(&self, what: &'static str, problem: Option<String>) {
+        let mut conditions = self.conditions.lock().unwrap_or_else(|p| p.into_inner());
+        match problem {
+            Some(problem) => conditions.insert(what, problem),
+            None => conditions.remove(what),
+        };
     }
 
     /// The problems now.
     pub fn get(&self) -> Problems {
-        self.lock().clone()
+        let mut problems = self.lock().clone();
+        let conditions = self.conditions.lock().unwrap_or_else(|p| p.into_inner());
+        problems.conditions = conditions
+            .iter()
+            .map(|(what, problem)| format!("{what}: {problem}"))
+            .collect();
+        problems
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Problems> {
@@ -135,5 +161,18 @@ mod tests {
         assert_eq!(problems.lines.len(), 1);
         assert!(problems.lines[0].contains("PATH_MAX"), "{problems:?}");
         assert!(problems.lines[0].len() < 300, "the line is bounded");
+    }
+
+    #[test]
+    fn a_condition_holds_across_walks_until_its_owner_clears_it() {
+        let health = WatchHealth::default();
+        health.condition("state file", Some("cannot write /run/x: ENOSPC".into()));
+        health.set(None, &WalkReport::default());
+        assert_eq!(
+            health.get().conditions,
+            ["state file: cannot write /run/x: ENOSPC"]
+        );
+        health.condition("state file", None);
+        assert!(health.get().conditions.is_empty());
     }
 }

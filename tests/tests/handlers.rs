@@ -815,12 +815,27 @@ async fn a_registration_the_agent_cannot_record_fails_before_its_handler_hears_a
             .is_some_and(|e| e.contains("cannot record the registration")),
         "{test}: list says why: {entry:?}"
     );
+    let state_file_problem = |status: &str| {
+        status
+            .lines()
+            .any(|l| l.starts_with("PROBLEM:") && l.contains("state file: cannot be written"))
+    };
+    let (ok, status, err) = cli(&s.admin, &["status"]);
+    assert!(
+        ok && state_file_problem(&status),
+        "{test}: status says the state file cannot be written: {status}{err}"
+    );
 
     let mark = plugin.mark();
     limit_file_size(pid, libc::RLIM_INFINITY);
     plugin
         .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
         .await;
+    let (_, status, _) = cli(&s.admin, &["status"]);
+    assert!(
+        !state_file_problem(&status),
+        "{test}: the problem is gone once the file is written: {status}"
+    );
     let registers = handler
         .wait_for_calls(1, call("register", "gpu"), "the registration")
         .await;

@@ -302,6 +302,90 @@ async fn a_uid_rule_refuses_a_plugin_served_by_another_user() {
     assert_eq!(listed(&dir, &root_socket)["state"], "registered");
 }
 
+/// A cgroup rule is not fooled by a recycled pid. A process in a disallowed cgroup listens,
+/// hands its listener to a child and exits; a process in the allowed cgroup takes its pid before
+/// the agent dials. `SO_PEERCRED` names the pid of the process that listened, and `/proc` says
+/// of that pid what the newcomer is: the agent takes nothing read by a pid whose process is gone,
+/// so the server's cgroup is unknown and the plugin refused, never registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recycled_pid_in_an_allowed_cgroup_does_not_pass_a_cgroup_rule() {
+    let test = test_name();
+    if !privileged(&test) {
+        return;
+    }
+    let (allowed, disallowed) = (cgroup("allowed"), cgroup("disallowed"));
+    let dir = PluginDir::new();
+    let socket = dir.path("impostor.sock");
+    let mut impostor = plugin!(&socket)
+        .name("impostor.example.com")
+        .arg("--hand-off")
+        .in_cgroup(&disallowed)
+        .start_listening()
+        .await;
+    let listener = impostor.pid().expect("the plugin runs");
+    let server = impostor.hand_off(EVENT_TIMEOUT).await;
+    assert_ne!(server, listener);
+    let newcomer = NewcomerWithPid::start(listener, &allowed);
+
+    let Some(_agent) = agent(
+        &test,
+        Source::Inotify,
+        &dir,
+        &["--policy-allow-cgroup", allowed.path()],
+    )
+    .await
+    else {
+        return;
+    };
+    let refused = impostor.wait_for_notify(false, EVENT_TIMEOUT).await;
+    let error = refused.field("error").unwrap_or_default();
+    assert!(
+        error.starts_with("rejected by policy: command-line (the server's cgroup is unknown)"),
+        "{refused}"
+    );
+    let row = listed(&dir, &socket);
+    assert_eq!(row["state"], "rejected", "{row}");
+    assert_eq!(row["provenance"]["server"]["pid"], listener, "{row}");
+    assert!(
+        row["provenance"]["server"]["cgroup"].is_null(),
+        "the newcomer's cgroup is not the server's: {row}"
+    );
+    drop(newcomer);
+}
+
+/// A process (`sleep`) in `cgroup` holding the pid `pid`, which must be free (its process
+/// reaped): the kernel gives the next fork the pid after `ns_last_pid`, so that is set one
+/// below, and set again if another fork on the machine took the pid first. Killed when dropped.
+struct NewcomerWithPid(std::process::Child);
+
+impl NewcomerWithPid {
+    fn start(pid: u32, cgroup: &TestCgroup) -> NewcomerWithPid {
+        for _ in 0..200 {
+            std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+                .expect("set ns_last_pid (root)");
+            let mut child = Command::new("sleep")
+                .arg("300")
+                .spawn()
+                .expect("start sleep");
+            if child.id() == pid {
+                std::fs::write(cgroup.procs_file(), pid.to_string())
+                    .expect("move the newcomer into the allowed cgroup");
+                return NewcomerWithPid(child);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("could not start a process with pid {pid}");
+    }
+}
+
+impl Drop for NewcomerWithPid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A reload applies the new policy to every socket: a registered plugin it refuses is
 /// deregistered (the handler hears it) and listed `rejected`; a policy file that does not parse
 /// is refused with its line and column, by `policy reload` and on SIGHUP alike, and the agent runs

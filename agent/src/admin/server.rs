@@ -154,7 +154,12 @@ impl AdminService {
             watched_directories: self.stats.watched_dirs.load(Relaxed),
             problems: {
                 let problems = self.stats.health.get();
-                problems.root.into_iter().chain(problems.lines).collect()
+                problems
+                    .root
+                    .into_iter()
+                    .chain(problems.lines)
+                    .chain(problems.conditions)
+                    .collect()
             },
         }
     }

@@ -67,7 +67,13 @@ impl OperationExecutor {
     pub(super) fn server_process(&self, server: Option<&Server>) -> Option<Arc<Process>> {
         let server = server?;
         let resolver = self.resolver();
-        Some(resolver.server(server.identity(), server.pid, server.uid, server.gid))
+        Some(resolver.server(
+            server.identity(),
+            server.pid,
+            server.pidfd(),
+            server.uid,
+            server.gid,
+        ))
     }
 
     /// `desired`'s provenance once its server is known: a recorded creator completed (from the

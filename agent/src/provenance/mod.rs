@@ -28,6 +28,7 @@ pub mod kubernetes;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::os::fd::BorrowedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -362,10 +363,19 @@ impl Resolver {
     /// per process for as long as the machine runs, so never another process's): looked up once
     /// per second per process, so a process serving many sockets costs two `/proc` reads, not
     /// two per socket. Without an identity (no pidfs: Linux before 6.9), read every time.
+    ///
+    /// `pid` is `SO_PEERCRED`'s, the process that called `listen`; `pidfd` the kernel's handle
+    /// on that process (`SO_PEERPIDFD`). A pid is a number the kernel hands out again once its
+    /// process is reaped, so `/proc/PID` is read only with a pidfd, and what was read is kept
+    /// only if the pidfd's process still holds its pid afterwards: otherwise it may have been
+    /// another process's (a listener handed on, its first owner gone, and the pid recycled by a
+    /// process in a cgroup the policy allows). Without, the server is what the kernel's
+    /// credentials say (uid, gid), its cgroup unknown: a policy on cgroups refuses it.
     pub fn server(
         &self,
         identity: Option<u64>,
         pid: Option<u32>,
+        pidfd: Option<BorrowedFd<'_>>,
         uid: u32,
         gid: u32,
     ) -> Arc<Process> {
@@ -378,10 +388,28 @@ impl Resolver {
         {
             return process.clone();
         }
-        let process = Arc::new(Process {
+        let known = Process {
+            pid,
+            uid: Some(uid),
+            gid: Some(gid),
             pidfs_ino: identity,
-            ..self.process(pid, Some(uid), Some(gid))
-        });
+            ..Process::default()
+        };
+        let process = match pidfd {
+            Some(pidfd) if !self.kernel_only => {
+                let read = self.process(pid, Some(uid), Some(gid));
+                if holds_its_pid(pidfd) {
+                    Process {
+                        pidfs_ino: identity,
+                        ..read
+                    }
+                } else {
+                    known
+                }
+            }
+            _ => known,
+        };
+        let process = Arc::new(process);
         if let Some(key) = identity {
             let mut servers = self.servers();
             if servers.len() >= MAX_INTERNED {
@@ -463,6 +491,25 @@ impl Resolver {
 }
 
 /// A `/proc` file of a few hundred bytes; `None` when the process is gone or it is unreadable.
+/// Whether the process behind `pidfd` has not been reaped, so that its pid still names it
+/// (`pidfd_send_signal` with signal 0: `ESRCH` once it is gone; `EPERM` says it exists but the
+/// agent, without `CAP_KILL`, may not signal it).
+fn holds_its_pid(pidfd: BorrowedFd<'_>) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal takes a descriptor, a signal (0: none is sent), a null info
+    // pointer and flags 0; it reads and writes no memory of ours.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 fn read_small(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok()
 }
@@ -535,6 +582,7 @@ fn find_cgroup(root: &Path, id: u64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     #[test]
     fn a_live_process_is_read_from_proc_with_the_given_credentials_first() {
@@ -674,19 +722,58 @@ mod tests {
             nix::unistd::getuid().as_raw(),
             nix::unistd::getgid().as_raw(),
         );
-        let first = resolver.server(Some(9), Some(me), uid, gid);
+        let pidfd = pidfd_of(me);
+        let pidfd = Some(pidfd.as_fd());
+        let first = resolver.server(Some(9), Some(me), pidfd, uid, gid);
         assert!(Arc::ptr_eq(
             &first,
-            &resolver.server(Some(9), Some(me), uid, gid)
+            &resolver.server(Some(9), Some(me), pidfd, uid, gid)
         ));
         assert!(!Arc::ptr_eq(
             &first,
-            &resolver.server(Some(9), Some(me), uid + 1, gid)
+            &resolver.server(Some(9), Some(me), pidfd, uid + 1, gid)
         ));
         assert!(!Arc::ptr_eq(
             &first,
-            &resolver.server(None, Some(me), uid, gid)
+            &resolver.server(None, Some(me), pidfd, uid, gid)
         ));
         assert_eq!(first.pid, Some(me));
+        assert!(first.cgroup.is_some(), "a live server is read from /proc");
+    }
+
+    fn pidfd_of(pid: u32) -> std::os::fd::OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        assert!(fd >= 0, "pidfd_open: {}", std::io::Error::last_os_error());
+        // SAFETY: a new descriptor that nothing else owns.
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
+    }
+
+    /// A server whose process is gone by the time it is read (its pid free for another process)
+    /// keeps only the kernel's credentials: nothing read by its pid is taken as its own. Without
+    /// a pidfd at all (the listener's process exited before the connection), nothing is read.
+    #[test]
+    fn a_server_whose_process_is_gone_is_not_read_by_its_pid() {
+        let resolver = Resolver::default();
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("start a short-lived process");
+        let pid = child.id();
+        let pidfd = pidfd_of(pid);
+        child.wait().expect("reap it");
+        // Its pid is free now: what /proc says of it is whatever process holds it next. Read as
+        // this process's pid, a recycled pid's reading would name this process's cgroup.
+        let me = std::process::id();
+        let gone = resolver.server(None, Some(me), Some(pidfd.as_fd()), 0, 0);
+        assert_eq!(gone.pid, Some(me));
+        assert_eq!((gone.uid, gone.gid), (Some(0), Some(0)));
+        assert_eq!(
+            gone.cgroup, None,
+            "nothing read by a pid whose process is gone"
+        );
+        assert_eq!(gone.command, None);
+        let unknown = resolver.server(None, Some(me), None, 0, 0);
+        assert_eq!(unknown.cgroup, None, "nothing read without a pidfd");
     }
 }

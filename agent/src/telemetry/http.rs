@@ -6,8 +6,8 @@
 //! kubelet/systemd probes ──GET /healthz──> 200 while the process serves
 //!                        ──GET /readyz───> 200 once the event source is attached and the first
 //!                                          full scan is done, while a directory is watched;
-//!                                          503 before, while nothing is watched, and while
-//!                                          shutting down
+//!                                          503 before, while nothing is watched, while the
+//!                                          state file cannot be written, and while shutting down
 //! ```
 //!
 //! Nothing here touches the data flow except reading state under its short locks.
@@ -140,6 +140,13 @@ async fn readyz(State(served): State<Arc<Served>>) -> (StatusCode, &'static str)
         (
             StatusCode::SERVICE_UNAVAILABLE,
             "the plugin directory is not watched (see plugin-agent status)\n",
+        )
+    } else if !served.watcher.health.get().conditions.is_empty() {
+        // Plugins are discovered but something they need is broken (their registrations cannot
+        // be recorded): as much the operator's to see as a directory not watched.
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the agent cannot do part of its job (see plugin-agent status)\n",
         )
     } else {
         (StatusCode::OK, "ok\n")
