@@ -997,3 +997,118 @@ async fn with_ebpf_the_trace_starts_at_the_kernel_s_bind_and_shows_the_first_con
         "{test}: first_contact ends at the connect ({connected}): {contact:?}"
     );
 }
+
+/// Plugins do not control `/metrics`. In observe mode a plugin's type is whatever it answers:
+/// twenty plugins answering twenty types make one `other` series, not twenty. Socket names that
+/// are not UTF-8 (and one whose text is what such a name would be escaped to) are each their
+/// own `plugin_manager_total_plugins` series, and the exposition parses (`promtool check
+/// metrics`) with no series twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_types_and_socket_names_neither_mint_labels_nor_collide() {
+    use std::os::unix::ffi::OsStrExt;
+    let test = "plugin_types_and_socket_names_neither_mint_labels_nor_collide";
+    let Some(promtool) = find_binary("promtool") else {
+        skip(test, "promtool is not installed (cargo xtask deps)");
+        return;
+    };
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root()).handlers(&[]);
+    options.extra = vec!["--metrics-addr".into(), "127.0.0.1:0".into()];
+    let agent = AgentProcess::start(test, options)
+        .await
+        .expect("inotify needs no privileges");
+    let addr = metrics_addr(&agent).await;
+    const TYPES: usize = 20;
+    let mut plugins: Vec<_> = (0..TYPES)
+        .map(|i| {
+            plugin!(dir.path(&format!("t{i}.sock")))
+                .plugin_type(&format!("VendorType{i}"))
+                .spawn()
+        })
+        .collect();
+    let names: [&[u8]; 3] = [b"bad\xff.sock", b"bad\xfe.sock", b"bad\\xff.sock"];
+    for name in names {
+        let socket = dir.root().join(std::ffi::OsStr::from_bytes(name));
+        plugins.push(plugin!(socket).spawn());
+    }
+    let observed_other =
+        format!("plugin_agent_plugins{{type=\"other\",state=\"observed\"}} {TYPES}");
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    let metrics = loop {
+        let (_, body) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+            .await
+            .expect("scrape");
+        let observed_csi = body
+            .lines()
+            .any(|l| l == "plugin_agent_plugins{type=\"CSIPlugin\",state=\"observed\"} 3");
+        if body.lines().any(|l| l == observed_other) && observed_csi {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{test}: not all plugins observed:\n{}",
+            body.lines()
+                .filter(|l| l.starts_with("plugin_agent_plugins"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let types: std::collections::BTreeSet<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("plugin_agent_plugins{"))
+        .filter_map(|l| l.split("type=\"").nth(1)?.split('"').next())
+        .collect();
+    assert!(
+        types
+            .iter()
+            .all(|t| ["CSIPlugin", "DevicePlugin", "DRAPlugin", "other", "unknown"].contains(t)),
+        "{test}: type labels are a bounded set: {types:?}"
+    );
+    let series: Vec<&str> = metrics
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' ').map(|(series, _)| series))
+        .collect();
+    let unique: std::collections::BTreeSet<&&str> = series.iter().collect();
+    assert_eq!(
+        unique.len(),
+        series.len(),
+        "{test}: a series twice:\n{metrics}"
+    );
+    let observed_paths = series
+        .iter()
+        .filter(|s| {
+            s.starts_with("plugin_manager_total_plugins{socket_path=\"")
+                && s.contains("bad")
+                && s.contains("desired_state_of_world")
+        })
+        .count();
+    assert_eq!(
+        observed_paths,
+        names.len(),
+        "{test}: one series per socket:\n{metrics}"
+    );
+
+    let mut check = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start promtool");
+    use std::io::Write as _;
+    check
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(metrics.as_bytes())
+        .expect("feed promtool");
+    let out = check.wait_with_output().expect("promtool");
+    assert!(
+        out.status.success(),
+        "{test}: promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -534,7 +534,7 @@ impl StateCollector {
         let series = |path: &std::path::Path, state: &str| {
             (
                 vec![
-                    ("socket_path", path.to_string_lossy().into_owned()),
+                    ("socket_path", path_label(path)),
                     ("state", state.to_string()),
                 ],
                 ConstGauge::new(1),
@@ -574,8 +574,8 @@ impl StateCollector {
         )
     }
 
-    /// Plugins counted by (type, state). The type is known once registered (and then is a
-    /// handler's type: bounded); before that it is `unknown`. Every handler's `registered`
+    /// Plugins counted by (type, state). The type is known once registered or observed, and
+    /// is then one of a bounded set ([`Self::type_label`]); before that it is `unknown`. Every handler's `registered`
     /// series and the `unknown` pending, backing-off, unserved and rejected series exist at zero, so dashboards see
     /// them before the first plugin.
     fn plugins_by_state(&self, plugins: &[PluginStatus]) -> BTreeMap<(String, &'static str), i64> {
@@ -589,15 +589,27 @@ impl StateCollector {
         // A refused plugin's type is what it claimed, not a handler's: it stays `unknown`.
         by_state.insert(("unknown".into(), PluginState::Rejected.label()), 0);
         for plugin in plugins {
-            let plugin_type = plugin
-                .registered
-                .as_ref()
-                .map_or_else(|| "unknown".to_string(), |r| r.plugin.plugin_type.clone());
+            let plugin_type = plugin.registered.as_ref().map_or_else(
+                || "unknown".to_string(),
+                |r| self.type_label(&r.plugin.plugin_type),
+            );
             *by_state
                 .entry((plugin_type, plugin.state.label()))
                 .or_default() += 1;
         }
         by_state
+    }
+
+    /// A plugin type as a label value: a type a handler is configured for, or one kubelet
+    /// knows, is itself; any other is `other`. An observed plugin's type is whatever it
+    /// answered, and a thousand plugins answering a thousand types must not make a thousand
+    /// series.
+    fn type_label(&self, plugin_type: &str) -> String {
+        if KUBELET_TYPES.contains(&plugin_type) || self.handlers.get(plugin_type).is_some() {
+            plugin_type.to_string()
+        } else {
+            "other".to_string()
+        }
     }
 
     /// `plugin_agent_handler_up`.
@@ -688,6 +700,31 @@ fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> 
 
 fn clamp(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The plugin types kubelet's plugin manager has handlers for.
+const KUBELET_TYPES: [&str; 3] = ["CSIPlugin", "DevicePlugin", "DRAPlugin"];
+
+/// A socket path as a label value, one to one: valid UTF-8 as it is (a backslash doubled), any
+/// byte that is not as `\xNN`. (`to_string_lossy` made every invalid byte U+FFFD, so two
+/// sockets whose names differ only there were one series twice: an exposition a strict scraper
+/// rejects whole.)
+fn path_label(path: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    if let Ok(text) = std::str::from_utf8(bytes)
+        && !text.contains('\\')
+    {
+        return text.to_string();
+    }
+    let mut label = String::with_capacity(bytes.len() + 8);
+    for chunk in bytes.utf8_chunks() {
+        label.push_str(&chunk.valid().replace('\\', "\\\\"));
+        for byte in chunk.invalid() {
+            label.push_str(&format!("\\x{byte:02x}"));
+        }
+    }
+    label
 }
 
 /// Every metric name the agent exports (as Prometheus stores them), for dashboards and rules
@@ -839,6 +876,24 @@ mod tests {
             .collect();
         let listed: BTreeSet<&str> = EXPORTED.iter().copied().collect();
         assert_eq!(names, listed, "rendered:\n{text}");
+    }
+
+    #[test]
+    fn socket_path_labels_are_one_to_one() {
+        use std::os::unix::ffi::OsStrExt;
+        let label =
+            |bytes: &[u8]| path_label(std::path::Path::new(std::ffi::OsStr::from_bytes(bytes)));
+        let names: [&[u8]; 5] = [
+            b"/r/a\xff",
+            b"/r/a\xff.sock",
+            b"/r/a\\xff.sock",
+            b"/r/a\xfe.sock",
+            b"/r/a.sock",
+        ];
+        let labels: BTreeSet<String> = names.iter().map(|n| label(n)).collect();
+        assert_eq!(labels.len(), names.len(), "{labels:?}");
+        assert_eq!(label(b"/r/a.sock"), "/r/a.sock");
+        assert_eq!(label(b"/r/a\xff.sock"), "/r/a\\xff.sock");
     }
 
     #[test]

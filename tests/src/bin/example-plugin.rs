@@ -322,7 +322,7 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
     let listener = std::os::unix::net::UnixListener::from(fd);
     listener.set_nonblocking(true).context("set_nonblocking")?;
     let listener = UnixListener::from_std(listener).context("register listener")?;
-    emit(json!({"event": "listening", "socket": args.socket, "ino": ino}));
+    emit(json!({"event": "listening", "socket": args.socket.to_string_lossy(), "ino": ino}));
     if let Some(delay) = args.serve_delay {
         tokio::time::sleep(delay).await;
     }
@@ -565,7 +565,7 @@ fn main() -> ExitCode {
             .map(|m| m.ino())
             .unwrap_or(0);
         if args.serve_fd.is_none() {
-            emit(json!({"event": "bound", "socket": socket, "ino": ino}));
+            emit(json!({"event": "bound", "socket": socket.to_string_lossy(), "ino": ino}));
         }
         let code = tokio::select! {
             signal = stop => {
