@@ -199,7 +199,8 @@ impl RunningAgent {
                     watcher: stages.telemetry.watcher.clone(),
                     source,
                 };
-                let registry = stages.telemetry.metrics.registry(collector);
+                let metrics = &stages.telemetry.metrics;
+                let registry = (metrics.registry(collector), metrics.renders());
                 let watcher = stages.telemetry.watcher.clone();
                 let served = (registry, ready.clone(), watcher, cancel.clone());
                 serve_metrics(addr, served, &mut tasks).await?
@@ -352,7 +353,10 @@ fn carry_on(
 async fn serve_metrics(
     addr: SocketAddr,
     (registry, ready, watcher, cancel): (
-        prometheus_client::registry::Registry,
+        (
+            prometheus_client::registry::Registry,
+            prometheus_client::metrics::counter::Counter,
+        ),
         watch::Receiver<bool>,
         Arc<crate::telemetry::WatcherStats>,
         CancellationToken,

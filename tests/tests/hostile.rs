@@ -905,6 +905,105 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
     memory_stayed_bounded(test, &agent);
 }
 
+/// Issue 44, item 3: scraping was an amplifier. Every scrape rendered `/metrics` anew (2.4 MB
+/// at 10,000 plugins): 32 clients scraping in a loop kept registrations waiting for seconds,
+/// and 32 that asked and never read held 32 renderings. Now one rendering a second answers
+/// every scrape: with 2,000 plugins, 16 clients scraping as fast as they can for 3 s and 32
+/// that never read cost a handful of renderings (`plugin_agent_metrics_renders_total`), not
+/// one per request, the agent stays under 64 MiB, and a new plugin registers meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrapes_share_one_rendering_a_second_however_many_clients_ask() {
+    let test = "scrapes_share_one_rendering_a_second";
+    let dir = PluginDir::new();
+    if !plugin_agent_tests::env::privileged(test) {
+        return;
+    }
+    let (agent, addr) = agent_with_metrics(test, &dir).await;
+    const PLUGINS: usize = 2000;
+    let _host = plugin_agent_tests::host::PluginHost::start(
+        env!("CARGO_BIN_EXE_plugin-host"),
+        &dir.root(),
+        PLUGINS,
+        &[],
+    )
+    .await;
+    let renders = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("plugin_agent_metrics_renders_total "))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{test}: no render count"))
+    };
+    let registered =
+        format!("plugin_agent_plugins{{type=\"CSIPlugin\",state=\"registered\"}} {PLUGINS}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let size = loop {
+        let body = wait_for_http(addr, "/metrics", 200).await;
+        if body.lines().any(|l| l == registered) {
+            break body.len();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{test}: {PLUGINS} plugins never registered"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let pid = agent.pid().expect("running");
+    let rss_before = procfs::rss_kib(pid).expect("VmRSS");
+    let renders_before = renders(&wait_for_http(addr, "/metrics", 200).await);
+
+    let (silent, connected) = SlowClients::open(
+        test,
+        ["--tcp", &addr.to_string()],
+        32,
+        "GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n",
+    )
+    .await;
+    assert_eq!(connected, 32, "{test}");
+    let scrapes = Arc::new(AtomicUsize::new(0));
+    let until = Instant::now() + Duration::from_secs(3);
+    let loops: Vec<_> = (0..16)
+        .map(|_| {
+            let scrapes = scrapes.clone();
+            tokio::task::spawn_blocking(move || {
+                while Instant::now() < until {
+                    if matches!(http_get(addr, "/metrics"), Ok((200, _))) {
+                        scrapes.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in loops {
+        task.await.expect("scraper");
+    }
+    let rss = procfs::rss_kib(pid).expect("VmRSS");
+    let scrapes = scrapes.load(Ordering::Relaxed);
+    let made = renders(&wait_for_http(addr, "/metrics", 200).await) - renders_before;
+    eprintln!(
+        "{test}: /metrics {size} bytes; {scrapes} scrapes in 3 s made {made} renderings; \
+         RSS {} -> {} MiB with 32 silent clients",
+        rss_before / 1024,
+        rss / 1024
+    );
+    assert!(scrapes >= 16, "{test}: only {scrapes} scrapes answered");
+    // One rendering a second per format, plus the ones the reads before and after made.
+    assert!(
+        made <= 6,
+        "{test}: {made} renderings for {scrapes} scrapes (and 32 silent clients)"
+    );
+    // Issue 44's bound, which 32 silent clients at 10,000 plugins once took to 150 MiB.
+    assert!(
+        rss < 64 * 1024,
+        "{test}: RSS {rss} KiB with 32 clients holding a {size}-byte answer"
+    );
+    let late = plugin!(dir.path("late.sock"))
+        .name("late.example.com")
+        .spawn();
+    late.wait_for_notify(true, EVENT_TIMEOUT).await;
+    drop(silent);
+}
+
 /// Issue 22, item 5: one open connection held SIGTERM for 20-91 s, and with 1,000 stale sockets
 /// SIGTERM took 39 s, starting the queued registrations after "finishing running operations".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! Prometheus ──GET /metrics──> metrics::render(registry)   (recorded metrics + state read now;
-//!                              OpenMetrics with exemplars if asked for, else Prometheus text)
+//!                              OpenMetrics with exemplars if asked for, else Prometheus text;
+//!                              one rendering per format a second, shared by every scrape)
 //! kubelet/systemd probes ──GET /healthz──> 200 while the process serves
 //!                        ──GET /readyz───> 200 once the event source is attached and the first
 //!                                          full scan is done, while a directory is watched;
@@ -42,27 +43,42 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// OpenTelemetry convention uses, free of kubelet's 10248/10250/10255).
 pub const DEFAULT_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9464));
 
+/// How long one rendering of `/metrics` answers every scrape: with 10,000 plugins a rendering
+/// is 2.4 MB and tens of milliseconds of CPU, and 32 clients scraping in a loop rendered it for
+/// each (registrations waited seconds behind them), 32 that never read held 32 copies (150 MiB).
+/// Now the scrapers share one rendering a second, as bytes every response points at.
+pub const RENDER_INTERVAL: Duration = Duration::from_secs(1);
+
 struct Served {
-    registry: Registry,
+    registry: Arc<Registry>,
+    /// The last rendering of each format (OpenMetrics, Prometheus text) and when it was made.
+    /// Its lock is held while one renders: concurrent scrapes wait for that rendering instead
+    /// of making their own.
+    renderings: [tokio::sync::Mutex<Option<(tokio::time::Instant, bytes::Bytes)>>; 2],
+    /// `plugin_agent_metrics_renders_total`.
+    renders: prometheus_client::metrics::counter::Counter,
     ready: watch::Receiver<bool>,
     watcher: Arc<super::WatcherStats>,
     stopping: CancellationToken,
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `cancel` fires.
-/// - `registry`: what `/metrics` renders (see [`metrics::Metrics::registry`]);
+/// - `registry`: what `/metrics` renders (see [`metrics::Metrics::registry`]), and the counter
+///   of its renderings in it ([`metrics::Metrics::renders`]);
 /// - `ready`: becomes true after the first full scan (the source was attached before it);
 /// - `watcher`: `/readyz` fails while no directory is watched, and says why;
 /// - `cancel`: the agent is stopping: the server stops and every open connection ends.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    registry: Registry,
+    (registry, renders): (Registry, prometheus_client::metrics::counter::Counter),
     ready: watch::Receiver<bool>,
     watcher: Arc<super::WatcherStats>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let served = Arc::new(Served {
-        registry,
+        registry: Arc::new(registry),
+        renderings: Default::default(),
+        renders,
         ready,
         watcher,
         stopping: cancel.clone(),
@@ -107,22 +123,48 @@ async fn metrics_page(
     let accept = headers
         .get(header::ACCEPT)
         .and_then(|value| value.to_str().ok());
-    let (rendered, content_type) = if super::exposition::wants_openmetrics(accept) {
-        (metrics::render(&served.registry), metrics::CONTENT_TYPE)
+    let openmetrics = super::exposition::wants_openmetrics(accept);
+    let content_type = if openmetrics {
+        metrics::CONTENT_TYPE
     } else {
-        (
-            metrics::render_prometheus(&served.registry),
-            metrics::PROMETHEUS_CONTENT_TYPE,
-        )
+        metrics::PROMETHEUS_CONTENT_TYPE
     };
-    match rendered {
-        Ok(text) => (StatusCode::OK, [(header::CONTENT_TYPE, content_type)], text),
-        Err(_) => (
+    match rendering(&served, openmetrics).await {
+        Some(bytes) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, content_type)],
+            bytes,
+        ),
+        None => (
             StatusCode::INTERNAL_SERVER_ERROR,
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-            "cannot encode metrics\n".to_string(),
+            bytes::Bytes::from_static(b"cannot encode metrics\n"),
         ),
     }
+}
+
+/// The rendering of one format made less than [`RENDER_INTERVAL`] ago, or a new one, made on a
+/// blocking thread so that the runtime's workers (registrations, the admin API) never wait on it.
+async fn rendering(served: &Served, openmetrics: bool) -> Option<bytes::Bytes> {
+    let mut last = served.renderings[usize::from(openmetrics)].lock().await;
+    if let Some((at, bytes)) = &*last
+        && at.elapsed() < RENDER_INTERVAL
+    {
+        return Some(bytes.clone());
+    }
+    let registry = served.registry.clone();
+    let rendered = tokio::task::spawn_blocking(move || {
+        if openmetrics {
+            metrics::render(&registry)
+        } else {
+            metrics::render_prometheus(&registry)
+        }
+    })
+    .await;
+    served.renders.inc();
+    let bytes = bytes::Bytes::from(rendered.ok()?.ok()?);
+    *last = Some((tokio::time::Instant::now(), bytes.clone()));
+    Some(bytes)
 }
 
 async fn readyz(State(served): State<Arc<Served>>) -> (StatusCode, &'static str) {

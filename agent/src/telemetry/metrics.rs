@@ -204,6 +204,7 @@ pub struct Metrics {
     policy_rejections: Family<PolicyLabels, Counter>,
     first_contact: ExemplarHistogram,
     plugin_calls: HistogramFamily<PluginCallLabels>,
+    metrics_renders: Counter,
 }
 
 impl Default for Metrics {
@@ -213,6 +214,7 @@ impl Default for Metrics {
             registration_duration: Family::new_with_constructor(latency_histogram),
             deregistration_duration: Family::new_with_constructor(latency_histogram),
             retries: Counter::default(),
+            metrics_renders: Counter::default(),
             backoff_delay: backoff_histogram(),
             handler_calls: Family::new_with_constructor(handler_histogram),
             rescans: Family::default(),
@@ -273,6 +275,12 @@ impl Metrics {
     /// A registration attempt started for a socket that failed before.
     pub fn retry(&self) {
         self.retries.inc();
+    }
+
+    /// The count of `/metrics` renderings, for the metrics server to increment (see
+    /// `telemetry::http::RENDER_INTERVAL`).
+    pub fn renders(&self) -> Counter {
+        self.metrics_renders.clone()
     }
 
     /// A failed registration backs off for `delay`.
@@ -446,6 +454,11 @@ impl Metrics {
             "rescans",
             "Full walks of the plugin directory, by reason class",
             self.rescans.clone(),
+        );
+        agent.register(
+            "metrics_renders",
+            "Renderings of /metrics (one answers every scrape for a second)",
+            self.metrics_renders.clone(),
         );
         agent.register(
             "walk_errors",
@@ -767,6 +780,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_watched_directories",
     "plugin_agent_event_source_info",
     "plugin_agent_build_info",
+    "plugin_agent_metrics_renders_total",
 ];
 
 /// Labels any exported `source` label takes, so tests can check boundedness.
