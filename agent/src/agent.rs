@@ -187,6 +187,7 @@ impl RunningAgent {
         stages
             .executor
             .with_admission(stages.provenance.clone(), policy);
+        stages.executor.watch_contacts(stages.desired.clone());
 
         let (ready_tx, ready) = watch::channel(false);
 

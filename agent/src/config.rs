@@ -7,7 +7,7 @@
 //! source = "auto"                 # auto | ebpf | fanotify | inotify
 //! admin_socket = "/run/plugin-agent/agent.sock"
 //! mode = "register"               # register | observe (no handler configured: observe)
-//! observe_contact = "get-info"    # observe mode: get-info | never
+//! observe_contact = "after-kubelet" # observe mode: after-kubelet | get-info | never
 //!
 //! [handlers]                      # plugin type = accept-all | unix:///path.sock | http://host:port
 //! CSIPlugin = "unix:///run/csi-handler.sock"

@@ -9,6 +9,11 @@
 //! traces work the same; a plugin's state is `observed` instead of `registered`.
 
 use std::fmt;
+use std::time::Duration;
+
+/// How long after a socket's creation an observer leaves kubelet to call it first, when it cannot
+/// see kubelet's call: kubelet's reconciler dials a new socket within its 1 s period.
+pub const KUBELET_FIRST: Duration = Duration::from_secs(3);
 
 /// See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -27,9 +32,15 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contact {
-    /// Ask each plugin `GetInfo` once per socket (kubelet asks it too; plugins answer any number
-    /// of callers), so `list` shows its type, name and endpoint.
+    /// Ask each plugin `GetInfo` once per socket, so `list` shows its type, name and endpoint,
+    /// but never before kubelet: once kubelet's first connect is seen (eBPF records it), or once
+    /// [`KUBELET_FIRST`] has passed since the socket was made (other sources, or no kubelet). A
+    /// plugin that serves one connection and closes its listener (a hostile probe found one)
+    /// served the agent instead of kubelet, and never registered.
     #[default]
+    AfterKubelet,
+    /// Ask each plugin `GetInfo` as soon as its socket is found (plugins that answer any number
+    /// of callers only).
     GetInfo,
     /// Never connect to a plugin socket: only the socket files are shown.
     Never,
@@ -46,6 +57,9 @@ impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Mode::Register => f.write_str("register"),
+            Mode::Observe {
+                contact: Contact::AfterKubelet,
+            } => f.write_str("observe (GetInfo only, after kubelet's)"),
             Mode::Observe {
                 contact: Contact::GetInfo,
             } => f.write_str("observe (GetInfo only)"),

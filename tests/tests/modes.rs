@@ -295,3 +295,74 @@ async fn an_observer_beside_a_registering_agent_never_notifies_and_reports_the_f
         "{test}: the observer notified the DRA plugin"
     );
 }
+
+/// An observer is never a plugin's first caller. A plugin that serves exactly one connection
+/// (kubelet's) and then closes its listener: beside a kubelet stand-in that dials it half a
+/// second after it listens, as kubelet's reconciler does (a register-mode agent started then), the
+/// observer waits for that first call (seen by eBPF; on inotify, which cannot see it, for 3 s
+/// after the bind) before it asks GetInfo, so the plugin registers with the stand-in. (An
+/// observer that asked at once took the plugin's one connection: the stand-in's GetInfo failed
+/// and the plugin never registered.)
+async fn an_observer_leaves_kubelet_the_first_call(source: Source) {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let mut options = AgentOptions::new(source, &dir.root()).handlers(&[]);
+    options.admin_socket = dir.root().with_file_name("observer.sock");
+    let Some(observer) = AgentProcess::start(test, options.clone()).await else {
+        return;
+    };
+    let once = plugin!(dir.path("once.sock"))
+        .name("once.example.com")
+        .arg("--serve-once")
+        .start_listening()
+        .await;
+    // kubelet's reconciler dials a new socket within its 1 s period, not at once: the stand-in
+    // starts half a second after the plugin listens (its first walk finds it).
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root());
+    let runtime = dir.outside("kubelet-run");
+    std::fs::create_dir_all(&runtime).expect("mkdir runtime");
+    kubelet.admin_socket = runtime.join("admin.sock");
+    kubelet.extra = vec!["--mode".into(), "register".into()];
+    let kubelet = AgentProcess::start(&format!("{test}-kubelet"), kubelet)
+        .await
+        .expect("inotify needs no privileges");
+    let kubelet_pid = i64::from(kubelet.pid().expect("the stand-in runs"));
+    once.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let callers: Vec<i64> = once
+        .events_since(Mark(0), "get_info")
+        .iter()
+        .filter_map(|l| l.field("peer_pid").and_then(|p| p.parse().ok()))
+        .collect();
+    assert_eq!(
+        callers,
+        [kubelet_pid],
+        "{test}: only the stand-in was served, first"
+    );
+    // The observer asked once the stand-in had called; the listener is closed by then, and it
+    // lists the plugin as what it is now: nothing serves it.
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let listed = admin::list_json(&options.admin_socket);
+        let state = listed[once.socket()]["state"].as_str().map(str::to_owned);
+        if state.as_deref() == Some("unserved") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{test}: the observer lists {state:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    drop(observer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_leaves_kubelet_the_first_call_on_ebpf() {
+    an_observer_leaves_kubelet_the_first_call(Source::Ebpf).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_leaves_kubelet_the_first_call_on_inotify() {
+    an_observer_leaves_kubelet_the_first_call(Source::Inotify).await;
+}

@@ -43,7 +43,8 @@ pub struct RunArgs {
     #[arg(long, value_enum)]
     pub mode: Option<ModeChoice>,
 
-    /// In observe mode, whether plugins are asked GetInfo [default: get-info].
+    /// In observe mode, whether plugins are asked GetInfo: after kubelet first called them (or 3 s
+    /// after their socket was made), at once, or never [default: after-kubelet].
     #[arg(long, value_enum)]
     pub observe_contact: Option<Contact>,
 

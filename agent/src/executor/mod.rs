@@ -172,6 +172,9 @@ pub struct OperationExecutor {
     /// Where finished registrations and deregistrations are recorded for the next agent (see
     /// `persist`); unset: nothing outlives this one.
     journal: std::sync::OnceLock<Arc<crate::persist::Journal>>,
+    /// Desired state, read in observe mode for kubelet's first contact (see
+    /// [`crate::mode::Contact::AfterKubelet`]); unset: no first contact is ever known.
+    contacts: std::sync::OnceLock<Arc<crate::state::desired::DesiredState>>,
     /// The servers of registered plugins, watched for their exit.
     liveness: Arc<Liveness>,
     /// Who serves each plugin, and whether the policy lets it register.
@@ -220,6 +223,7 @@ impl OperationExecutor {
             trimmer: crate::memory::Trimmer::default(),
             retry_timers: Mutex::new(HashMap::new()),
             journal: std::sync::OnceLock::new(),
+            contacts: std::sync::OnceLock::new(),
             liveness: Arc::default(),
             admission: admission::Admission::default(),
             steps,
@@ -447,6 +451,11 @@ impl OperationExecutor {
     /// Records operations in `journal` from now on (see `persist`).
     pub fn keep_journal(&self, journal: Arc<crate::persist::Journal>) {
         let _ = self.journal.set(journal);
+    }
+
+    /// Reads first contacts from `desired`, where the watcher records them (observe mode).
+    pub fn watch_contacts(&self, desired: Arc<crate::state::desired::DesiredState>) {
+        let _ = self.contacts.set(desired);
     }
 
     /// Takes `path`'s registration `generation` out of actual state for its deregistration or

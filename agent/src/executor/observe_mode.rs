@@ -6,13 +6,15 @@ use super::operation::{RegisterFailure, plugin_of};
 use super::slots::Slot;
 use crate::handler::Plugin;
 use crate::liveness::Server;
-use crate::mode::Contact;
+use crate::mode::{Contact, KUBELET_FIRST};
 use crate::registration::OnInvalid;
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
+use std::time::Duration;
 
 impl OperationExecutor {
-    /// GetInfo (unless `contact` is off) and an actual-state entry without a handler. The
+    /// GetInfo (unless `contact` is off; by default only after kubelet's) and an actual-state
+    /// entry without a handler. The
     /// connection is dropped unanswered: kubelet, which owns the directory, notifies the plugin.
     pub(super) async fn run_observe(
         &self,
@@ -30,7 +32,10 @@ impl OperationExecutor {
                 supported_versions: Vec::new(),
                 socket_path: path.display().to_string(),
             },
-            Contact::GetInfo => {
+            Contact::AfterKubelet | Contact::GetInfo => {
+                if contact == Contact::AfterKubelet {
+                    self.after_kubelet(path, desired, slot).await;
+                }
                 let (mut unanswered, info) = self
                     .dial_for_info(path, desired, slot, OnInvalid::Silent)
                     .await?;
@@ -44,7 +49,7 @@ impl OperationExecutor {
         // Observing tells nobody anything, so a refusal is only recorded (and shown). Without
         // contact there is no server and no name to judge: what is known is shown.
         let provenance = match contact {
-            Contact::GetInfo => self
+            Contact::AfterKubelet | Contact::GetInfo => self
                 .admit_described(desired, server.as_ref(), &plugin)
                 .map_err(RegisterFailure::Rejected)?,
             Contact::Never => self.provenance_of(desired, None),
@@ -57,5 +62,45 @@ impl OperationExecutor {
             provenance,
         );
         Ok((plugin, server))
+    }
+
+    /// Returns once kubelet (any process but the agent) has connected to the socket, or
+    /// [`KUBELET_FIRST`] after the socket was made, waiting without the slot: the agent is
+    /// never a plugin's first caller. A socket made long ago (found by the start's walk) is
+    /// asked at once.
+    async fn after_kubelet(&self, path: &Path, desired: &DesiredPlugin, slot: &mut Slot) {
+        let made = desired
+            .socket
+            .birth_ns
+            .and_then(|ns| u64::try_from(ns).ok())
+            .map(|ns| std::time::UNIX_EPOCH + Duration::from_nanos(ns))
+            .unwrap_or(desired.seen_at);
+        let left = (made + KUBELET_FIRST)
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
+        if left.is_zero() || desired.first_contact.is_some() {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + left;
+        let contacts = self.contacts.get().cloned();
+        slot.without_slot(async move {
+            let Some(contacts) = contacts else {
+                return tokio::time::sleep_until(deadline).await;
+            };
+            loop {
+                let next = contacts.contacted();
+                let contacted = contacts.get(path).is_some_and(|now| {
+                    now.generation == desired.generation && now.first_contact.is_some()
+                });
+                if contacted {
+                    return;
+                }
+                tokio::select! {
+                    () = next => {}
+                    () = tokio::time::sleep_until(deadline) => return,
+                }
+            }
+        })
+        .await;
     }
 }

@@ -201,6 +201,18 @@ impl Slot {
     }
 }
 
+impl Slot {
+    /// Waits for `wait` without the slot (nor a dial permit), then takes a slot again: for waits
+    /// that need nothing of the agent (an observer leaving kubelet the first call).
+    pub async fn without_slot<T>(&mut self, wait: impl Future<Output = T>) -> T {
+        self.permit = None;
+        self.dial = None;
+        let waited = wait.await;
+        self.permit = self.pool.clone().acquire_owned().await.ok();
+        waited
+    }
+}
+
 /// Pauses up to this long keep the slot: a plugin caught between its bind and its listen (the
 /// eBPF source sees the bind first and often dials that early) listens within microseconds, and a
 /// registration that gave its slot back for that would queue again behind every other one waiting

@@ -61,6 +61,8 @@ pub struct DesiredState {
     /// the last growth, with a burst's registrations in flight (0.4 and 0.2 MB, plus 1.9 MB of
     /// entries, boxed).
     plugins: Mutex<HashMap<Arc<Path>, Box<DesiredPlugin>>>,
+    /// Woken at every first contact recorded (see [`DesiredState::contacted`]).
+    contacted: tokio::sync::Notify,
 }
 
 impl DesiredState {
@@ -129,7 +131,16 @@ impl DesiredState {
             return None;
         }
         plugin.first_contact = Some(contact);
-        Some(DesiredPlugin::clone(plugin))
+        let now = DesiredPlugin::clone(plugin);
+        drop(plugins);
+        self.contacted.notify_waiters();
+        Some(now)
+    }
+
+    /// Completes at the next first contact recorded, of any socket (create it before looking at
+    /// the one waited for, so that none recorded in between is missed).
+    pub fn contacted(&self) -> tokio::sync::futures::Notified<'_> {
+        self.contacted.notified()
     }
 
     /// Records the socket a previous agent registered at `path`, with that agent's generation,

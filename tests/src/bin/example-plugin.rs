@@ -134,6 +134,10 @@ struct Args {
     /// binds for a service it starts. Prints `handed_off` with the child's pid.
     #[arg(long)]
     listen_in_child: bool,
+    /// Accept one connection, serve it, then close the listener and live on (a plugin that
+    /// expects exactly one caller: kubelet); prints `listener_closed`.
+    #[arg(long)]
+    serve_once: bool,
     /// Serve the listening socket inherited as this descriptor (the child of `--hand-off`).
     #[arg(long, hide = true)]
     serve_fd: Option<i32>,
@@ -334,8 +338,17 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
             use tokio_stream::StreamExt as _;
             let service = RegistrationServer::new(ExamplePlugin::from_args(&args));
             let idle = args.max_connection_idle;
-            let incoming = UnixListenerStream::new(listener)
-                .map(move |stream| stream.map(|stream| IdleLimited::new(stream, idle)));
+            let incoming: std::pin::Pin<
+                Box<
+                    dyn tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>> + Send,
+                >,
+            > = if args.serve_once {
+                Box::pin(one_connection(listener))
+            } else {
+                Box::pin(UnixListenerStream::new(listener))
+            };
+            let incoming =
+                incoming.map(move |stream| stream.map(|stream| IdleLimited::new(stream, idle)));
             let closing = args.close_listener_on_sigusr2;
             let mut usr2 =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
@@ -373,6 +386,22 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
         }
     }
     Ok(())
+}
+
+/// The first connection accepted on `listener`, which is then closed (`listener_closed`); the
+/// stream stays open, so the server goes on serving that connection until its client is done.
+fn one_connection(
+    listener: UnixListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>> {
+    futures::stream::unfold(Some(listener), |listener| async move {
+        let Some(listener) = listener else {
+            return std::future::pending().await;
+        };
+        let accepted = listener.accept().await.map(|(stream, _)| stream);
+        drop(listener);
+        emit(json!({"event": "listener_closed"}));
+        Some((accepted, None))
+    })
 }
 
 /// A served connection that ends (reads end-of-file, so the server closes it) after its limit
