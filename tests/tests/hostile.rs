@@ -906,14 +906,15 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
 }
 
 /// Issue 44, item 3: scraping was an amplifier. Every scrape rendered `/metrics` anew (2.4 MB
-/// at 10,000 plugins): 32 clients scraping in a loop kept registrations waiting for seconds,
-/// and 32 that asked and never read held 32 renderings. Now one rendering a second answers
-/// every scrape: with 2,000 plugins, 16 clients scraping as fast as they can for 3 s and 32
-/// that never read cost a handful of renderings (`plugin_agent_metrics_renders_total`), not
-/// one per request, the agent stays under 64 MiB, and a new plugin registers meanwhile.
+/// at 10,000 plugins) on the runtime's workers: 32 clients scraping in a loop kept
+/// registrations waiting for seconds, and 32 that asked and never read held 32 renderings. Now
+/// the scrapes that arrive while one rendering is made share the next, made off the runtime:
+/// with 2,000 plugins, 16 clients scraping as fast as they can for 3 s and 32 that never read
+/// cost a rendering per several scrapes (`plugin_agent_metrics_renders_total`), not one per
+/// request, the agent stays under 64 MiB, and a new plugin registers meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scrapes_share_one_rendering_a_second_however_many_clients_ask() {
-    let test = "scrapes_share_one_rendering_a_second";
+async fn concurrent_scrapes_share_renderings_however_many_clients_ask() {
+    let test = "concurrent_scrapes_share_renderings";
     let dir = PluginDir::new();
     if !plugin_agent_tests::env::privileged(test) {
         return;
@@ -987,9 +988,9 @@ async fn scrapes_share_one_rendering_a_second_however_many_clients_ask() {
         rss / 1024
     );
     assert!(scrapes >= 16, "{test}: only {scrapes} scrapes answered");
-    // One rendering a second per format, plus the ones the reads before and after made.
+    // 16 clients in a loop: while one rendering is made, the others arrive and share the next.
     assert!(
-        made <= 6,
+        made * 4 <= scrapes as u64,
         "{test}: {made} renderings for {scrapes} scrapes (and 32 silent clients)"
     );
     // Issue 44's bound, which 32 silent clients at 10,000 plugins once took to 150 MiB.

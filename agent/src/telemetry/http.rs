@@ -3,7 +3,7 @@
 //! ```text
 //! Prometheus ──GET /metrics──> metrics::render(registry)   (recorded metrics + state read now;
 //!                              OpenMetrics with exemplars if asked for, else Prometheus text;
-//!                              one rendering per format a second, shared by every scrape)
+//!                              concurrent scrapes share one rendering, made off the runtime)
 //! kubelet/systemd probes ──GET /healthz──> 200 while the process serves
 //!                        ──GET /readyz───> 200 once the event source is attached and the first
 //!                                          full scan is done, while a directory is watched;
@@ -43,18 +43,10 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// OpenTelemetry convention uses, free of kubelet's 10248/10250/10255).
 pub const DEFAULT_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9464));
 
-/// How long one rendering of `/metrics` answers every scrape: with 10,000 plugins a rendering
-/// is 2.4 MB and tens of milliseconds of CPU, and 32 clients scraping in a loop rendered it for
-/// each (registrations waited seconds behind them), 32 that never read held 32 copies (150 MiB).
-/// Now the scrapers share one rendering a second, as bytes every response points at.
-pub const RENDER_INTERVAL: Duration = Duration::from_secs(1);
-
 struct Served {
     registry: Arc<Registry>,
-    /// The last rendering of each format (OpenMetrics, Prometheus text) and when it was made.
-    /// Its lock is held while one renders: concurrent scrapes wait for that rendering instead
-    /// of making their own.
-    renderings: [tokio::sync::Mutex<Option<(tokio::time::Instant, bytes::Bytes)>>; 2],
+    /// Per format (Prometheus text, OpenMetrics): the renderings begun, and the last one.
+    renderings: [Renderings; 2],
     /// `plugin_agent_metrics_renders_total`.
     renders: prometheus_client::metrics::counter::Counter,
     ready: watch::Receiver<bool>,
@@ -129,7 +121,10 @@ async fn metrics_page(
     } else {
         metrics::PROMETHEUS_CONTENT_TYPE
     };
-    match rendering(&served, openmetrics).await {
+    match served.renderings[usize::from(openmetrics)]
+        .fresh(&served, openmetrics)
+        .await
+    {
         Some(bytes) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, content_type)],
@@ -143,28 +138,46 @@ async fn metrics_page(
     }
 }
 
-/// The rendering of one format made less than [`RENDER_INTERVAL`] ago, or a new one, made on a
-/// blocking thread so that the runtime's workers (registrations, the admin API) never wait on it.
-async fn rendering(served: &Served, openmetrics: bool) -> Option<bytes::Bytes> {
-    let mut last = served.renderings[usize::from(openmetrics)].lock().await;
-    if let Some((at, bytes)) = &*last
-        && at.elapsed() < RENDER_INTERVAL
-    {
-        return Some(bytes.clone());
-    }
-    let registry = served.registry.clone();
-    let rendered = tokio::task::spawn_blocking(move || {
-        if openmetrics {
-            metrics::render(&registry)
-        } else {
-            metrics::render_prometheus(&registry)
+/// Scrapes share renderings: with 10,000 plugins one is 2.4 MB and tens of milliseconds of
+/// CPU, and each scrape rendered its own on the runtime's workers, so 32 clients scraping in a
+/// loop kept registrations waiting for seconds and 32 that never read held 32 copies (150 MiB).
+/// A scrape now takes the first rendering begun after it arrived: one in progress when it came
+/// is not fresh enough (`list` and `/metrics` read one after the other must agree), but every
+/// scrape that arrives while one renders waits for the next, and all of them share it, as bytes
+/// every response points at. One rendering at a time, on a blocking thread.
+#[derive(Default)]
+struct Renderings {
+    /// Renderings begun (written under `last`'s lock).
+    begun: std::sync::atomic::AtomicU64,
+    /// The last rendering and its number among those begun.
+    last: tokio::sync::Mutex<Option<(u64, bytes::Bytes)>>,
+}
+
+impl Renderings {
+    /// A rendering begun after this call, shared with every caller that waited for the same.
+    async fn fresh(&self, served: &Served, openmetrics: bool) -> Option<bytes::Bytes> {
+        let arrived = self.begun.load(Ordering::Acquire);
+        let mut last = self.last.lock().await;
+        if let Some((number, bytes)) = &*last
+            && *number >= arrived
+        {
+            return Some(bytes.clone());
         }
-    })
-    .await;
-    served.renders.inc();
-    let bytes = bytes::Bytes::from(rendered.ok()?.ok()?);
-    *last = Some((tokio::time::Instant::now(), bytes.clone()));
-    Some(bytes)
+        let number = self.begun.fetch_add(1, Ordering::AcqRel);
+        let registry = served.registry.clone();
+        let rendered = tokio::task::spawn_blocking(move || {
+            if openmetrics {
+                metrics::render(&registry)
+            } else {
+                metrics::render_prometheus(&registry)
+            }
+        })
+        .await;
+        served.renders.inc();
+        let bytes = bytes::Bytes::from(rendered.ok()?.ok()?);
+        *last = Some((number, bytes.clone()));
+        Some(bytes)
+    }
 }
 
 async fn readyz(State(served): State<Arc<Served>>) -> (StatusCode, &'static str) {

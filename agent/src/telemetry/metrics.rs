@@ -277,8 +277,8 @@ impl Metrics {
         self.retries.inc();
     }
 
-    /// The count of `/metrics` renderings, for the metrics server to increment (see
-    /// `telemetry::http::RENDER_INTERVAL`).
+    /// The count of `/metrics` renderings, for the metrics server to increment (scrapes share
+    /// them, see `telemetry::http`).
     pub fn renders(&self) -> Counter {
         self.metrics_renders.clone()
     }
@@ -457,7 +457,7 @@ impl Metrics {
         );
         agent.register(
             "metrics_renders",
-            "Renderings of /metrics (one answers every scrape for a second)",
+            "Renderings of /metrics (scrapes that arrive while one is made share the next)",
             self.metrics_renders.clone(),
         );
         agent.register(
