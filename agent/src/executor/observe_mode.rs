@@ -89,10 +89,7 @@ impl OperationExecutor {
             };
             loop {
                 let next = contacts.contacted();
-                let contacted = contacts.get(path).is_some_and(|now| {
-                    now.generation == desired.generation && now.first_contact.is_some()
-                });
-                if contacted {
+                if contacts.contacted_since(path, desired.generation) {
                     return;
                 }
                 tokio::select! {

@@ -137,6 +137,14 @@ impl DesiredState {
         Some(now)
     }
 
+    /// Whether the socket instance `generation` desired at `path` has had its first contact (a
+    /// look under the lock, no copy: every contact in a burst wakes every observer waiting).
+    pub fn contacted_since(&self, path: &Path, generation: Uuid) -> bool {
+        self.lock()
+            .get(path)
+            .is_some_and(|now| now.generation == generation && now.first_contact.is_some())
+    }
+
     /// Completes at the next first contact recorded, of any socket (create it before looking at
     /// the one waited for, so that none recorded in between is missed).
     pub fn contacted(&self) -> tokio::sync::futures::Notified<'_> {
