@@ -181,6 +181,12 @@ impl RunningAgent {
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
 
         let stages = Stages::assemble(&config, &handlers, source.clone(), &cancel);
+        // A source that breaks while running (pins removed by someone else) says so where
+        // status and /readyz look, until it has mended itself.
+        let watcher_stats = stages.telemetry.watcher.clone();
+        source.report_problems_to(Box::new(move |problem| {
+            watcher_stats.health.condition("event source", problem);
+        }));
         if !policy.is_empty() {
             info!(rules = policy.len(), "policy in force");
         }

@@ -32,6 +32,27 @@ impl RuntimeDirLock {
 /// Creates the admin socket's directory (0700) if needed and locks it for this process, or fails
 /// naming the running agent.
 pub fn lock(admin_socket: &Path) -> anyhow::Result<RuntimeDirLock> {
+    match try_lock(admin_socket)? {
+        Ok(lock) => Ok(lock),
+        Err(Held { holder, lock_file }) => anyhow::bail!(
+            "another plugin-agent (pid {holder}) is running with admin socket {}: it holds {}; \
+             stop it first, or give this one its own --admin-socket",
+            admin_socket.display(),
+            lock_file.display()
+        ),
+    }
+}
+
+/// A runtime directory another process has locked: an agent runs with it.
+#[derive(Debug)]
+pub struct Held {
+    /// The holder's pid as it wrote it, or "unknown".
+    pub holder: String,
+    pub lock_file: PathBuf,
+}
+
+/// [`lock`], telling a running agent (`Ok(Err(..))`) from a failure to lock at all.
+pub fn try_lock(admin_socket: &Path) -> anyhow::Result<Result<RuntimeDirLock, Held>> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let dir = admin_socket
         .parent()
@@ -58,13 +79,10 @@ pub fn lock(admin_socket: &Path) -> anyhow::Result<RuntimeDirLock> {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             let holder = holder.trim();
-            anyhow::bail!(
-                "another plugin-agent (pid {}) is running with admin socket {}: it holds {}; \
-                 stop it first, or give this one its own --admin-socket",
-                if holder.is_empty() { "unknown" } else { holder },
-                admin_socket.display(),
-                path.display()
-            );
+            return Ok(Err(Held {
+                holder: if holder.is_empty() { "unknown" } else { holder }.to_owned(),
+                lock_file: path,
+            }));
         }
         Err((_, errno)) => {
             return Err(std::io::Error::from(errno))
@@ -75,7 +93,24 @@ pub fn lock(admin_socket: &Path) -> anyhow::Result<RuntimeDirLock> {
     let _ = lock.set_len(0);
     let _ = lock.rewind();
     let _ = write!(lock, "{}", std::process::id());
-    Ok(RuntimeDirLock { _lock: lock, path })
+    Ok(Ok(RuntimeDirLock { _lock: lock, path }))
+}
+
+/// Whether an agent runs with the runtime directory whose lock file is `lock_file` (a path that
+/// may lead into another mount namespace through `/proc/<pid>/root`), without creating anything:
+/// a missing file is no agent; a file that cannot be opened or locked counts as one running.
+pub fn is_held(lock_file: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(lock_file)
+    {
+        Ok(file) => file,
+        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+    };
+    // A shared lock conflicts with the running agent's exclusive one, and is let go at once.
+    Flock::lock(file, FlockArg::LockSharedNonblock).is_err()
 }
 
 #[cfg(test)]
@@ -91,7 +126,11 @@ mod tests {
         let error = lock(&socket).expect_err("second lock refused");
         let text = format!("{error:#}");
         assert!(text.contains(&std::process::id().to_string()), "{text}");
+        assert!(is_held(first.path()));
+        let lock_file = first.path().to_path_buf();
         drop(first);
+        assert!(!is_held(&lock_file));
+        assert!(!is_held(&dir.path().join("no-such/plugin-agent.lock")));
         lock(&socket).expect("free again once the holder let go");
     }
 }

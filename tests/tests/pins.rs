@@ -1,11 +1,18 @@
 //! The eBPF source's pinned kernel state: a restarted agent adopts the programs a previous one
 //! pinned (no load, and the kernel kept recording while no agent ran), an agent with another
-//! kernel object replaces them, and `plugin-agent cleanup` removes them.
+//! kernel object replaces them, and `plugin-agent cleanup` removes them. Each set has an owner
+//! (the agent instance, by runtime directory): nobody else adopts, replaces or removes it while
+//! its agent runs, and an agent whose pins are removed anyway pins them again.
 
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, PluginDir, Source, logs, plugin, test_name,
 };
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// One test at a time: `cleanup --all` in one would remove the set another's stopped agent is
+/// about to adopt.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn options(dir: &PluginDir) -> AgentOptions {
     AgentOptions::new(Source::Ebpf, &dir.root())
@@ -52,6 +59,7 @@ async fn adoption(agent: &AgentProcess) -> Line {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agent_ran() {
     let test = test_name();
+    let _serial = SERIAL.lock().await;
     let dir = PluginDir::new();
     let Some(first) = AgentProcess::start(&test, options(&dir)).await else {
         return;
@@ -177,6 +185,7 @@ fn upgraded_agent(dir: &PluginDir, object_hash: &str) -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
     let test = test_name();
+    let _serial = SERIAL.lock().await;
     let dir = PluginDir::new();
     let Some(first) = AgentProcess::start(&test, options(&dir)).await else {
         return;
@@ -219,33 +228,333 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
     assert_ne!(sets(&pins), new_sets, "{test}: replaced again");
 }
 
-/// `plugin-agent cleanup --plugin-dir` removes the tree's pins (its programs detach); a second
-/// run finds nothing.
+/// `plugin-agent cleanup` as the instance whose admin socket is `admin_socket`.
+fn cleanup(admin_socket: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(admin_socket)
+        .arg("cleanup")
+        .args(args)
+        .output()
+        .expect("run cleanup")
+}
+
+/// Issue 44, item 1: `cleanup` removed a running agent's pins (its programs detached: it found
+/// plugins only by its 30 s safety pass) and its state file. Now the instance's own cleanup is
+/// refused while its agent runs, `cleanup --all` keeps every running agent's set, and once the
+/// agent stopped its cleanup removes both; a second run finds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cleanup_removes_the_pins() {
+async fn cleanup_leaves_a_running_agent_alone_and_removes_a_stopped_ones_pins_and_state() {
     let test = test_name();
+    let _serial = SERIAL.lock().await;
     let dir = PluginDir::new();
-    let Some(agent) = AgentProcess::start(&test, options(&dir)).await else {
+    let options = options(&dir);
+    let admin = options.admin_socket.clone();
+    let root = dir.root();
+    let root = root.to_str().expect("UTF-8 test path");
+    let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
     let pins = pinned_at(&agent).await;
+    let first = plugin!(dir.path("first.sock")).name("first").spawn();
+    first.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let state = admin.with_file_name("state.json");
+    let journal = admin.with_file_name("state.journal");
+    let state_files = || [&state, &journal].map(|f| f.exists());
+    let before = state_files();
+    assert!(
+        before.contains(&true),
+        "{test}: no state file in {}",
+        admin.display()
+    );
+    let set = sets(&pins);
+
+    let refused = cleanup(&admin, &["--plugin-dir", root]);
+    assert!(
+        !refused.status.success(),
+        "{test}: cleanup of a running agent's instance: {refused:?}"
+    );
+    let all = cleanup(&dir.outside("other-admin.sock"), &["--all"]);
+    assert!(all.status.success(), "{test}: {all:?}");
+    assert_eq!(
+        sets(&pins),
+        set,
+        "{test}: the running agent's pins were touched"
+    );
+    assert_eq!(
+        state_files(),
+        before,
+        "{test}: the running agent's state file was touched"
+    );
+    // Not blind: a plugin made now registers by the kernel's event, long before a safety pass.
+    let second = plugin!(dir.path("second.sock")).name("second").spawn();
+    second.wait_for_notify(true, Duration::from_secs(5)).await;
+
     agent.stop().await;
-    assert!(pins.exists(), "{test}: the pins outlive the agent");
-    let cleanup = || {
-        let out = std::process::Command::new(plugin_agent_tests::env::agent_bin())
-            .arg("--admin-socket")
-            .arg(dir.outside("admin.sock"))
-            .args(["cleanup", "--plugin-dir"])
-            .arg(dir.root())
-            .output()
-            .expect("run cleanup");
-        assert!(out.status.success(), "{test}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let said = cleanup();
-    assert!(said.contains("removed the pinned eBPF programs"), "{said}");
+    assert!(
+        cleanup(&admin, &["--plugin-dir", root]).status.success(),
+        "{test}"
+    );
     assert!(!pins.exists(), "{test}: {} still there", pins.display());
-    assert!(cleanup().contains("no pinned eBPF programs"));
+    assert_eq!(
+        state_files(),
+        [false, false],
+        "{test}: the stopped agent's state file stays"
+    );
+    let again = cleanup(&admin, &["--plugin-dir", root]);
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("removed 0 pinned program sets"),
+        "{test}: {again:?}"
+    );
+}
+
+/// The agent's metrics address, with `--metrics-addr 127.0.0.1:0` in `options`.
+fn with_metrics(mut options: AgentOptions) -> AgentOptions {
+    options
+        .extra
+        .extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+    options
+}
+
+/// The value of the counter `name` on `addr`'s /metrics (0 when absent).
+async fn counter(addr: std::net::SocketAddr, name: &str) -> f64 {
+    let (_, body) =
+        tokio::task::spawn_blocking(move || plugin_agent_tests::http::http_get(addr, "/metrics"))
+            .await
+            .expect("scrape");
+    body.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// GET `path` on `addr` until it answers `status`.
+async fn http_until(addr: std::net::SocketAddr, path: &'static str, status: u16) {
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let (code, body) =
+            tokio::task::spawn_blocking(move || plugin_agent_tests::http::http_get(addr, path))
+                .await
+                .expect("GET");
+        if code == status {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "GET {path} never answered {status}; last {code}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The problems `status` shows, asked until `shown` holds.
+async fn problems_until(admin: &Path, shown: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let status = plugin_agent_tests::admin::status(admin);
+        let problems: Vec<String> = status["problems"]
+            .as_array()
+            .map(|p| {
+                p.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if shown(&problems) {
+            return problems;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "status never showed it; last: {problems:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 44, item 1: an agent whose pins another process removed was blind for 30 s, saying
+/// nothing (`/readyz` 200). Now it holds its programs (removing the pins detaches nothing: a
+/// plugin made right after registers at once), notices within a second, pins them again by
+/// itself, and counts it; while it cannot pin them again, `status` names the problem and
+/// `/readyz` answers 503, until it could.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_pins_are_removed_keeps_seeing_and_pins_them_again() {
+    let test = test_name();
+    let _serial = SERIAL.lock().await;
+    let dir = PluginDir::new();
+    let options = with_metrics(options(&dir));
+    let admin = options.admin_socket.clone();
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    let pins = pinned_at(&agent).await;
+    let addr = plugin_agent_tests::http::metrics_addr(&agent).await;
+    let first = plugin!(dir.path("first.sock")).name("first").spawn();
+    first.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let set = sets(&pins);
+
+    let forced = cleanup(&dir.outside("other-admin.sock"), &["--all", "--force"]);
+    assert!(forced.status.success(), "{test}: {forced:?}");
+    let second = plugin!(dir.path("second.sock")).name("second").spawn();
+    second.wait_for_notify(true, Duration::from_secs(5)).await;
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    while counter(addr, "plugin_agent_event_source_pins_restored").await < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{test}: never pinned again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = sets(&pins);
+    assert!(
+        again.len() == 1 && again != set,
+        "{test}: pinned again as a new set: {again:?} (was {set:?})"
+    );
+    http_until(addr, "/readyz", 200).await;
+
+    // Something in the way of the pin directory: the agent cannot pin again, and says so.
+    let instance = pins.parent().expect("an instance directory").to_path_buf();
+    loop {
+        let _ = std::fs::remove_dir_all(&instance);
+        if std::os::unix::fs::symlink("/nonexistent", &instance).is_ok() {
+            break;
+        }
+    }
+    let problems = problems_until(&admin, |p| p.iter().any(|p| p.contains("event source"))).await;
+    eprintln!("{test}: {problems:?}");
+    http_until(addr, "/readyz", 503).await;
+    let third = plugin!(dir.path("third.sock")).name("third").spawn();
+    third.wait_for_notify(true, Duration::from_secs(5)).await;
+    std::fs::remove_file(&instance).expect("out of the way");
+    problems_until(&admin, |p| !p.iter().any(|p| p.contains("event source"))).await;
+    http_until(addr, "/readyz", 200).await;
+    assert_eq!(sets(&pins).len(), 1, "{test}: pinned again");
+    assert_eq!(
+        counter(addr, "plugin_agent_event_source_pins_restored").await,
+        2.0,
+        "{test}"
+    );
+}
+
+/// Issue 44, item 1: an observer and a registrar on one directory shared one set: one adopted
+/// the other's, and removals reached one of them 30 s late. Each instance (runtime directory)
+/// now has its own set, adopts only its own after a restart, and never removes the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_on_one_tree_each_keep_their_own_pins() {
+    let test = test_name();
+    let _serial = SERIAL.lock().await;
+    let dir = PluginDir::new();
+    let Some(registrar) = AgentProcess::start(&test, options(&dir)).await else {
+        return;
+    };
+    let observer_options = || {
+        let mut options = options(&dir);
+        options.admin_socket = dir.outside("observer/admin.sock");
+        options.extra.extend(["--mode".into(), "observe".into()]);
+        options
+    };
+    let observer = AgentProcess::start(&test, observer_options())
+        .await
+        .expect("started once");
+    let (registrar_pins, observer_pins) = (pinned_at(&registrar).await, pinned_at(&observer).await);
+    assert_ne!(
+        registrar_pins, observer_pins,
+        "{test}: one set for two agents"
+    );
+    let registrar_set = sets(&registrar_pins);
+    observer.stop().await;
+    let observer = AgentProcess::start(&test, observer_options())
+        .await
+        .expect("started once");
+    let adopted = adoption(&observer).await;
+    assert_eq!(
+        adopted.field("pins").map(PathBuf::from),
+        Some(observer_pins.clone()),
+        "{test}: {adopted}"
+    );
+    assert_eq!(
+        sets(&registrar_pins),
+        registrar_set,
+        "{test}: the registrar's set was replaced"
+    );
+    // Both see a removal at once.
+    let plugin = plugin!(dir.path("p.sock")).name("p").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let socket = plugin.socket().to_path_buf();
+    let (registrar_mark, observer_mark) = (registrar.mark(), observer.mark());
+    plugin.stop().await;
+    registrar
+        .wait_for_log_after(
+            registrar_mark,
+            "the registrar's deregistration",
+            Duration::from_secs(5),
+            logs::deregistered(&socket),
+        )
+        .await;
+    observer
+        .wait_for_log_after(
+            observer_mark,
+            "the observer's",
+            Duration::from_secs(5),
+            logs::removed(&socket),
+        )
+        .await;
+    // The directory's own cleanup (see `PluginDir`) removes the registrar's instance's pins.
+    observer.stop().await;
+    let root = dir.root();
+    let cleaned = cleanup(
+        &dir.outside("observer/admin.sock"),
+        &["--plugin-dir", root.to_str().unwrap_or_default()],
+    );
+    assert!(
+        cleaned.status.success() && !observer_pins.exists(),
+        "{test}: {cleaned:?}"
+    );
+}
+
+/// Issue 44, item 1: an agent in a mount namespace of its own lost its pins when a host agent
+/// started and removed "the pinned programs of trees that are gone" (its tree is not on the
+/// host). Trees are judged in the namespace that owns them, or not at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_agent_leaves_the_pins_of_an_agent_in_another_mount_namespace() {
+    let test = test_name();
+    let _serial = SERIAL.lock().await;
+    let host_dir = PluginDir::new();
+    // The namespaced agent's tree and runtime directory exist only in its namespace: a tmpfs
+    // mounted there over an empty host directory.
+    let private = host_dir.outside("private");
+    std::fs::create_dir(&private).expect("mkdir");
+    let tree = private.join("registry");
+    let mut namespaced = AgentOptions::new(Source::Ebpf, &tree);
+    namespaced.wrapper = vec![
+        "unshare".into(),
+        "--mount".into(),
+        "--propagation".into(),
+        "private".into(),
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "mount -t tmpfs tmpfs {0} && mkdir {0}/registry && exec \"$0\" \"$@\"",
+            private.display()
+        ),
+    ];
+    let Some(namespaced) = AgentProcess::start(&test, namespaced).await else {
+        return;
+    };
+    let pins = pinned_at(&namespaced).await;
+    assert!(!tree.exists(), "{test}: the tree is visible on the host");
+    let set = sets(&pins);
+    let host = AgentProcess::start(&test, options(&host_dir))
+        .await
+        .expect("started once");
+    pinned_at(&host).await;
+    assert_eq!(
+        sets(&pins),
+        set,
+        "{test}: the host agent removed (or replaced) the other namespace's pins"
+    );
+    drop(namespaced);
+    // Its namespace is gone with it: nobody may judge its tree any more, so remove them here.
+    let _ = std::fs::remove_dir_all(pins.parent().unwrap_or(&pins));
 }
 
 /// Loading in the agent parsed vmlinux's BTF in the agent (aya's loader does, whether or not the
@@ -255,6 +564,7 @@ async fn cleanup_removes_the_pins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_load_runs_in_a_child_and_leaves_the_agent_no_peak() {
     let test = test_name();
+    let _serial = SERIAL.lock().await;
     let dir = PluginDir::new();
     let Some(agent) = AgentProcess::start(&test, options(&dir)).await else {
         return;

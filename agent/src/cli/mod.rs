@@ -150,18 +150,22 @@ pub enum Command {
     Policy(PolicyCommand),
     /// Remove what the agent leaves behind on purpose so that a restart is invisible: the
     /// pinned eBPF programs (which detaches them) and the state file. For uninstalling; a
-    /// restart or an upgrade needs neither removed.
+    /// restart or an upgrade needs neither removed. Refused while the agent of this admin
+    /// socket runs; other agents' pins are kept while they run.
     #[command(after_help = "Examples:\n  \
         plugin-agent cleanup                       # the default plugin directory's\n  \
         plugin-agent cleanup --plugin-dir /var/lib/kubelet/plugins_registry\n  \
-        plugin-agent cleanup --all                 # every tree's pins")]
+        plugin-agent cleanup --all                 # every stopped agent's pins")]
     Cleanup {
         /// The watched tree whose pins go [default: /var/lib/kubelet/plugins_registry].
         #[arg(long, conflicts_with = "all")]
         plugin_dir: Option<PathBuf>,
-        /// Every tree's pins (all of /sys/fs/bpf/plugin-agent).
+        /// Every tree's pins (all of /sys/fs/bpf/plugin-agent) whose agents do not run.
         #[arg(long)]
         all: bool,
+        /// Remove running agents' pins too (they hold their programs and pin them again).
+        #[arg(long)]
+        force: bool,
     },
     /// Print shell completions.
     #[command(
@@ -225,7 +229,11 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Status { output } => status::status(&socket(), output).await,
         Command::Handler(command) => handler::execute(&socket(), command).await,
         Command::Policy(PolicyCommand::Reload) => policy::reload(&socket()).await,
-        Command::Cleanup { plugin_dir, all } => cleanup::cleanup(plugin_dir, all, &socket()),
+        Command::Cleanup {
+            plugin_dir,
+            all,
+            force,
+        } => cleanup::cleanup(plugin_dir, all, force, &socket()),
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "plugin-agent", &mut script);

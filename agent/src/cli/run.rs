@@ -227,9 +227,7 @@ impl RunArgs {
                 .ring_buffer_bytes
                 .or(file.ring_buffer_bytes)
                 .unwrap_or(0),
-            ebpf_pin_for: pins
-                .then(|| std::path::absolute(&agent.plugin_dir).ok())
-                .flatten(),
+            ebpf_pins: None,
         };
         agent.executor = executor;
         let metrics_addr = self.metrics_addr.or(file.metrics_addr);
@@ -270,10 +268,28 @@ impl RunArgs {
         });
         // The state file lives in the runtime directory, which the admin socket's lock makes
         // this agent's own (see `runtime_dir`); without one, nothing is carried across restarts.
-        agent.state_file = admin_socket
+        let runtime_dir = admin_socket
             .as_deref()
             .and_then(Path::parent)
+            .map(|dir| {
+                if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                }
+            })
+            .and_then(|dir| std::path::absolute(dir).ok());
+        agent.state_file = runtime_dir
+            .as_deref()
             .map(|dir| dir.join(crate::persist::FILE_NAME));
+        // Pins belong to an instance, named by the runtime directory it holds the lock of
+        // (see `ebpf::pins`): without one, nothing is pinned.
+        agent.source_options.ebpf_pins = runtime_dir.filter(|_| pins).and_then(|runtime_dir| {
+            Some(crate::event_source::ebpf::PinOwner {
+                tree: std::path::absolute(&agent.plugin_dir).ok()?,
+                runtime_dir,
+            })
+        });
         agent.reregister_on_restart =
             self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
         agent.provenance = self.provenance.or(file.provenance).unwrap_or(true);

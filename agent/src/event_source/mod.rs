@@ -256,6 +256,41 @@ pub trait EventSource: Send + Sync {
     fn stats(&self) -> SourceStats {
         SourceStats::default()
     }
+
+    /// Hands the source where to say that it cannot do part of its job (and when that ends), for
+    /// status and /readyz. Sources that cannot break that way ignore it.
+    fn report_problems_to(&self, _report: Box<dyn Fn(Option<String>) + Send + Sync>) {}
+}
+
+/// A source's current problem, told to whoever is connected (the agent connects once it has a
+/// place to show problems; the source may have found one before that).
+#[derive(Default)]
+pub struct ProblemReport {
+    inner: std::sync::Mutex<ProblemSink>,
+}
+
+#[derive(Default)]
+struct ProblemSink {
+    now: Option<String>,
+    report: Option<Box<dyn Fn(Option<String>) + Send + Sync>>,
+}
+
+impl ProblemReport {
+    /// The problem now (`None`: it ended).
+    pub fn set(&self, problem: Option<String>) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(report) = &inner.report {
+            report(problem.clone());
+        }
+        inner.now = problem;
+    }
+
+    /// Reports to `report` from now on, starting with the problem now.
+    pub fn connect(&self, report: Box<dyn Fn(Option<String>) + Send + Sync>) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        report(inner.now.clone());
+        inner.report = Some(report);
+    }
 }
 
 /// What the watcher announces to [`EventSource::entry_present`]. Only a directory's name can be
@@ -277,6 +312,9 @@ pub struct SourceStats {
     pub ring_buffer_size_bytes: Option<u64>,
     /// Bytes waiting in the BPF ring buffer now (producer minus consumer position).
     pub ring_buffer_used_bytes: Option<u64>,
+    /// Times the source's pins were found removed or replaced and pinned again, for sources
+    /// whose pins are guarded.
+    pub pins_restored: Option<u64>,
 }
 
 pub mod ebpf;
@@ -313,9 +351,9 @@ impl std::str::FromStr for SourceChoice {
 pub struct SourceOptions {
     /// eBPF: ring buffer size in bytes (a power of two; 0 means the default).
     pub ring_buffer_bytes: usize,
-    /// eBPF: pin the programs and maps in bpffs for this tree, so the next agent adopts them
-    /// (see `ebpf::pins`); none: they go with the agent.
-    pub ebpf_pin_for: Option<std::path::PathBuf>,
+    /// eBPF: pin the programs and maps in bpffs as this instance's for this tree, so its next
+    /// agent adopts them (see `ebpf::pins`); none: they go with the agent.
+    pub ebpf_pins: Option<ebpf::PinOwner>,
 }
 
 /// Opens the chosen source. With [`SourceChoice::Auto`], each refusal is logged with its reason
@@ -368,7 +406,7 @@ fn open_kind(
                         )
                     })?;
             }
-            ebpf_options.pin_for = options.ebpf_pin_for.clone();
+            ebpf_options.pins = options.ebpf_pins.clone();
             std::sync::Arc::new(ebpf::open(sink, cancel, ebpf_options)?)
         }
         SourceKind::Fanotify => std::sync::Arc::new(fanotify::open(sink, cancel)?),

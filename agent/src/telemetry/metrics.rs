@@ -670,6 +670,15 @@ impl StateCollector {
                 [(source_label(), ConstGauge::new(clamp(size)))],
             )?;
         }
+        if let Some(restored) = stats.pins_restored {
+            family(
+                encoder,
+                "plugin_agent_event_source_pins_restored",
+                "Times the source's pinned eBPF programs and maps were found removed or replaced (by another process) and pinned again.",
+                MetricType::Counter,
+                [(source_label(), ConstCounter::new(restored))],
+            )?;
+        }
         if let Some(used) = stats.ring_buffer_used_bytes {
             family(
                 encoder,
@@ -777,6 +786,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_event_source_dropped_events_total",
     "plugin_agent_event_source_ring_buffer_size_bytes",
     "plugin_agent_event_source_ring_buffer_used_bytes",
+    "plugin_agent_event_source_pins_restored_total",
     "plugin_agent_watched_directories",
     "plugin_agent_event_source_info",
     "plugin_agent_build_info",
@@ -817,6 +827,7 @@ mod tests {
                 dropped: 3,
                 ring_buffer_size_bytes: Some(4096),
                 ring_buffer_used_bytes: Some(128),
+                pins_restored: Some(1),
             }
         }
     }

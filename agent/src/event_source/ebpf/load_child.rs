@@ -12,7 +12,7 @@
 //! adopts.
 //!
 //! ```text
-//! agent --spawn /proc/self/exe __plugin-agent-load ROOT ring wakeup batch_ns watched names hooks-->
+//! agent --spawn /proc/self/exe __plugin-agent-load ROOT RUNTIME_DIR ring wakeup batch_ns watched names hooks-->
 //!        child: loader::load (kernel layout read here, BTF, verifier, attach), pins::pin
 //!       <--stdout: "OK\n" selection "\n" timings | "ER\n" load error | "NP\n" pin error--
 //! agent: pins::adopt -> the reader, as after a restart
@@ -23,13 +23,14 @@
 //! agent's (the same error, with nothing loaded twice).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 
 use super::hooks::HookChoice;
 use super::loader::{self, LoadParams};
+use super::pins::Owner as PinOwner;
 
 /// The argument `main` recognises before anything else and hands to [`child_main`].
 pub const CHILD_ARG: &str = "__plugin-agent-load";
@@ -49,16 +50,20 @@ pub(super) enum Outcome {
     NotPinned(String),
 }
 
-/// Loads and pins the programs for the tree at `root` in a child process. An error: the child
-/// could not run or answer (the caller loads in its own process).
-pub(super) fn load_and_pin(params: &LoadParams, root: &Path) -> anyhow::Result<Outcome> {
-    let args = [CHILD_ARG.into(), root.as_os_str().to_owned()]
-        .into_iter()
-        .chain(
-            encode_params(params)
-                .into_iter()
-                .map(std::ffi::OsString::from),
-        );
+/// Loads and pins the programs as `owner`'s in a child process. An error: the child could not
+/// run or answer (the caller loads in its own process).
+pub(super) fn load_and_pin(params: &LoadParams, owner: &PinOwner) -> anyhow::Result<Outcome> {
+    let args = [
+        CHILD_ARG.into(),
+        owner.tree.as_os_str().to_owned(),
+        owner.runtime_dir.as_os_str().to_owned(),
+    ]
+    .into_iter()
+    .chain(
+        encode_params(params)
+            .into_iter()
+            .map(std::ffi::OsString::from),
+    );
     let stdout = super::run_child("eBPF load", args)?;
     decode(&String::from_utf8_lossy(&stdout))
 }
@@ -66,7 +71,7 @@ pub(super) fn load_and_pin(params: &LoadParams, root: &Path) -> anyhow::Result<O
 /// The child's whole life: load, attach, pin, say how it went on stdout, exit.
 pub fn child_main() -> std::process::ExitCode {
     let answer = match decode_args(std::env::args_os().skip(2)) {
-        Ok((root, params)) => load_in_child(&root, &params),
+        Ok((owner, params)) => load_in_child(&owner, &params),
         Err(err) => format!("{LOAD_ERROR}\n{err:#}"),
     };
     match std::io::stdout().lock().write_all(answer.as_bytes()) {
@@ -75,7 +80,7 @@ pub fn child_main() -> std::process::ExitCode {
     }
 }
 
-fn load_in_child(root: &Path, params: &LoadParams) -> String {
+fn load_in_child(owner: &PinOwner, params: &LoadParams) -> String {
     let Some(identity) = super::identity(params) else {
         return format!("{LOAD_ERROR}\nthis plugin-agent was built without the eBPF event source");
     };
@@ -83,9 +88,8 @@ fn load_in_child(root: &Path, params: &LoadParams) -> String {
         Ok(loaded) => loaded,
         Err(err) => return format!("{LOAD_ERROR}\n{err:#}"),
     };
-    let dir = super::pins::tree_dir(root);
-    match super::pin_loaded(&mut loaded, &dir, &identity, root) {
-        Ok(()) => format!("{OK}\n{}\n{}", loaded.hooks, loaded.timings),
+    match super::pin_loaded(&mut loaded, &owner.dir(), &identity, owner) {
+        Ok(_) => format!("{OK}\n{}\n{}", loaded.hooks, loaded.timings),
         Err(err) => format!("{PIN_ERROR}\n{err:#}"),
     }
 }
@@ -107,8 +111,11 @@ fn encode_params(params: &LoadParams) -> Vec<String> {
 
 fn decode_args(
     mut args: impl Iterator<Item = std::ffi::OsString>,
-) -> anyhow::Result<(PathBuf, LoadParams)> {
-    let root = PathBuf::from(args.next().context("no tree root")?);
+) -> anyhow::Result<(PinOwner, LoadParams)> {
+    let owner = PinOwner {
+        tree: PathBuf::from(args.next().context("no tree root")?),
+        runtime_dir: PathBuf::from(args.next().context("no runtime directory")?),
+    };
     let mut next = |what: &str| -> anyhow::Result<String> {
         args.next()
             .and_then(|a| a.into_string().ok())
@@ -124,7 +131,7 @@ fn decode_args(
         // A short-lived process already: no layout child of its own.
         layout_here: true,
     };
-    Ok((root, params))
+    Ok((owner, params))
 }
 
 fn decode(stdout: &str) -> anyhow::Result<Outcome> {
@@ -146,6 +153,7 @@ fn decode(stdout: &str) -> anyhow::Result<Outcome> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn the_parameters_reach_the_child_as_they_were() {
@@ -158,10 +166,13 @@ mod tests {
             hooks: HookChoice::Only(super::super::HookFamily::Tracepoints),
             layout_here: false,
         };
-        let args = std::iter::once("/var/lib/kubelet/plugins_registry".into())
+        let args = ["/var/lib/kubelet/plugins_registry", "/run/plugin-agent"]
+            .into_iter()
+            .map(Into::into)
             .chain(encode_params(&params).into_iter().map(Into::into));
-        let (root, decoded) = decode_args(args).expect("decodes");
-        assert_eq!(root, Path::new("/var/lib/kubelet/plugins_registry"));
+        let (owner, decoded) = decode_args(args).expect("decodes");
+        assert_eq!(owner.tree, Path::new("/var/lib/kubelet/plugins_registry"));
+        assert_eq!(owner.runtime_dir, Path::new("/run/plugin-agent"));
         assert_eq!(
             super::super::identity_settings(&decoded),
             super::super::identity_settings(&params),

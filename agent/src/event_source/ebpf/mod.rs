@@ -45,6 +45,8 @@ mod load_child;
 mod loader;
 mod mapping;
 mod name_holders;
+mod pin_guard;
+mod pin_owners;
 mod pins;
 mod reader;
 mod record;
@@ -53,6 +55,7 @@ mod stats;
 mod tracefs;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -95,9 +98,10 @@ pub struct EbpfOptions {
     /// Which kernel hooks may be used; `None` (the default) reads [`HOOKS_ENV`], which defaults to
     /// [`HookChoice::Auto`] (fentry where the kernel allows it, else syscall tracepoints).
     pub hooks: Option<HookChoice>,
-    /// The watched tree whose programs and maps are pinned in bpffs (see `pins`), so the next
-    /// agent adopts them instead of loading; `None`: nothing outlives the agent.
-    pub pin_for: Option<PathBuf>,
+    /// The agent instance and watched tree whose programs and maps are pinned in bpffs (see
+    /// `pins`), so the instance's next agent adopts them instead of loading; `None`: nothing
+    /// outlives the agent.
+    pub pins: Option<PinOwner>,
 }
 
 impl Default for EbpfOptions {
@@ -108,7 +112,7 @@ impl Default for EbpfOptions {
             watched_capacity: 16384,
             names_capacity: 16384,
             hooks: None,
-            pin_for: None,
+            pins: None,
         }
     }
 }
@@ -141,8 +145,13 @@ pub struct EbpfSource {
     /// Where the load time went.
     timings: LoadTimings,
     /// Owns the programs and their links when they are not pinned; kept for its `Drop`. Pinned
-    /// (or adopted) programs need no object: their pinned links keep them attached.
+    /// (or adopted) programs need no object: their pinned links keep them attached, and
+    /// `pin_guard` holds them while the agent runs.
     _ebpf: Mutex<Option<aya::Ebpf>>,
+    /// What is wrong with the source now (its pins damaged), for status and /readyz.
+    problems: Arc<crate::event_source::ProblemReport>,
+    /// How many times the pins were found damaged and pinned again; none when not pinned.
+    pins_restored: Option<Arc<AtomicU64>>,
     /// Stops the reader when the source is dropped before the agent's token fires.
     stop_reader: CancellationToken,
 }
@@ -174,11 +183,11 @@ pub fn open(
         layout_here: false,
     };
     let identity = identity(&params);
-    let pin_dir = options.pin_for.as_deref().map(pins::tree_dir);
-    if options.pin_for.is_some() {
-        let orphans = pins::remove_orphans();
+    let pin_dir = options.pins.as_ref().map(PinOwner::dir);
+    if let Some(owner) = &options.pins {
+        let orphans = pin_owners::remove_orphans(owner);
         if !orphans.is_empty() {
-            tracing::info!(removed = ?orphans, "removed the pinned eBPF programs of trees that are gone");
+            tracing::info!(removed = ?orphans, "removed pinned eBPF programs nobody will use again (trees gone, earlier runs of this instance)");
         }
     }
     if let (Some(dir), Some(identity)) = (&pin_dir, &identity) {
@@ -193,8 +202,8 @@ pub fn open(
             ),
         }
     }
-    if let (Some(dir), Some(identity), Some(root)) = (&pin_dir, &identity, &options.pin_for) {
-        match load_child::load_and_pin(&params, root) {
+    if let (Some(dir), Some(identity), Some(owner)) = (&pin_dir, &identity, &options.pins) {
+        match load_child::load_and_pin(&params, owner) {
             Ok(load_child::Outcome::Pinned { selection, timings }) => {
                 match pins::adopt(dir, identity) {
                     Ok(Some(adopted)) => {
@@ -226,10 +235,12 @@ pub fn open(
     // Parsing the kernel's BTF for fentry/fexit targets takes tens of MiB for a moment; glibc
     // would keep them mapped for the agent's life.
     crate::memory::trim();
-    let pinned = match (&pin_dir, &identity, &options.pin_for) {
-        (Some(dir), Some(identity), Some(root)) => {
-            match pin_loaded(&mut loaded, dir, identity, root) {
-                Ok(()) => true,
+    let held = match (&pin_dir, &identity, &options.pins) {
+        (Some(dir), Some(identity), Some(owner)) => {
+            match pin_loaded(&mut loaded, dir, identity, owner)
+                .and_then(|set| pin_guard::Held::open(&set))
+            {
+                Ok(held) => Some(held),
                 Err(e) => {
                     // Links taken out and not pinned are gone: load again, unpinned.
                     tracing::warn!(
@@ -237,12 +248,13 @@ pub fn open(
                         "cannot pin the eBPF programs: running unpinned (a restart loads them again)"
                     );
                     loaded = loader::load(&params)?;
-                    false
+                    None
                 }
             }
         }
-        _ => false,
+        _ => None,
     };
+    let pinned = held.is_some();
     let pins = pin_dir
         .as_deref()
         .filter(|_| pinned)
@@ -286,6 +298,7 @@ pub fn open(
             description,
             timings: loaded.timings,
             ebpf,
+            held: held.zip(pin_dir),
         },
         sink,
         cancel,
@@ -354,21 +367,24 @@ struct Started {
     description: String,
     timings: LoadTimings,
     ebpf: Option<aya::Ebpf>,
+    /// The pinned set's objects and its tree's pin directory, for `pin_guard`.
+    held: Option<(pin_guard::Held, PathBuf)>,
 }
 
-/// Takes the links out of `loaded` and pins them with its maps as the tree's new set.
+/// Takes the links out of `loaded` and pins them with its maps as the tree's new set; returns
+/// the set's directory.
 fn pin_loaded(
     loaded: &mut loader::Loaded,
     dir: &std::path::Path,
     identity: &pins::Identity,
-    root: &std::path::Path,
-) -> anyhow::Result<()> {
+    owner: &PinOwner,
+) -> anyhow::Result<PathBuf> {
     let links = loader::take_links(&mut loaded.ebpf, std::mem::take(&mut loaded.links))?;
     let family = match loaded.hooks.family {
         HookFamily::Fentry => "fentry",
         HookFamily::Tracepoints => "tracepoints",
     };
-    let mut meta = pins::Meta::new(identity, root, family, loaded.attached.clone());
+    let mut meta = pins::Meta::new(identity, owner, family, loaded.attached.clone());
     meta.load_ms = u64::try_from(loaded.timings.total().as_millis()).unwrap_or(u64::MAX);
     pins::pin(&mut loaded.ebpf, links, dir, &meta)
 }
@@ -394,13 +410,8 @@ fn start_adopted(
         adopted: Some(adopted.opened_in),
         ..LoadTimings::default()
     };
-    let pins = options
-        .pin_for
-        .as_deref()
-        .map(pins::tree_dir)
-        .unwrap_or_default()
-        .display()
-        .to_string();
+    let tree_dir = options.pins.as_ref().map(PinOwner::dir).unwrap_or_default();
+    let pins = tree_dir.display().to_string();
     // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
     let object = loader::object_hash().unwrap_or_default();
     // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
@@ -456,6 +467,7 @@ fn start_adopted(
             description,
             timings,
             ebpf: None,
+            held: Some((adopted.held, tree_dir)),
         },
         sink,
         cancel,
@@ -486,6 +498,18 @@ fn start(
         ring: ring_occupancy,
         ring_buffer_bytes: options.ring_buffer_bytes,
     };
+    let problems = Arc::new(crate::event_source::ProblemReport::default());
+    let pins_restored = started.held.map(|(held, tree_dir)| {
+        let restored = Arc::new(AtomicU64::new(0));
+        runtime.spawn(pin_guard::guard(
+            held,
+            tree_dir,
+            Arc::clone(&problems),
+            Arc::clone(&restored),
+            stop_reader.clone(),
+        ));
+        restored
+    });
     runtime.spawn(
         Reader {
             ring: maps.ring,
@@ -504,20 +528,16 @@ fn start(
         stats,
         timings: started.timings,
         _ebpf: Mutex::new(started.ebpf),
+        problems,
+        pins_restored,
         stop_reader,
     })
 }
 
-/// Removes the pinned programs and maps of the tree at `root` (its programs detach); false when
-/// there were none.
-pub fn remove_pins(root: &std::path::Path) -> anyhow::Result<bool> {
-    pins::remove_tree(root)
-}
-
-/// Removes every tree's pinned programs and maps; returns their directories.
-pub fn remove_all_pins() -> anyhow::Result<Vec<PathBuf>> {
-    pins::remove_all()
-}
+pub use pin_owners::{
+    Cleanup as PinCleanup, remove_all as remove_all_pins, remove_own as remove_own_pins,
+};
+pub use pins::Owner as PinOwner;
 
 fn take_map<T>(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<T>
 where
@@ -569,7 +589,17 @@ impl EventSource for EbpfSource {
     }
 
     fn stats(&self) -> SourceStats {
-        self.stats.snapshot()
+        SourceStats {
+            pins_restored: self
+                .pins_restored
+                .as_ref()
+                .map(|restored| restored.load(Ordering::Relaxed)),
+            ..self.stats.snapshot()
+        }
+    }
+
+    fn report_problems_to(&self, report: Box<dyn Fn(Option<String>) + Send + Sync>) {
+        self.problems.connect(report);
     }
 
     fn entry_present(&self, dir: &WatchedDir, name: &std::ffi::OsStr, entry: Entry) -> bool {

@@ -1,9 +1,9 @@
 //! Pinned kernel state: the programs' links and the maps the agent uses live in bpffs, one
-//! directory per watched tree, so they outlive the agent that loaded them.
+//! directory per agent instance and watched tree, so they outlive the agent that loaded them.
 //!
 //! ```text
-//! /sys/fs/bpf/plugin-agent/<tree>/set-<n>/  EVENTS WATCHED NAMES LOSSES AGENT  link-<program>-<i>...  META
-//!                                            (maps)                              (keep programs attached)  (pinned last: the commit)
+//! /sys/fs/bpf/plugin-agent/i<instance>/<tree>/set-<n>/  EVENTS WATCHED NAMES LOSSES AGENT  link-<program>-<i>...  META
+//!                                                        (maps)                              (keep programs attached)  (pinned last: the commit)
 //! start: a set whose META says this object and these settings --> adopt: open the maps, write
 //!        AGENT (own tgid); no BTF, no verifier, nothing detached, nothing missed in between
 //!        else --> load, attach, pin a new set, then remove the others (their programs detach)
@@ -16,6 +16,14 @@
 //! pinned, so a crash mid-pin leaves an incomplete set that the next start removes. Removing a
 //! set's directory unpins its links, which detaches its programs: `plugin-agent cleanup` does
 //! that for good; stopping the agent does not.
+//!
+//! Whose they are: an instance is named by its runtime directory (the admin socket's, which
+//! `runtime_dir::lock` gives one running agent at a time) and that directory's inode, so two
+//! agents on one tree (an observer beside a registrar, a host agent beside one in a container)
+//! each keep their own set and never adopt or remove the other's, and a restart of the same
+//! instance (a container whose runtime directory is a host path included) adopts its own.
+//! `pin_owners` judges whose a set is and whether its owner runs; `pin_guard` keeps a running
+//! agent's set in place.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -30,8 +38,8 @@ use super::ring::Ring;
 /// Where every tree's pins live.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/plugin-agent";
 
-/// The format of [`Meta`]; a set written in another is never adopted.
-const FORMAT: u32 = 1;
+/// The format of [`Meta`]; a set written in another is never adopted. 2: sets have an owner.
+const FORMAT: u32 = 2;
 
 /// The maps userspace opens from a set (the others are the programs' own, kept by them).
 const PINNED_MAPS: [&str; 5] = [
@@ -58,18 +66,27 @@ pub struct Meta {
     pub attached: Vec<String>,
     /// How long the original load took (what adopting saves).
     pub load_ms: u64,
+    /// The owning instance's runtime directory, as its agent names it (see `pin_owners`).
+    #[serde(default)]
+    pub runtime_dir: String,
+    /// The inode of the owning agent's mount namespace, in which `runtime_dir` and `root` mean
+    /// what they say; 0 in a set written before sets had owners.
+    #[serde(default)]
+    pub mount_ns: u64,
 }
 
 impl Meta {
-    pub fn new(identity: &Identity, root: &Path, family: &str, attached: Vec<String>) -> Meta {
+    pub fn new(identity: &Identity, owner: &Owner, family: &str, attached: Vec<String>) -> Meta {
         Meta {
             format: FORMAT,
             object: identity.object.clone(),
             settings: identity.settings.clone(),
-            root: root.display().to_string(),
+            root: owner.tree.display().to_string(),
             family: family.to_owned(),
             attached,
             load_ms: 0,
+            runtime_dir: owner.runtime_dir.display().to_string(),
+            mount_ns: own_mount_ns(),
         }
     }
 }
@@ -95,10 +112,49 @@ impl Identity {
     }
 }
 
-/// The pin directory of the tree at `root`.
-pub fn tree_dir(root: &Path) -> PathBuf {
+/// Whose pins these are: the agent instance with this runtime directory, watching this tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The watched tree (absolute).
+    pub tree: PathBuf,
+    /// The instance's runtime directory (absolute), which exists while its agent runs.
+    pub runtime_dir: PathBuf,
+}
+
+impl Owner {
+    /// The pin directory of this instance's sets of this tree.
+    pub fn dir(&self) -> PathBuf {
+        instance_dir(&self.runtime_dir).join(tree_name(&self.tree))
+    }
+}
+
+/// The directory of every set of the instance whose runtime directory is `runtime_dir`: its path
+/// and its inode (a runtime directory made again is another instance's; `pin_owners` removes
+/// the sets its earlier self left).
+pub fn instance_dir(runtime_dir: &Path) -> PathBuf {
     use std::os::unix::ffi::OsStrExt;
-    Path::new(PIN_ROOT).join(format!("{:016x}", fnv1a(root.as_os_str().as_bytes())))
+    use std::os::unix::fs::MetadataExt;
+    let mut key = runtime_dir.as_os_str().as_bytes().to_vec();
+    if let Ok(meta) = std::fs::metadata(runtime_dir) {
+        key.extend_from_slice(format!("\0{}:{}", meta.dev(), meta.ino()).as_bytes());
+    }
+    Path::new(PIN_ROOT).join(format!("{INSTANCE_PREFIX}{:016x}", fnv1a(&key)))
+}
+
+/// What an instance directory's name starts with; a bare hash is a tree directory of the
+/// layout before sets had owners (see `pin_owners::remove_legacy`).
+pub const INSTANCE_PREFIX: &str = "i";
+
+/// A tree's directory name within its instance's.
+pub fn tree_name(root: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    format!("{:016x}", fnv1a(root.as_os_str().as_bytes()))
+}
+
+/// The inode of this process's mount namespace: where the paths it names mean what they say.
+pub fn own_mount_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/mnt").map_or(0, |m| m.ino())
 }
 
 /// The maps of an adopted set, and what the loader that made it computed.
@@ -108,6 +164,8 @@ pub struct Adopted {
     pub names: super::name_holders::NameTable,
     pub losses: Array<MapData, u64>,
     pub meta: Meta,
+    /// The set's objects, held so that they outlive a removal of the pins (see `pin_guard`).
+    pub held: super::pin_guard::Held,
     /// Time to find and open the set.
     pub opened_in: Duration,
 }
@@ -122,7 +180,9 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
     sets.sort();
     sets.reverse();
     for set in &sets {
-        let Ok(meta) = read_meta(set) else { continue };
+        let Ok(mut meta) = read_meta(set) else {
+            continue;
+        };
         if !identity.matches(&meta) {
             continue;
         }
@@ -136,12 +196,21 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
             })
         };
         let agent: Array<MapData, u32> = open(names::AGENT)?.try_into()?;
+        let held = super::pin_guard::Held::open(set)?;
+        // A restarted container is in a mount namespace of its own: the set is judged in it now.
+        let mount_ns = own_mount_ns();
+        if meta.mount_ns != mount_ns {
+            meta.mount_ns = mount_ns;
+            let mut map = Map::Array(MapData::from_pin(set.join(names::META))?);
+            write_meta(&mut map, &meta)?;
+        }
         let adopted = Adopted {
             events: Ring::from_map(open(names::EVENTS)?)?,
             watched: open(names::WATCHED)?.try_into()?,
             names: open(names::NAMES)?.try_into()?,
             losses: open(names::LOSSES)?.try_into()?,
             meta,
+            held,
             opened_in: Duration::ZERO,
         };
         set_agent(agent)?;
@@ -164,30 +233,36 @@ pub fn set_agent(mut agent: Array<MapData, u32>) -> anyhow::Result<()> {
 }
 
 /// Pins `ebpf`'s maps and `links` as a new set of `dir` with `meta` as its commit, then removes
-/// the other sets of `dir` (detaching their programs: these are attached already).
+/// the other sets of `dir` (detaching their programs: these are attached already). Returns the
+/// new set's directory.
 pub fn pin(
     ebpf: &mut aya::Ebpf,
     links: Vec<(String, aya::programs::links::FdLink)>,
     dir: &Path,
     meta: &Meta,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<PathBuf> {
     ensure_bpffs()?;
     let others = sets_of(dir);
+    let set = new_set(dir)?;
+    if let Err(e) = pin_into(ebpf, links, &set, meta) {
+        remove_set(&set);
+        return Err(e);
+    }
+    for other in &others {
+        remove_set(other);
+    }
+    Ok(set)
+}
+
+/// Makes a new, empty set directory in `dir`, named by the time (newest sorts last).
+pub fn new_set(dir: &Path) -> anyhow::Result<PathBuf> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let set = dir.join(format!("set-{nanos:024}"));
     std::fs::create_dir_all(&set)
         .with_context(|| format!("cannot create the pin directory {}", set.display()))?;
-    let pinned = pin_into(ebpf, links, &set, meta);
-    if pinned.is_err() {
-        remove_set(&set);
-        return pinned;
-    }
-    for other in &others {
-        remove_set(other);
-    }
-    Ok(())
+    Ok(set)
 }
 
 fn pin_into(
@@ -206,17 +281,11 @@ fn pin_into(
         link.pin(set.join(&name))
             .with_context(|| format!("cannot pin link {name}"))?;
     }
-    let bytes = serde_json::to_vec(meta)?;
-    if bytes.len() > META_BYTES {
-        bail!("pin metadata is {} bytes, over {META_BYTES}", bytes.len());
-    }
-    let mut value = [0u8; META_BYTES];
-    value[..bytes.len()].copy_from_slice(&bytes);
-    let map = ebpf
-        .map_mut(names::META)
-        .context("the eBPF object has no map META")?;
-    let mut array: Array<&mut MapData, [u8; META_BYTES]> = map.try_into()?;
-    array.set(0, value, 0).context("cannot write META")?;
+    write_meta(
+        ebpf.map_mut(names::META)
+            .context("the eBPF object has no map META")?,
+        meta,
+    )?;
     // Last: the set is complete from here on.
     ebpf.map(names::META)
         .context("the eBPF object has no map META")?
@@ -224,7 +293,20 @@ fn pin_into(
         .context("cannot pin map META")
 }
 
-fn read_meta(set: &Path) -> anyhow::Result<Meta> {
+/// Writes `meta` into a set's META map.
+pub fn write_meta(map: &mut Map, meta: &Meta) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec(meta)?;
+    if bytes.len() > META_BYTES {
+        bail!("pin metadata is {} bytes, over {META_BYTES}", bytes.len());
+    }
+    let mut value = [0u8; META_BYTES];
+    value[..bytes.len()].copy_from_slice(&bytes);
+    let mut array: Array<&mut MapData, [u8; META_BYTES]> = map.try_into()?;
+    array.set(0, value, 0).context("cannot write META")
+}
+
+/// The metadata of the set in `set`, if it is complete.
+pub fn read_meta(set: &Path) -> anyhow::Result<Meta> {
     let data = MapData::from_pin(set.join(names::META))?;
     let array: Array<MapData, [u8; META_BYTES]> = Map::Array(data).try_into()?;
     let value = array.get(&0, 0)?;
@@ -233,7 +315,7 @@ fn read_meta(set: &Path) -> anyhow::Result<Meta> {
 }
 
 /// The sets (sub-directories) of `dir`.
-fn sets_of(dir: &Path) -> Vec<PathBuf> {
+pub fn sets_of(dir: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir)
         .map(|entries| {
             entries
@@ -245,60 +327,17 @@ fn sets_of(dir: &Path) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-/// Unpins a set: its links go, so its programs detach; its maps go with the last user.
-fn remove_set(set: &Path) {
+/// Unpins a set: its links go, so its programs detach (unless a running agent holds them, see
+/// `pin_guard`); its maps go with the last user.
+pub fn remove_set(set: &Path) {
     if let Err(e) = std::fs::remove_dir_all(set) {
         tracing::warn!(pins = %set.display(), error = %e, "cannot remove pinned eBPF programs and maps");
     }
 }
 
-/// Removes the pins of the tree at `root` (its programs detach); returns whether there were any.
-pub fn remove_tree(root: &Path) -> anyhow::Result<bool> {
-    let dir = tree_dir(root);
-    match std::fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e).with_context(|| format!("cannot remove {}", dir.display())),
-    }
-}
-
-/// Removes every tree's pins; returns the trees' directories removed.
-pub fn remove_all() -> anyhow::Result<Vec<PathBuf>> {
-    remove_trees(|_| true)
-}
-
-/// Removes the pins of trees whose watched directory no longer exists (a test's temporary tree,
-/// a driver's uninstalled directory), so their programs stop running on every syscall.
-pub fn remove_orphans() -> Vec<PathBuf> {
-    remove_trees(|sets| {
-        sets.iter()
-            .filter_map(|set| read_meta(set).ok())
-            .all(|meta| !Path::new(&meta.root).exists())
-    })
-    .unwrap_or_default()
-}
-
-fn remove_trees(remove: impl Fn(&[PathBuf]) -> bool) -> anyhow::Result<Vec<PathBuf>> {
-    let mut removed = Vec::new();
-    let entries = match std::fs::read_dir(PIN_ROOT) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {PIN_ROOT}")),
-    };
-    for dir in entries.filter_map(Result::ok).map(|e| e.path()) {
-        let sets = sets_of(&dir);
-        if !sets.is_empty() && remove(&sets) {
-            std::fs::remove_dir_all(&dir)
-                .with_context(|| format!("cannot remove {}", dir.display()))?;
-            removed.push(dir);
-        }
-    }
-    Ok(removed)
-}
-
 /// Makes sure bpffs is mounted at `/sys/fs/bpf` (systemd mounts it on most nodes; mounting it
 /// needs CAP_SYS_ADMIN, which the privileged DaemonSet has).
-fn ensure_bpffs() -> anyhow::Result<()> {
+pub fn ensure_bpffs() -> anyhow::Result<()> {
     let bpffs = Path::new("/sys/fs/bpf");
     if is_bpffs(bpffs) {
         return Ok(());
@@ -325,9 +364,13 @@ mod tests {
     use super::*;
 
     fn meta(identity: &Identity) -> Meta {
+        let owner = Owner {
+            tree: "/var/lib/kubelet/plugins_registry".into(),
+            runtime_dir: "/run/plugin-agent".into(),
+        };
         Meta::new(
             identity,
-            Path::new("/var/lib/kubelet/plugins_registry"),
+            &owner,
             "tracepoints",
             vec!["tracepoint syscalls/sys_enter_bind".into()],
         )
@@ -357,11 +400,25 @@ mod tests {
     }
 
     #[test]
-    fn each_tree_has_its_own_directory() {
-        let a = tree_dir(Path::new("/var/lib/kubelet/plugins_registry"));
-        let b = tree_dir(Path::new("/var/lib/kubelet/plugins_registry2"));
+    fn each_instance_and_tree_has_its_own_directory() {
+        let runtime = tempfile::tempdir().expect("tempdir");
+        let owner = |tree: &str, runtime_dir: &Path| Owner {
+            tree: tree.into(),
+            runtime_dir: runtime_dir.to_path_buf(),
+        };
+        let a = owner("/var/lib/kubelet/plugins_registry", runtime.path()).dir();
+        let b = owner("/var/lib/kubelet/plugins_registry2", runtime.path()).dir();
         assert_ne!(a, b);
         assert!(a.starts_with(PIN_ROOT));
-        assert_eq!(a, tree_dir(Path::new("/var/lib/kubelet/plugins_registry")));
+        assert_eq!(
+            a,
+            owner("/var/lib/kubelet/plugins_registry", runtime.path()).dir()
+        );
+        // Another agent's runtime directory is another instance.
+        let other = tempfile::tempdir().expect("tempdir");
+        assert_ne!(
+            a,
+            owner("/var/lib/kubelet/plugins_registry", other.path()).dir()
+        );
     }
 }
