@@ -966,15 +966,16 @@ mod programs {
     }
 
     // ---------------------------------------------------------------------------------------------
-    // listen, close: whether something serves a socket (the agent's liveness hints)
+    // listen, close, shutdown: whether something serves a socket (the agent's liveness hints)
 
-    // Attached in every hook family (there is no VFS function for either). A bound socket that
+    // Attached in every hook family (there is no VFS function for any). A bound socket that
     // starts listening is reported so an unserved plugin registers the moment it serves; a closed
+    // (or shut down: connects are refused from then on, though the process keeps the descriptor)
     // descriptor of a listening socket whose file is still there is reported so the agent checks,
     // with one connect, whether the listener went with it (another descriptor, in a child say,
     // may still hold it); after an unlink, the removal has said it all (`still_linked`). A process
     // that exits closes its descriptors without `close`: that is the pidfd the agent holds for
-    // each registered plugin's server.
+    // each process serving a registered plugin.
 
     /// `TCP_LISTEN`, the state of a listening socket (unix sockets reuse the TCP states).
     const TCP_LISTEN: u8 = 10;
@@ -1136,8 +1137,8 @@ mod programs {
             .is_some_and(|links| links != 0)
     }
 
-    /// A listening socket's descriptor closes: parked until `close` returns, then reported if it
-    /// succeeded (by `close_exit`).
+    /// A listening socket's descriptor closes or is shut down (`close` and `shutdown` both take
+    /// it first): parked until the call returns, then reported if it succeeded (by `close_exit`).
     #[tracepoint]
     pub fn close_enter(ctx: TracePointContext) -> u32 {
         let _ = try_close_enter(&ctx);

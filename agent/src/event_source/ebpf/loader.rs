@@ -125,16 +125,30 @@ const CONNECT_HOOKS: &[TracepointHook] = &[
     },
 ];
 
-/// The tracepoint family's release hint: a `close` of a listening socket's descriptor (the
-/// fentry family has `unix_release` instead, which also sees exits).
+/// The tracepoint family's release hints: a `close` of a listening socket's descriptor (the
+/// fentry family has `unix_release` instead, which also sees exits), and a `shutdown` of it (the
+/// process keeps the descriptor, and every connect is refused from then on). The programs read
+/// the descriptor alike from both calls' first argument.
 const CLOSE_HOOKS: &[TracepointHook] = &[
     TracepointHook {
         program: "close_enter",
-        tracepoints: &["sys_enter_close"],
+        tracepoints: &["sys_enter_close", "sys_enter_shutdown"],
     },
     TracepointHook {
         program: "close_exit",
-        tracepoints: &["sys_exit_close"],
+        tracepoints: &["sys_exit_close", "sys_exit_shutdown"],
+    },
+];
+
+/// The fentry family's `shutdown` hint (`unix_release` sees no shutdown: the socket lives on).
+const SHUTDOWN_HOOKS: &[TracepointHook] = &[
+    TracepointHook {
+        program: "close_enter",
+        tracepoints: &["sys_enter_shutdown"],
+    },
+    TracepointHook {
+        program: "close_exit",
+        tracepoints: &["sys_exit_shutdown"],
     },
 ];
 
@@ -406,7 +420,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     mounted_tracefs |= tracefs::ensure_mounted()?;
     let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
     let sockets = match selection.family {
-        HookFamily::Fentry => sockets.collect::<Vec<_>>(),
+        HookFamily::Fentry => sockets.chain(SHUTDOWN_HOOKS).collect::<Vec<_>>(),
         HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
     };
     for hook in sockets {

@@ -13,9 +13,13 @@
 //! fork, fd passing, socket activation), so one connect attempt decides:
 //! - refused (or the listener is gone with the socket file left behind): the plugin is
 //!   **unserved**, reported to the executor as a [`Loss`], which deregisters it;
-//! - accepted: the listener lives on in another process, which the socket's credentials cannot
-//!   name (they are the `listen()` caller's). The registration stays; what ends it from then on is
-//!   the socket's next change (or, with the eBPF source, the kernel's report of its release).
+//! - accepted: the listener lives on in other processes, which the socket's credentials cannot
+//!   name (they are the `listen()` caller's). Liveness follows the listening socket, not a
+//!   process: [`holders`] finds the processes holding a descriptor of it (from `/proc`), and
+//!   their exits are watched in the server's place; the first to exit makes one connect decide
+//!   again (and the holders are found again while it still accepts). An idle holder that never
+//!   accepts still serves: the kernel queues connections for it. No holder found (a listener in
+//!   flight between processes): the registration stays until the socket changes, as before.
 //!
 //! A registration restored from a previous agent (`persist`) has no registration connection. The
 //! previous agent recorded its server's pid and pidfs inode (Linux 6.9+), and while that process
@@ -24,14 +28,17 @@
 //! is not "called"). Both find sockets whose server died while no agent ran.
 //!
 //! With the eBPF source the kernel adds two hints ([`Liveness::kernel_hint`]): a registered
-//! plugin's listening socket was released (fentry: its last reference dropped, whoever held it,
-//! which covers the death of a process it was handed to; syscall tracepoints: a `close()` of one
-//! of its descriptors, which covers a listener closed while its process lives on), checked with
-//! the same connect; and a bound socket started listening, which moves an unserved socket on at
-//! once.
+//! plugin's listening socket was released or shut down (fentry: its last reference dropped,
+//! whoever held it, which covers the death of a process it was handed to; syscall tracepoints: a
+//! `close()` of one of its descriptors, which covers a listener closed while its process lives
+//! on; both: a `shutdown()` of it, after which every connect is refused though the process keeps
+//! the descriptor), checked with the same connect; and a bound socket started listening, which
+//! moves an unserved socket on at once.
 //!
 //! This room imports only `state` (the socket identity a probe checks first); the executor owns
 //! the [`Liveness`] and is what a [`Loss`] is reported to.
+
+mod holders;
 
 use crate::state::{EntryKind, SocketId};
 use std::collections::HashMap;
@@ -596,14 +603,14 @@ impl Liveness {
     /// A server whose exit cannot be watched (no pidfd): one connect says whether it is gone
     /// already (it died between the connection and the pidfd); served, nothing more is known.
     async fn check_unwatchable(
-        &self,
+        self: &Arc<Self>,
         path: &Path,
         generation: Uuid,
         socket: SocketId,
         pid: Option<u32>,
     ) {
-        if probe(path, socket).await.0 == Probe::Refused {
-            self.lost(
+        match probe(path, socket).await.0 {
+            Probe::Refused => self.lost(
                 path,
                 generation,
                 LearnedBy::ConnectProbe,
@@ -612,13 +619,17 @@ impl Liveness {
                     "its server ({}) was gone before its exit could be watched, and nothing listens on the socket",
                     DisplayPid(pid)
                 ),
-            );
+            ),
+            // The process that listened is gone (or cannot be watched): whoever holds the
+            // listener now serves it.
+            Probe::Served => self.follow_holders(path, generation, socket, pid).await,
+            Probe::Replaced => {}
         }
     }
 
     /// The server of `path`'s registration exited: one connect decides.
     async fn decide(
-        &self,
+        self: &Arc<Self>,
         path: &Path,
         generation: Uuid,
         socket: SocketId,
@@ -637,14 +648,72 @@ impl Liveness {
                     DisplayPid(pid)
                 ),
             ),
-            Probe::Served => tracing::info!(
-                socket_path = %path.display(), server = %DisplayPid(pid),
-                "the plugin's server exited but its socket still accepts connections (handed on: fork, fd passing or socket activation): it stays registered until the socket changes"
-            ),
+            Probe::Served => self.follow_holders(path, generation, socket, pid).await,
             Probe::Replaced => {
                 tracing::debug!(socket_path = %path.display(), "the plugin's server exited and its socket went or was replaced: the watcher sees to it")
             }
         }
+    }
+
+    /// `path`'s socket still accepts connections though the process that listened (`gone`) is
+    /// gone: the processes holding its listener serve it, and the first of them to exit makes one
+    /// connect decide again. Nothing is watched when none is found (see the module docs).
+    async fn follow_holders(
+        self: &Arc<Self>,
+        path: &Path,
+        generation: Uuid,
+        socket: SocketId,
+        gone: Option<u32>,
+    ) {
+        let owned = path.to_path_buf();
+        let holders = tokio::task::spawn_blocking(move || holders::holding(&owned, socket))
+            .await
+            .unwrap_or_default();
+        if holders.is_empty() {
+            tracing::info!(
+                socket_path = %path.display(), server = %DisplayPid(gone),
+                "the plugin's server exited but its socket still accepts connections, and no process holds its listener that the agent can see (in flight between processes?): it stays registered until the socket changes"
+            );
+            return;
+        }
+        let pids: Vec<u32> = holders.iter().map(|h| h.pid).collect();
+        tracing::info!(
+            socket_path = %path.display(), server = %DisplayPid(gone), holders = ?pids,
+            "the plugin's listener lives on in other processes (handed on: fork, fd passing or socket activation): their exits are watched in its server's place"
+        );
+        let this = Arc::downgrade(self);
+        let path: Arc<Path> = Arc::from(path);
+        let owned = path.clone();
+        self.spawn_watch_of(path, generation, socket, async move {
+            let exits = holders.into_iter().map(|holder| {
+                let pid = holder.pid;
+                Box::pin(async move { (exited(holder.pidfd).await, pid) })
+            });
+            let ((waited, pid), _, _) = futures::future::select_all(exits).await;
+            if let Err(e) = waited {
+                tracing::warn!(socket_path = %owned.display(), error = %e, "cannot wait on the plugin listener's holder: its exit goes unnoticed");
+                return;
+            }
+            let since = Instant::now();
+            let Some(this) = this.upgrade() else { return };
+            this.decide_again(owned, generation, socket, since, pid).await;
+        });
+    }
+
+    /// [`decide`](Self::decide) after a holder's exit, as a named future type: deciding may
+    /// follow holders again, whose task awaits this.
+    fn decide_again(
+        self: Arc<Self>,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        since: Instant,
+        pid: u32,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            self.decide(&path, generation, socket, since, Some(pid))
+                .await;
+        })
     }
 
     fn lost(
@@ -688,8 +757,39 @@ impl Liveness {
         socket: SocketId,
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
+        self.spawn_watch_if(path, generation, socket, task, false);
+    }
+
+    /// [`spawn_watch`](Self::spawn_watch) for a registration already watched: nothing is put in
+    /// when the path's watch is gone or of another registration by now (what ran meanwhile
+    /// decided).
+    fn spawn_watch_of(
+        &self,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        self.spawn_watch_if(path, generation, socket, task, true);
+    }
+
+    fn spawn_watch_if(
+        &self,
+        path: Arc<Path>,
+        generation: Uuid,
+        socket: SocketId,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+        only_if_current: bool,
+    ) {
         let abort = {
             let mut watches = self.lock();
+            let current = watches
+                .by_path
+                .get(&path)
+                .is_some_and(|w| w.generation == generation);
+            if only_if_current && !current {
+                return;
+            }
             let task = tokio::spawn(task);
             let watch = Watch {
                 generation,
