@@ -34,8 +34,9 @@ pub mod names {
     pub const LOSSES: &str = "LOSSES";
     /// The [`crate::Config`] global.
     pub const CONFIG: &str = "CONFIG";
-    /// `Array<u32>`, one entry: the agent's tgid, whose own filesystem activity is not reported
-    /// back (0 reports everyone). Written by every agent that loads or adopts the programs.
+    /// `Array<u32>`, indexed by [`crate::agent`]: the agent's tgid, whose own filesystem activity
+    /// is not reported back (0 reports everyone), and whether the name table is incomplete.
+    /// Written by every agent that loads or adopts the programs.
     pub const AGENT: &str = "AGENT";
     /// `Array<[u8; META_BYTES]>`, one entry: what the loader computed (object hash, settings,
     /// hooks), for the next agent deciding whether to adopt the pinned programs. Never read by
@@ -82,6 +83,20 @@ pub mod kind {
 }
 
 /// How precisely the event locates the entry, in [`Event::scope`].
+/// The slots of the `AGENT` map.
+pub mod agent {
+    /// The agent's tgid.
+    pub const TGID: u32 = 0;
+    /// Non-zero once a socket name did not fit `NAMES` (the agent keeps room for directories'
+    /// names): a removal by a multi-component path whose name `NAMES` lacks is then reported
+    /// when its parent component is a known name, as a hint to look in the directories so
+    /// named. Without this, the agent emptied the table and rescanned, and with more sockets
+    /// than the table holds it rescanned for ever.
+    pub const NAMES_INCOMPLETE: u32 = 1;
+    /// The map's size.
+    pub const SLOTS: u32 = 2;
+}
+
 pub mod scope {
     /// [`crate::Event::parent`] is the identity of the directory holding the entry.
     pub const EXACT: u32 = 1;

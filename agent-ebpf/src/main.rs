@@ -36,7 +36,7 @@ mod programs {
 
     use agent_ebpf::{
         COMM_LEN, Config, DirKey, Event, META_BYTES, NAME_LEN, NameHolder, NameKey, PATH_BUF_LEN,
-        kind, loss, scope,
+        agent, kind, loss, scope,
     };
     use aya_ebpf::EbpfContext;
     use aya_ebpf::helpers::generated::bpf_get_current_cgroup_id;
@@ -104,9 +104,9 @@ mod programs {
     #[map]
     static LAST_WAKE: Array<u64> = Array::with_max_entries(1, 0);
 
-    /// The agent's tgid (see `names::AGENT`).
+    /// The agent's tgid and whether the name table is incomplete (see `names::AGENT`).
     #[map]
-    static AGENT: Array<u32> = Array::with_max_entries(1, 0);
+    static AGENT: Array<u32> = Array::with_max_entries(agent::SLOTS, 0);
 
     /// What the loader computed, for an agent that adopts these programs (see `names::META`).
     #[map]
@@ -254,8 +254,16 @@ mod programs {
     /// The agent's own filesystem activity is not reported back. The tgid is in a map, not in
     /// CONFIG: an agent that adopts pinned programs writes its own.
     fn is_agent() -> bool {
-        let agent = AGENT.get(0).copied().unwrap_or(0);
+        let agent = AGENT.get(agent::TGID).copied().unwrap_or(0);
         agent != 0 && current_tgid() == agent
+    }
+
+    /// Whether some socket names are not in `NAMES` (see `agent::NAMES_INCOMPLETE`).
+    #[inline(always)]
+    fn names_incomplete() -> bool {
+        AGENT
+            .get(agent::NAMES_INCOMPLETE)
+            .is_some_and(|flag| *flag != 0)
     }
 
     /// The kernel identity of the directory `dentry` names.
@@ -947,7 +955,11 @@ mod programs {
         };
         // SAFETY: `pending` is a live map value of this thread; its name is a whole key.
         let by_name = unsafe { (*pending).scope } == scope::NAME_IF_KNOWN;
-        let concerns_tree = !by_name || unsafe { NAMES.get(&(*pending).name) }.is_some();
+        // A name the table may lack (it is incomplete) counts when the path's parent component
+        // is a known name: the agent looks for it in the directories so named.
+        let concerns_tree = !by_name
+            || unsafe { NAMES.get(&(*pending).name) }.is_some()
+            || (names_incomplete() && unsafe { (*pending).parent.ino } != 0);
         // A known name's removal, or a listener's release (see `wake_flags_when`).
         let prompt = by_name || unsafe { (*pending).kind } == kind::RELEASE;
         if succeeded && concerns_tree {

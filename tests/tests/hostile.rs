@@ -1682,3 +1682,81 @@ async fn follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again(
         "{test}: {listed:?}"
     );
 }
+
+/// The sum of `family`'s samples on `addr`'s /metrics.
+fn metric_sum(addr: std::net::SocketAddr, family: &str) -> f64 {
+    let (_, body) = plugin_agent_tests::http::http_get(addr, "/metrics");
+    body.lines()
+        .filter(|l| {
+            l.strip_prefix(family)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Issue 44, item 7: more distinct socket names than the eBPF name table keeps (16,384 slots,
+/// three quarters for sockets) made the agent empty the table and rescan, which filled it again:
+/// 30 CPU s in 30 s of quiet, for as long as the sockets stayed. Now the names beyond the room
+/// are left out and the kernel places their removals by the parent directory's name: the agent
+/// is quiet (no rescan), a new plugin registers at once, and its removal by absolute path (its
+/// name is one of those left out) deregisters it by the kernel's report, not a safety pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ebpf_more_sockets_than_the_name_table_holds_cost_no_rescans() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    std::fs::create_dir(dir.path("idle")).expect("mkdir");
+    for i in 0..13_000 {
+        // Bound and closed: the files stay, and nothing listens on them.
+        drop(
+            std::os::unix::net::UnixListener::bind(dir.path(&format!("idle/idle-{i}.sock")))
+                .expect("bind"),
+        );
+    }
+    let mut options = AgentOptions::new(Source::Ebpf, &dir.root());
+    options.extra = vec!["--metrics-addr".into(), "127.0.0.1:0".into()];
+    let Some(agent) = AgentProcess::start(test, options).await else {
+        return;
+    };
+    let addr = plugin_agent_tests::http::metrics_addr(&agent).await;
+    let rescans =
+        move || tokio::task::spawn_blocking(move || metric_sum(addr, "plugin_agent_rescans_total"));
+    let before = rescans().await.expect("scrape");
+    let plugin = plugin!(dir.path("late.sock")).name("late").spawn();
+    let began = Instant::now();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    eprintln!(
+        "{test}: registered in {:?} beside 13,000 idle sockets",
+        began.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = rescans().await.expect("scrape");
+    assert_eq!(
+        after, before,
+        "{test}: the agent rescanned while nothing changed"
+    );
+    assert!(
+        !agent
+            .logs_since(Mark(0), |l| l
+                .message()
+                .starts_with("more sockets in the tree than"))
+            .is_empty(),
+        "{test}: the name table never filled: the case was not reached"
+    );
+    let socket = plugin.socket().to_path_buf();
+    let mark = agent.mark();
+    plugin.stop().await;
+    agent
+        .wait_for_log_after(
+            mark,
+            "the late plugin's removal",
+            Duration::from_secs(5),
+            logs::deregistered(&socket),
+        )
+        .await;
+    assert_eq!(
+        rescans().await.expect("scrape"),
+        before,
+        "{test}: a rescan found it"
+    );
+}

@@ -190,6 +190,25 @@ pub(crate) mod tests {
     /// except where there is no `bpf` syscall at all: qemu-user, which `cargo xtask cross-test`
     /// runs the arm64 build under, does not emulate it; the host stage runs these natively).
     pub(crate) fn hash_map<K: Pod, V: Pod>(max_entries: u32) -> Option<BpfHashMap<MapData, K, V>> {
+        // BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC
+        let data = create_map(1, size_of::<K>(), size_of::<V>(), max_entries, 1)?;
+        Some(BpfHashMap::try_from(Map::HashMap(data)).expect("a hash map"))
+    }
+
+    /// An array of `u32`, as the programs' `AGENT` map (see [`hash_map`]).
+    pub(crate) fn array_u32(max_entries: u32) -> Option<aya::maps::Array<MapData, u32>> {
+        // BPF_MAP_TYPE_ARRAY
+        let data = create_map(2, 4, 4, max_entries, 0)?;
+        Some(aya::maps::Array::try_from(Map::Array(data)).expect("an array"))
+    }
+
+    fn create_map(
+        map_type: u32,
+        key_size: usize,
+        value_size: usize,
+        max_entries: u32,
+        map_flags: u32,
+    ) -> Option<MapData> {
         #[repr(C)]
         #[derive(Default)]
         struct CreateAttr {
@@ -200,11 +219,11 @@ pub(crate) mod tests {
             map_flags: u32,
         }
         let attr = CreateAttr {
-            map_type: 1, // BPF_MAP_TYPE_HASH
-            key_size: size_of::<K>() as u32,
-            value_size: size_of::<V>() as u32,
+            map_type,
+            key_size: key_size as u32,
+            value_size: value_size as u32,
             max_entries,
-            map_flags: 1, // BPF_F_NO_PREALLOC
+            map_flags,
         };
         // SAFETY: a valid `bpf_attr` prefix of the size passed, only read by the kernel.
         let fd =
@@ -221,8 +240,7 @@ pub(crate) mod tests {
         }
         // SAFETY: the kernel just returned this descriptor, and nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let data = MapData::from_fd(fd).expect("aya opens the map");
-        Some(BpfHashMap::try_from(Map::HashMap(data)).expect("a hash map"))
+        Some(MapData::from_fd(fd).expect("aya opens the map"))
     }
 
     fn fill(map: &mut BpfHashMap<MapData, NameKey, NameHolder>, count: u32) {

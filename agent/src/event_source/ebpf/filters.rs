@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_ebpf::{DirKey, NameHolder, NameKey};
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError};
 use tokio::sync::Notify;
 
 use super::name_holders::{DirIndex, NameHolders, NameTable};
@@ -47,6 +47,11 @@ struct Names {
     next_id: u32,
     /// What the kernel's table holds, when a walk can know it without a lookup per name.
     fresh: Fresh,
+    /// Names in the kernel's table (userspace is its only writer).
+    len: usize,
+    /// How many of them sockets may take: the rest is kept for directories, whose names the
+    /// kernel needs to place a removal by a multi-component path (see [`Filters::remember_sockets`]).
+    socket_room: usize,
 }
 
 /// What the kernel's table is known to hold (userspace is its only writer), so that a walk's
@@ -140,9 +145,21 @@ impl Names {
 /// `BPF_NOEXIST`: an update that only inserts.
 const BPF_NOEXIST: u64 = 1;
 
-/// The name table is full: the reader clears it and asks for a rescan, which refills it.
+/// Sockets may fill the name table but for this share of it (a quarter), kept for directories.
+const DIRECTORY_SHARE: usize = 4;
+
+/// A directory's name did not fit the name table (its room for sockets is kept apart, so only
+/// more directories than that room hold): the reader clears it and asks for a rescan, which
+/// refills it.
 #[derive(Debug)]
 pub struct NamesFull;
+
+/// The sizes the maps were made with.
+#[derive(Debug, Clone, Copy)]
+pub struct Capacities {
+    pub watched: u32,
+    pub names: u32,
+}
 
 /// The watched-directory and name filters, shared by the source (writer) and its reader.
 pub struct Filters {
@@ -150,9 +167,15 @@ pub struct Filters {
     names: Mutex<Names>,
     paths: Mutex<HashMap<DirKey, PathBuf>>,
     watched_capacity: u32,
-    /// Set when `entry_present` could not record a name; the reader clears the map and rescans.
+    /// Set when `entry_present` could not record a directory's name; the reader clears the map
+    /// and rescans.
     names_overflowed: AtomicBool,
     overflow: Notify,
+    /// The programs' `AGENT` map, whose `NAMES_INCOMPLETE` slot says that socket names were left
+    /// out of the table.
+    agent: Mutex<Array<MapData, u32>>,
+    /// Whether that slot is set: some sockets' names are not in the table.
+    incomplete: AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,24 +185,49 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Filters {
-    /// Takes the two filter maps from the loaded object.
+    /// Takes the two filter maps and the agent's map from the loaded object.
     pub fn new(
         watched: BpfHashMap<MapData, DirKey, u8>,
         names: NameTable,
-        watched_capacity: u32,
+        agent: Array<MapData, u32>,
+        capacities: Capacities,
     ) -> Self {
+        let capacity = capacities.names as usize;
         Filters {
             watched: Mutex::new(watched),
             names: Mutex::new(Names {
                 fresh: Fresh::of(&names),
+                len: names.keys().count(),
                 map: names,
                 holders: NameHolders::default(),
                 next_id: 1,
+                socket_room: capacity - capacity / DIRECTORY_SHARE,
             }),
             paths: Mutex::new(HashMap::new()),
-            watched_capacity,
+            watched_capacity: capacities.watched,
             names_overflowed: AtomicBool::new(false),
             overflow: Notify::new(),
+            agent: Mutex::new(agent),
+            incomplete: AtomicBool::new(false),
+        }
+    }
+
+    /// Some socket names were left out of the table: the kernel reports a removal of a name it
+    /// lacks when the path's parent component is a known name (see `agent::NAMES_INCOMPLETE`).
+    fn names_incomplete(&self) {
+        if self.incomplete.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match lock(&self.agent).set(agent_ebpf::agent::NAMES_INCOMPLETE, 1, 0) {
+            Ok(()) => tracing::warn!(
+                "more sockets in the tree than the eBPF name table keeps room for: the names of the rest are not kept, and a removal by a path of several components is placed by its parent directory's name instead (no rescans; raise the table with more sockets than this)"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot mark the eBPF name table incomplete: rescanning instead");
+                self.incomplete.store(false, Ordering::Release);
+                self.names_overflowed.store(true, Ordering::Release);
+                self.overflow.notify_one();
+            }
         }
     }
 
@@ -245,27 +293,41 @@ impl Filters {
             Entry::Directory => names.next_id,
             Entry::Socket => 0,
         };
-        match names
-            .map
-            .insert(key, NameHolders::new_holder(dir, id), BPF_NOEXIST)
-        {
-            Ok(()) => {
+        let room = match entry {
+            Entry::Directory => true,
+            Entry::Socket => names.len < names.socket_room,
+        };
+        let inserted = room.then(|| {
+            names
+                .map
+                .insert(key, NameHolders::new_holder(dir, id), BPF_NOEXIST)
+        });
+        let in_table = match inserted {
+            Some(Ok(())) => {
+                names.len += 1;
                 if id != 0 {
                     names.took_id(name, id);
                 }
                 return Ok(true);
             }
-            Err(MapError::SyscallError(error))
-                if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                if let Some(held) = names.holders.hold(&names.map, &key, name, dir) {
-                    if entry == Entry::Directory && held.entry.id == 0 {
-                        assign_id(names, &key, name, held.entry);
-                    }
-                    return Ok(held.new_here);
-                }
+            Some(Err(MapError::SyscallError(error))) => {
+                error.io_error.raw_os_error() == Some(libc::EEXIST)
             }
-            Err(_) => {}
+            Some(Err(_)) => false,
+            // No room for a socket's name: the table may hold it already (another directory's).
+            None => true,
+        };
+        if in_table && let Some(held) = names.holders.hold(&names.map, &key, name, dir) {
+            if entry == Entry::Directory && held.entry.id == 0 {
+                assign_id(names, &key, name, held.entry);
+            }
+            return Ok(held.new_here);
+        }
+        if entry == Entry::Socket {
+            // Not kept: the kernel places its removal by the parent's name from now on.
+            drop(guard);
+            self.names_incomplete();
+            return Ok(false);
         }
         // Full, or gone between the insertion and the lookup (only a kernel error takes a name
         // out): not remembered, and the reader is told.
@@ -276,8 +338,11 @@ impl Filters {
 
     /// [`remember_name`](Self::remember_name) for sockets `names` of `dir`, the new ones
     /// written to the kernel's table in batches (see `batched`). Returns, name by name, whether
-    /// it was new in `dir`; [`NamesFull`] when some did not fit (those are not remembered; the reader is
-    /// told, as for one name).
+    /// it was new in `dir`. Sockets take at most the table's socket room; the names that do not
+    /// fit are not kept, and the kernel is told the table is incomplete (a removal by a path of
+    /// several components is then placed by its parent directory's name): more sockets than the
+    /// table holds cost nothing more, where emptying the table and rescanning did it again and
+    /// again.
     pub fn remember_sockets(
         &self,
         dir: &WatchedDir,
@@ -288,6 +353,8 @@ impl Filters {
             map,
             holders,
             fresh,
+            len,
+            socket_room,
             ..
         } = &mut *guard;
         let dir = holders.dir(Self::key(dir));
@@ -308,9 +375,11 @@ impl Filters {
                 None => to_insert.push((index, (key, NameHolders::new_holder(dir, 0)))),
             }
         }
+        let room = socket_room.saturating_sub(*len).min(to_insert.len());
         let entries: Vec<(NameKey, NameHolder)> =
-            to_insert.iter().map(|(_, entry)| *entry).collect();
+            to_insert[..room].iter().map(|(_, entry)| *entry).collect();
         let inserted = super::batched::insert(map, &entries);
+        *len += inserted;
         if inserted > 0 {
             fresh.walked(dir);
         }
@@ -318,9 +387,8 @@ impl Filters {
             new[*index] = true;
         }
         if inserted < to_insert.len() {
-            self.names_overflowed.store(true, Ordering::Release);
-            self.overflow.notify_one();
-            return Err(NamesFull);
+            drop(guard);
+            self.names_incomplete();
         }
         Ok(new)
     }
@@ -333,9 +401,13 @@ impl Filters {
             return;
         };
         let mut guard = lock(&self.names);
-        let Names { map, holders, .. } = &mut *guard;
+        let Names {
+            map, holders, len, ..
+        } = &mut *guard;
         let dir = holders.known_dir(&Self::key(dir));
-        holders.release(map, &key, name.as_bytes(), dir);
+        if holders.release(map, &key, name.as_bytes(), dir) {
+            *len = len.saturating_sub(1);
+        }
     }
 
     /// The name the kernel's id `id` stands for (see [`Names`]).
@@ -363,6 +435,7 @@ impl Filters {
         super::batched::empty(&mut names.map);
         names.fresh = Fresh::of(&names.map);
         names.holders.clear();
+        names.len = 0;
     }
 
     /// The agent's path of the watched directory with kernel identity `key`.
@@ -373,11 +446,70 @@ impl Filters {
 
 #[cfg(test)]
 mod tests {
-    use super::super::batched::tests::{hash_map, name_table};
+    use super::super::batched::tests::{array_u32, hash_map, name_table};
     use super::*;
 
+    fn filters_of(names: u32) -> Option<Filters> {
+        let capacities = Capacities { watched: 8, names };
+        Some(Filters::new(
+            hash_map(8)?,
+            name_table(names)?,
+            array_u32(agent_ebpf::agent::SLOTS)?,
+            capacities,
+        ))
+    }
+
     fn filters() -> Option<Filters> {
-        Some(Filters::new(hash_map(8)?, name_table(64)?, 8))
+        filters_of(64)
+    }
+
+    /// Issue 44, item 7: more sockets than the table's room made the reader empty the table and
+    /// rescan, which filled it again: a rescan loop for as long as they existed. Now the names
+    /// that do not fit are left out, the kernel is told the table is incomplete, directories
+    /// keep their room, and nothing asks for a rescan.
+    #[test]
+    fn sockets_beyond_the_table_s_room_are_left_out_without_a_rescan() {
+        let Some(filters) = filters_of(8) else {
+            return;
+        };
+        let incomplete = |filters: &Filters| {
+            lock(&filters.agent)
+                .get(&agent_ebpf::agent::NAMES_INCOMPLETE, 0)
+                .expect("the slot")
+        };
+        let root = dir(1);
+        assert_eq!(incomplete(&filters), 0);
+        let many: Vec<String> = (0..10).map(|i| format!("s{i}.sock")).collect();
+        let many: Vec<&OsStr> = many.iter().map(OsStr::new).collect();
+        let found = filters.remember_sockets(&root, &many).expect("no overflow");
+        assert_eq!(
+            found.iter().filter(|new| **new).count(),
+            6,
+            "the socket room of 8"
+        );
+        assert_eq!(incomplete(&filters), 1);
+        assert!(matches!(
+            filters.remember_name(&root, OsStr::new("one-more.sock"), Entry::Socket),
+            Ok(false)
+        ));
+        // Directories still fit, and take ids.
+        assert!(matches!(
+            filters.remember_name(&root, OsStr::new("sub"), Entry::Directory),
+            Ok(true)
+        ));
+        assert_ne!(entry(&filters, "sub").map(|e| e.id), Some(0));
+        assert!(!filters.take_names_overflow(), "no rescan asked");
+        // Names that leave make room for others (the directory took a place of the eight).
+        filters.forget_name(&root, OsStr::new("s0.sock"));
+        assert!(matches!(
+            filters.remember_name(&root, OsStr::new("late.sock"), Entry::Socket),
+            Ok(false)
+        ));
+        filters.forget_name(&root, OsStr::new("s1.sock"));
+        assert!(matches!(
+            filters.remember_name(&root, OsStr::new("late.sock"), Entry::Socket),
+            Ok(true)
+        ));
     }
 
     fn dir(ino: u64) -> WatchedDir {

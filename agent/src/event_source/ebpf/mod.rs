@@ -67,7 +67,7 @@ use tokio::sync::mpsc::Sender;
 use tokio_util::sync::CancellationToken;
 
 pub use self::btf::{KernelBtf, Member, resolve_offsets};
-use self::filters::Filters;
+use self::filters::{Capacities, Filters};
 pub use self::hooks::{HOOKS_ENV, HookChoice, HookFamily};
 pub use self::layout::{
     CHILD_ARG as KERNEL_LAYOUT_CHILD_ARG, child_main as kernel_layout_child_main,
@@ -262,8 +262,9 @@ pub fn open(
     let object = loader::object_hash().unwrap_or_default();
     tracing::info!(timings = %loaded.timings, pinned, pins, object, "eBPF programs loaded");
     let ebpf = &mut loaded.ebpf;
-    pins::set_agent(take_map(ebpf, names::AGENT)?)?;
+    let agent = pins::set_agent(take_map(ebpf, names::AGENT)?)?;
     let maps = Maps {
+        agent,
         watched: take_map(ebpf, names::WATCHED)?,
         names: take_map(ebpf, names::NAMES)?,
         ring: Ring::from_map(
@@ -309,6 +310,7 @@ pub fn open(
 
 /// The maps the source reads and steers.
 struct Maps {
+    agent: Array<MapData, u32>,
     watched: BpfHashMap<MapData, DirKey, u8>,
     names: name_holders::NameTable,
     ring: Ring,
@@ -455,6 +457,7 @@ fn start_adopted(
     batched::empty(&mut adopted.watched);
     batched::empty(&mut adopted.names);
     let maps = Maps {
+        agent: adopted.agent,
         watched: adopted.watched,
         names: adopted.names,
         ring: adopted.events,
@@ -490,7 +493,11 @@ fn start(
     let filters = Arc::new(Filters::new(
         maps.watched,
         maps.names,
-        options.watched_capacity,
+        maps.agent,
+        Capacities {
+            watched: options.watched_capacity,
+            names: options.names_capacity,
+        },
     ));
     let stop_reader = cancel.child_token();
     let stats = DeliveryStats {

@@ -122,25 +122,31 @@ impl NameHolders {
     }
 
     /// `dir` no longer holds `name` (`key`). The name leaves the kernel's table when no watched
-    /// directory holds it any more; another holder takes the entry's place when it was the
-    /// entry's.
-    pub fn release(&mut self, table: &mut NameTable, key: &NameKey, name: &[u8], dir: DirIndex) {
+    /// directory holds it any more (then true); another holder takes the entry's place when it
+    /// was the entry's.
+    pub fn release(
+        &mut self,
+        table: &mut NameTable,
+        key: &NameKey,
+        name: &[u8],
+        dir: DirIndex,
+    ) -> bool {
         let Some(mut holder) = holder(table, key) else {
-            return;
+            return false;
         };
         let Some(others) = self.also_in.get_mut(name) else {
             if holder.dir != dir.0 {
                 // Not held in `dir`: nothing changes.
-                return;
+                return false;
             }
             // Absent keys are fine: the lookup and the removal are both under the caller's lock,
             // so only a kernel error leaves the name, which then over-reports.
-            let _ = table.remove(key);
+            let removed = table.remove(key).is_ok();
             if holder.id != 0 {
                 self.by_id.remove(&holder.id);
                 crate::memory::shrink_if_sparse(&mut self.by_id);
             }
-            return;
+            return removed;
         };
         if holder.dir == dir.0 {
             if let Some(next) = others.pop() {
@@ -155,6 +161,7 @@ impl NameHolders {
         if others.is_empty() {
             self.also_in.remove(name);
         }
+        false
     }
 
     /// The name the id `id` stands for.

@@ -163,6 +163,7 @@ pub struct Adopted {
     pub watched: BpfHashMap<MapData, DirKey, u8>,
     pub names: super::name_holders::NameTable,
     pub losses: Array<MapData, u64>,
+    pub agent: Array<MapData, u32>,
     pub meta: Meta,
     /// The set's objects, held so that they outlive a removal of the pins (see `pin_guard`).
     pub held: super::pin_guard::Held,
@@ -195,7 +196,7 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
                 _ => Map::Array(data),
             })
         };
-        let agent: Array<MapData, u32> = open(names::AGENT)?.try_into()?;
+        let agent = set_agent(open(names::AGENT)?.try_into()?)?;
         let held = super::pin_guard::Held::open(set)?;
         // A restarted container is in a mount namespace of its own: the set is judged in it now.
         let mount_ns = own_mount_ns();
@@ -209,11 +210,11 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
             watched: open(names::WATCHED)?.try_into()?,
             names: open(names::NAMES)?.try_into()?,
             losses: open(names::LOSSES)?.try_into()?,
+            agent,
             meta,
             held,
             opened_in: Duration::ZERO,
         };
-        set_agent(agent)?;
         for other in sets.iter().filter(|s| *s != set) {
             remove_set(other);
         }
@@ -225,11 +226,17 @@ pub fn adopt(dir: &Path, identity: &Identity) -> anyhow::Result<Option<Adopted>>
     Ok(None)
 }
 
-/// Tells the programs which process is the agent (its own activity is not reported).
-pub fn set_agent(mut agent: Array<MapData, u32>) -> anyhow::Result<()> {
+/// Tells the programs which process is the agent (its own activity is not reported) and that
+/// the name table is complete (it is empty: the first walk fills it); returns the map, through
+/// which `filters` says when it is not.
+pub fn set_agent(mut agent: Array<MapData, u32>) -> anyhow::Result<Array<MapData, u32>> {
     agent
-        .set(0, std::process::id(), 0)
-        .context("cannot write the agent's tgid to the AGENT map")
+        .set(agent_ebpf::agent::TGID, std::process::id(), 0)
+        .context("cannot write the agent's tgid to the AGENT map")?;
+    agent
+        .set(agent_ebpf::agent::NAMES_INCOMPLETE, 0, 0)
+        .context("cannot write the AGENT map")?;
+    Ok(agent)
 }
 
 /// Pins `ebpf`'s maps and `links` as a new set of `dir` with `meta` as its commit, then removes
