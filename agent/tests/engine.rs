@@ -511,7 +511,7 @@ impl PluginHandler for RetryGate {
 
 /// The state the admin API lists for the only plugin.
 fn listed_state(agent: &RunningAgent) -> PluginState {
-    let plugins = AdminService::new(agent).list();
+    let (plugins, _) = AdminService::new(agent).list(None, usize::MAX);
     assert_eq!(plugins.len(), 1, "{plugins:?}");
     PluginState::try_from(plugins[0].state).expect("known state")
 }

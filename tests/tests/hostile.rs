@@ -1760,3 +1760,31 @@ async fn ebpf_more_sockets_than_the_name_table_holds_cost_no_rescans() {
         "{test}: a rescan found it"
     );
 }
+
+/// Issue 44, item 7: `list` was one reply holding every socket, and past ~38,000 sockets it
+/// exceeded the 16 MiB message limit and failed. It pages now (1,000 a page, in path order):
+/// `plugin-agent list` over 2,500 sockets asks three times and lists each socket once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_through_thousands_of_sockets() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let sockets: Vec<PathBuf> = (0..2_500)
+        .map(|i| dir.path(&format!("stale-{i:04}.sock")))
+        .collect();
+    for socket in &sockets {
+        drop(std::os::unix::net::UnixListener::bind(socket).expect("bind"));
+    }
+    let options = AgentOptions::new(Source::Inotify, &dir.root());
+    let admin_socket = options.admin_socket.clone();
+    let Some(_agent) = AgentProcess::start(test, options).await else {
+        return;
+    };
+    let listed = tokio::task::spawn_blocking(move || admin::list(&admin_socket))
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), sockets.len(), "{test}: each socket once");
+    assert!(
+        sockets.iter().all(|socket| listed.contains_key(socket)),
+        "{test}: a socket missing from the pages"
+    );
+}

@@ -17,3 +17,27 @@ pub async fn connect(socket: &Path) -> anyhow::Result<AgentClient<Channel>> {
         })?;
     Ok(AgentClient::new(channel).max_decoding_message_size(16 * 1024 * 1024))
 }
+
+/// Every socket the agent knows, page by page (see `ListPlugins`).
+pub async fn list_all(
+    client: &mut AgentClient<Channel>,
+) -> anyhow::Result<Vec<plugin_agent_proto::pluginagent::v1::PluginEntry>> {
+    use plugin_agent_proto::pluginagent::v1::ListPluginsRequest;
+    let mut all = Vec::new();
+    let mut page_token = Vec::new();
+    loop {
+        let page = client
+            .list_plugins(ListPluginsRequest {
+                page_size: 0,
+                page_token,
+            })
+            .await
+            .context("ListPlugins")?
+            .into_inner();
+        all.extend(page.plugins);
+        if page.next_page_token.is_empty() {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}

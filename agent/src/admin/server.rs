@@ -14,6 +14,11 @@ use anyhow::Context;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::path::Path;
 use std::pin::Pin;
+
+/// A `list` page when the client names no size, and the most it may ask for (entries are a few
+/// hundred bytes each: a page stays far below the 16 MiB message limit).
+const DEFAULT_PAGE: usize = 1_000;
+const MAX_PAGE: usize = 5_000;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
@@ -94,11 +99,17 @@ impl AdminService {
         }
     }
 
-    /// Every known socket, desired and registered, sorted by path.
-    pub fn list(&self) -> Vec<api::PluginEntry> {
+    /// The first `limit` known sockets (desired and registered) whose paths sort after `after`,
+    /// in path order, and the path to continue after when more follow.
+    pub fn list(
+        &self,
+        after: Option<&Path>,
+        limit: usize,
+    ) -> (Vec<api::PluginEntry>, Option<std::path::PathBuf>) {
         let now = tokio::time::Instant::now();
-        self.state
-            .all(now)
+        let (page, more) = self.state.page(after, limit, now);
+        let next = page.last().filter(|_| more).map(|last| last.path.clone());
+        let entries = page
             .iter()
             .map(|status| {
                 let mut entry = to_api_entry(status);
@@ -107,7 +118,8 @@ impl AdminService {
                 }
                 entry
             })
-            .collect()
+            .collect();
+        (entries, next)
     }
 
     /// Why `list` shows no first contact for a socket.
@@ -359,8 +371,22 @@ impl api::agent_server::Agent for AdminService {
         request: Request<api::ListPluginsRequest>,
     ) -> Result<Response<api::ListPluginsResponse>, Status> {
         self.authorize(&request)?;
+        use std::os::unix::ffi::{OsStrExt, OsStringExt};
+        let request = request.into_inner();
+        let limit = match request.page_size {
+            0 => DEFAULT_PAGE,
+            size => (size as usize).min(MAX_PAGE),
+        };
+        // The token is the last path of the previous page, as bytes (paths need not be UTF-8).
+        let after = (!request.page_token.is_empty())
+            .then(|| Path::new(std::ffi::OsStr::from_bytes(&request.page_token)));
+        let (plugins, next) = self.list(after, limit);
+        let next_page_token = next
+            .map(|path| path.into_os_string().into_vec())
+            .unwrap_or_default();
         Ok(Response::new(api::ListPluginsResponse {
-            plugins: self.list(),
+            plugins,
+            next_page_token,
         }))
     }
 

@@ -66,11 +66,8 @@ pub(super) async fn list(
     wide: bool,
 ) -> anyhow::Result<()> {
     let mut client = admin::client::connect(socket).await?;
-    let rows: Vec<PluginRow> = client
-        .list_plugins(api::ListPluginsRequest {})
+    let rows: Vec<PluginRow> = admin::client::list_all(&mut client)
         .await?
-        .into_inner()
-        .plugins
         .into_iter()
         .map(PluginRow::from)
         .collect();

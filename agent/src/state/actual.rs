@@ -201,6 +201,16 @@ impl ActualState {
             .collect()
     }
 
+    /// The registered paths for which `keep` holds (without cloning the rest).
+    pub fn paths_where(&self, keep: impl Fn(&Path) -> bool) -> Vec<PathBuf> {
+        self.lock()
+            .by_path
+            .keys()
+            .filter(|p| keep(p))
+            .map(|p| p.to_path_buf())
+            .collect()
+    }
+
     /// Number of registered plugins.
     pub fn len(&self) -> usize {
         self.lock().by_path.len()

@@ -24,7 +24,6 @@ use super::actual::{ActualState, RegisteredPlugin};
 use super::backoff::{Backoff, BackoffTable, FailureKind};
 use super::desired::{DesiredPlugin, DesiredState};
 use crate::provenance::Provenance;
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -161,14 +160,40 @@ impl StateView {
 
     /// The status of every socket desired or registered at `now`, sorted by path.
     pub fn all(&self, now: Instant) -> Vec<PluginStatus> {
-        let paths: BTreeSet<PathBuf> = self
-            .desired
-            .snapshot()
+        self.page(None, usize::MAX, now).0
+    }
+
+    /// The status at `now` of the first `limit` sockets desired or registered whose paths sort
+    /// after `after`, in path order, and whether more follow. Only those are looked at and
+    /// copied: a page of 100,000 sockets costs their paths, not their entries.
+    pub fn page(
+        &self,
+        after: Option<&Path>,
+        limit: usize,
+        now: Instant,
+    ) -> (Vec<PluginStatus>, bool) {
+        let keep = |path: &Path| after.is_none_or(|after| path > after);
+        let mut paths = self.desired.paths_where(keep);
+        // Registered and no longer desired (being deregistered): each path once.
+        let gone: Vec<PathBuf> = self
+            .actual
+            .paths_where(keep)
             .into_iter()
-            .map(|(p, _)| p)
-            .chain(self.actual.snapshot().into_iter().map(|(p, _)| p))
+            .filter(|path| !self.desired.contains(path))
             .collect();
-        paths.iter().map(|path| self.status(path, now)).collect()
+        paths.extend(gone);
+        // The first `limit` (and one more, to know there are more) without sorting the rest.
+        if paths.len() > limit.saturating_add(1) {
+            paths.select_nth_unstable(limit);
+            paths.truncate(limit + 1);
+        }
+        paths.sort_unstable();
+        let more = paths.len() > limit;
+        paths.truncate(limit);
+        (
+            paths.iter().map(|path| self.status(path, now)).collect(),
+            more,
+        )
     }
 }
 
@@ -196,6 +221,58 @@ mod tests {
             actual: Arc::new(ActualState::default()),
             backoff: Arc::new(BackoffTable::default()),
         }
+    }
+
+    /// `list` pages (issue 44, item 7): in path order, each socket once (registered and
+    /// desired, or registered only while it is deregistered), `more` until the last page.
+    #[test]
+    fn pages_cover_every_socket_once_in_path_order() {
+        let (view, registered, _) = registered_at_a();
+        for name in ["d", "b", "e", "c"] {
+            let path = PathBuf::from(format!("/r/{name}.sock"));
+            view.desired
+                .add_or_update(&path, socket(), None)
+                .expect("desired");
+        }
+        // Registered and no longer desired: being deregistered, listed once all the same.
+        let gone = PathBuf::from("/r/f.sock");
+        let entry = view.actual.get(registered).expect("registered");
+        view.actual.add(
+            Arc::from(gone.as_path()),
+            entry.generation,
+            entry.socket,
+            entry.plugin.clone(),
+            Arc::new(AcceptAll),
+            crate::provenance::Provenance::default(),
+        );
+        let now = Instant::now();
+        let mut seen = Vec::new();
+        let mut after: Option<PathBuf> = None;
+        loop {
+            let (page, more) = view.page(after.as_deref(), 2, now);
+            assert!(page.len() <= 2);
+            seen.extend(page.iter().map(|status| status.path.clone()));
+            after = page.last().map(|status| status.path.clone());
+            if !more {
+                break;
+            }
+        }
+        let names: Vec<String> = seen
+            .iter()
+            .map(|p| {
+                p.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        assert_eq!(
+            names,
+            ["a.sock", "b.sock", "c.sock", "d.sock", "e.sock", "f.sock"]
+        );
+        assert_eq!(view.all(now).len(), 6);
+        assert_eq!(view.status(&gone, now).state, PluginState::Deregistering);
+        assert_eq!(view.status(registered, now).state, PluginState::Registered);
     }
 
     /// A view where `/r/a.sock` is desired and registered from that socket.

@@ -72,13 +72,25 @@ pub async fn follow(socket: &Path, ledger: SharedLedger) -> anyhow::Result<()> {
 /// Plugin ids the agent lists as registered (or registered and being deregistered) now.
 pub async fn registered_now(socket: &Path) -> anyhow::Result<HashSet<u64>> {
     let mut client = connect(socket).await?;
-    let list = client
-        .list_plugins(api::ListPluginsRequest {})
-        .await
-        .context("ListPlugins")?
-        .into_inner();
-    Ok(list
-        .plugins
+    // Page by page (see `ListPlugins`).
+    let mut plugins = Vec::new();
+    let mut page_token = Vec::new();
+    loop {
+        let page = client
+            .list_plugins(api::ListPluginsRequest {
+                page_size: 0,
+                page_token,
+            })
+            .await
+            .context("ListPlugins")?
+            .into_inner();
+        plugins.extend(page.plugins);
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    Ok(plugins
         .iter()
         .filter(|p| {
             matches!(
