@@ -16,6 +16,11 @@
 //! progress is the connection that moved most recently, so it is the last one closed; a flood
 //! has to keep `max_connections` connections busier than a scrape to close one.
 //!
+//! Where a server knows its peers (the admin socket: the peer process, from `SO_PEERCRED`), the
+//! connection closed is the quietest of the peer holding the most: an operator's `watch` is long
+//! and quiet between events, and a process opening a thousand `watch` streams closed it (broken
+//! pipe) on its way through the limit; now the flood closes its own connections.
+//!
 //! Why here and not in each server: hyper (HTTP/1) bounds header reads but not a client that stops
 //! reading its response; tonic (HTTP/2) has no idle-connection timeout, and its graceful shutdown
 //! waits for every connection, preface-only and idle ones included. A byte-level wrapper bounds
@@ -104,6 +109,8 @@ struct Activity {
     /// Nanoseconds from the gate's epoch to the last byte read or written.
     last_progress_ns: AtomicU64,
     evict: CancellationToken,
+    /// Who is at the other end, as the server tells peers apart (0 for all where it cannot).
+    peer: u64,
 }
 
 impl OpenConnections {
@@ -117,25 +124,37 @@ impl OpenConnections {
         self.by_id.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn add(&self, evict: CancellationToken) -> (u64, Arc<Activity>) {
+    fn add(&self, evict: CancellationToken, peer: u64) -> (u64, Arc<Activity>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let activity = Arc::new(Activity {
             last_progress_ns: AtomicU64::new(self.ns_at(Instant::now())),
             evict,
+            peer,
         });
         self.lock().insert(id, activity.clone());
         (id, activity)
     }
 
-    /// Closes the open connection quiet for longest (not one already closing); whether there
+    /// Closes, for a newcomer from `peer`, the connection quiet for longest of the peer holding
+    /// the most (the newcomer's own among those tied; not one already closing); whether there
     /// was one.
-    fn evict_quietest(&self) -> bool {
+    fn evict_for(&self, peer: u64) -> bool {
         let open = self.lock();
-        let quietest = open
-            .values()
-            .filter(|a| !a.evict.is_cancelled())
+        let live = || open.values().filter(|a| !a.evict.is_cancelled());
+        let mut held: HashMap<u64, usize> = HashMap::new();
+        for activity in live() {
+            *held.entry(activity.peer).or_default() += 1;
+        }
+        let Some(most) = held.values().copied().max() else {
+            return false;
+        };
+        let busiest = |a: &&Arc<Activity>| held.get(&a.peer) == Some(&most);
+        let own_tied = held.get(&peer) == Some(&most);
+        let victim = live()
+            .filter(busiest)
+            .filter(|a| !own_tied || a.peer == peer)
             .min_by_key(|a| a.last_progress_ns.load(Ordering::Relaxed));
-        match quietest {
+        match victim {
             Some(activity) => {
                 activity.evict.cancel();
                 true
@@ -163,11 +182,16 @@ impl Gate {
     }
 
     /// Waits for a connection from `accept` and admits it, closing the open connection quiet
-    /// for longest first if the server is full; `None` once `stop` fired. Accept errors are
-    /// logged and retried after a pause (EMFILE leaves the connection queued, so retrying at
-    /// once would spin). One call at a time: a full server holds one connection beyond its
-    /// limit, while the one it evicted closes.
-    pub async fn admit<S, F, Fut>(&self, mut accept: F) -> Option<Guarded<S>>
+    /// for longest of the peer holding the most first if the server is full (`peer` names a
+    /// connection's peer; one value for all where they cannot be told apart); `None` once `stop`
+    /// fired. Accept errors are logged and retried after a pause (EMFILE leaves the connection
+    /// queued, so retrying at once would spin). One call at a time: a full server holds one
+    /// connection beyond its limit, while the one it evicted closes.
+    pub async fn admit<S, F, Fut>(
+        &self,
+        mut accept: F,
+        peer: impl Fn(&S) -> u64,
+    ) -> Option<Guarded<S>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = io::Result<S>>,
@@ -180,13 +204,14 @@ impl Gate {
             };
             match accepted {
                 Ok(stream) => {
+                    let peer = peer(&stream);
                     let permit = match self.slots.clone().try_acquire_owned() {
                         Ok(permit) => permit,
                         Err(_) => {
-                            if self.open.evict_quietest() {
+                            if self.open.evict_for(peer) {
                                 tracing::debug!(
                                     server = self.server,
-                                    "connection limit reached: closing the connection quiet for longest"
+                                    "connection limit reached: closing the quietest connection of the peer holding the most"
                                 );
                             }
                             tokio::select! {
@@ -197,7 +222,7 @@ impl Gate {
                         }
                     };
                     let evict = self.stop.child_token();
-                    let (id, activity) = self.open.add(evict.clone());
+                    let (id, activity) = self.open.add(evict.clone(), peer);
                     let slot = Slot {
                         _permit: permit,
                         id,
@@ -392,7 +417,10 @@ mod tests {
         let (ours, _theirs) = tokio::io::duplex(64);
         let mut once = Some(ours);
         let mut conn = gate
-            .admit(|| std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))))
+            .admit(
+                || std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))),
+                |_| 0,
+            )
             .await
             .expect("admitted");
         // Paused time: the read waits for the peer until the idle timer fires.
@@ -414,7 +442,10 @@ mod tests {
         let (ours, mut theirs) = tokio::io::duplex(64);
         let mut once = Some(ours);
         let mut conn = gate
-            .admit(|| std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))))
+            .admit(
+                || std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))),
+                |_| 0,
+            )
             .await
             .expect("admitted");
         for _ in 0..5 {
@@ -429,6 +460,64 @@ mod tests {
         let mut buf = [0u8; 1];
         let error = conn.read(&mut buf).await.expect_err("stopped");
         assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
+    }
+
+    /// Issue 44, item 7: a process opening a thousand admin connections (`watch` streams)
+    /// closed the operator's own `watch`, the quietest. The newcomer now closes the quietest
+    /// connection of the peer holding the most: the flood's own.
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_from_one_peer_closes_its_own_connections_not_another_peer_s() {
+        let stop = CancellationToken::new();
+        let gate = Arc::new(pair_gate(
+            Limits {
+                max_connections: 3,
+                idle: Duration::from_secs(600),
+            },
+            &stop,
+        ));
+        let admit = |gate: &Arc<Gate>, peer: u64| {
+            let gate = gate.clone();
+            let (ours, theirs) = tokio::io::duplex(64);
+            let mut once = Some(ours);
+            let admitted = tokio::spawn(async move {
+                gate.admit(
+                    || std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))),
+                    move |_| peer,
+                )
+                .await
+                .expect("admitted")
+            });
+            (admitted, theirs)
+        };
+        const OPERATOR: u64 = 1;
+        const FLOOD: u64 = 2;
+        // The operator's `watch`: first, and quiet from then on.
+        let (operator, _operator_peer) = admit(&gate, OPERATOR);
+        let mut operator = operator.await.expect("task");
+        let mut flood = Vec::new();
+        for _ in 0..2 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let (conn, peer) = admit(&gate, FLOOD);
+            flood.push((conn.await.expect("task"), peer));
+        }
+        // Full: each newcomer of the flood closes the flood's quietest, ten times over.
+        let mut buf = [0u8; 1];
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let (newcomer, peer) = admit(&gate, FLOOD);
+            let (mut oldest, _oldest_peer) = flood.remove(0);
+            let error = oldest.read(&mut buf).await.expect_err("evicted");
+            assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
+            drop(oldest);
+            flood.push((newcomer.await.expect("admitted"), peer));
+        }
+        let mut operator_peer = _operator_peer;
+        operator_peer.write_all(b"x").await.expect("write");
+        operator
+            .read_exact(&mut buf)
+            .await
+            .expect("the operator's connection stays open");
+        stop.cancel();
     }
 
     /// Issue 22: a scrape waited behind every slow connection of a flood for their idle time.
@@ -447,9 +536,10 @@ mod tests {
             let (ours, theirs) = tokio::io::duplex(64);
             let mut once = Some(ours);
             let admitted = tokio::spawn(async move {
-                gate.admit(|| {
-                    std::future::ready(once.take().ok_or_else(|| io::Error::other("once")))
-                })
+                gate.admit(
+                    || std::future::ready(once.take().ok_or_else(|| io::Error::other("once"))),
+                    |_| 0,
+                )
                 .await
                 .expect("admitted")
             });
@@ -486,7 +576,7 @@ mod tests {
         let error = busy.read(&mut buf).await.expect_err("stopped");
         assert!(error.to_string().contains("shutting down"), "{error}");
         assert!(
-            gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)))
+            gate.admit(|| std::future::ready(Ok(tokio::io::duplex(8).0)), |_| 0)
                 .await
                 .is_none(),
             "nothing is admitted after stop"

@@ -1788,3 +1788,91 @@ async fn list_pages_through_thousands_of_sockets() {
         "{test}: a socket missing from the pages"
     );
 }
+
+/// Issue 44, item 7: 1,000 `watch` connections cut the operator's own live `watch` (broken
+/// pipe): the admin socket keeps 16 connections and each newcomer closed the quietest, which a
+/// `watch` between events is. Now a newcomer closes the quietest connection of the process
+/// holding the most: here the flood's own (one process opening 60 `watch` streams), and the
+/// operator's `plugin-agent watch` still reports the next registration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_watch_streams_from_one_process_leaves_the_operator_s_watch_alone() {
+    use plugin_agent_proto::pluginagent::v1 as api;
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let options = AgentOptions::new(Source::Inotify, &dir.root());
+    let admin_socket = options.admin_socket.clone();
+    let Some(agent) = AgentProcess::start(test, options).await else {
+        return;
+    };
+    let mut watch = std::process::Command::new(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(&admin_socket)
+        .args(["watch", "-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("plugin-agent watch");
+    let events = plugin_agent_tests::events::EventLog::read_from(
+        watch.stdout.take().expect("piped"),
+        "watch".into(),
+    );
+    let said = plugin_agent_tests::events::EventLog::read_from(
+        watch.stderr.take().expect("piped"),
+        "watch-err".into(),
+    );
+    said.wait_for(Mark(0), EVENT_TIMEOUT, |l| {
+        l.message().starts_with("watching events of")
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{test}: watch never went live: {e:?}"));
+    // The flood: this process, one connection per stream, each stream live.
+    let mut flood = Vec::new();
+    for _ in 0..60 {
+        let path = admin_socket.clone();
+        let channel = tonic::transport::Endpoint::from_static("http://agent.invalid")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            }))
+            .await
+            .expect("connect");
+        let mut client = api::agent_client::AgentClient::new(channel);
+        // A stream the agent evicted ends; the flood goes on regardless.
+        if let Ok(stream) = client.watch_events(api::WatchEventsRequest {}).await {
+            flood.push((client, stream.into_inner()));
+        }
+    }
+    let plugin = plugin!(dir.path("after-flood.sock")).name("after").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    agent
+        .wait_for_log(
+            "registered",
+            EVENT_TIMEOUT,
+            logs::registered(plugin.socket()),
+        )
+        .await;
+    let socket = plugin.socket().to_string_lossy().into_owned();
+    events
+        .wait_for(Mark(0), EVENT_TIMEOUT, |l| {
+            l.field_is("kind", "registered") && l.field_is("socket_path", &socket)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{test}: the operator's watch missed the registration: {e:?}\n{}",
+                said.tail(10)
+            )
+        });
+    assert!(
+        watch.try_wait().expect("try_wait").is_none(),
+        "{test}: the operator's watch ended: {}",
+        said.tail(10)
+    );
+    let _ = watch.kill();
+    let _ = watch.wait();
+    drop(flood);
+}

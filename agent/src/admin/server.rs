@@ -557,8 +557,18 @@ pub async fn serve(
         })
     };
     let incoming = futures::stream::unfold((listener, gate), |(listener, gate)| async move {
+        // Peers told apart by process, so a flood from one cannot close another's `watch`.
         let stream = gate
-            .admit(|| async { listener.accept().await.map(|(s, _)| s) })
+            .admit(
+                || async { listener.accept().await.map(|(s, _)| s) },
+                |stream: &tokio::net::UnixStream| {
+                    stream
+                        .peer_cred()
+                        .ok()
+                        .and_then(|cred| cred.pid())
+                        .map_or(0, |pid| u64::from(pid.unsigned_abs()))
+                },
+            )
             .await?;
         Some((Ok::<_, std::io::Error>(stream), (listener, gate)))
     });

@@ -83,7 +83,8 @@ pub async fn serve(
     let gate = crate::serving::Gate::new("metrics", crate::serving::METRICS, cancel.clone());
     let connections = tokio_util::task::TaskTracker::new();
     while let Some(stream) = gate
-        .admit(|| async { listener.accept().await.map(|(s, _)| s) })
+        // Scrapers share the node's loopback address: peers are not told apart.
+        .admit(|| async { listener.accept().await.map(|(s, _)| s) }, |_| 0)
         .await
     {
         let app = app.clone();
