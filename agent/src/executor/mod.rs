@@ -159,6 +159,8 @@ pub struct OperationExecutor {
     backoff: Arc<BackoffTable>,
     slots: Slots,
     backlog: slots::Backlog,
+    /// A safety pass's look at unserved sockets is running (see `recheck_unserved`).
+    rechecking: std::sync::atomic::AtomicBool,
     name_locks: NameLocks,
     tasks: TaskTracker,
     notifications: NotificationBus,
@@ -215,6 +217,7 @@ impl OperationExecutor {
                 cancel.clone(),
             ),
             backlog: slots::Backlog::new(config.max_concurrent.saturating_mul(WAITING_PER_SLOT)),
+            rechecking: std::sync::atomic::AtomicBool::new(false),
             name_locks: NameLocks::default(),
             tasks: TaskTracker::new(),
             notifications,
@@ -270,7 +273,13 @@ impl OperationExecutor {
         {
             return Start::BackingOff { until };
         }
-        if !self.backlog.admit(path) {
+        // A socket an event reported goes before the sockets a walk found (see `slots`).
+        let lane = if desired.by_event {
+            slots::Lane::Prompt
+        } else {
+            slots::Lane::Scan
+        };
+        if !self.backlog.admit(path, lane) {
             return Start::Deferred;
         }
         let claim = match self.claim(path, OperationKind::Register) {
@@ -295,7 +304,7 @@ impl OperationExecutor {
             // calls' futures) is allocated once it may run, so thousands of sockets queued
             // behind a storm of dead ones cost bytes each, not kilobytes.
             let queued = Instant::now();
-            let slot = this.slots.acquire().await;
+            let slot = this.slots.acquire(lane).await;
             this.left_backlog();
             let Some(slot) = slot else {
                 return;
@@ -487,7 +496,7 @@ impl OperationExecutor {
         self.tasks.spawn(async move {
             let _claim = claim;
             // As for a registration: waiting for a slot costs a small future.
-            let Some(_slot) = this.slots.acquire().await else {
+            let Some(_slot) = this.slots.acquire(slots::Lane::Prompt).await else {
                 return;
             };
             let plugin = &registered.plugin;
@@ -543,18 +552,39 @@ impl OperationExecutor {
     /// The safety pass's look at unserved sockets: one connect each, and a socket that accepts
     /// again (it started listening, and no kernel hint said so: another source, or a hint lost
     /// with the events of an overflow) is registered. Nothing else ever retries them.
+    ///
+    /// One task, a few connects at a time: a task per socket at once was 100,000 tasks and
+    /// connects with 100,000 dead sockets in the tree (the agent's resident set up by ~90 MB for
+    /// the length of each pass). A pass still running when the next is due is not doubled.
     pub fn recheck_unserved(self: &Arc<Self>) {
-        for (path, socket) in self.backoff.unserved_sockets() {
-            let this = self.clone();
-            self.tasks.spawn(async move {
-                if crate::liveness::accepts(&path, socket).await
-                    && this.backoff.release_unserved(&path)
-                {
-                    info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
-                    this.queue.mark(path);
-                }
-            });
+        use futures::StreamExt;
+        /// Connects in flight at once.
+        const AT_ONCE: usize = 32;
+        if self
+            .rechecking
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
         }
+        let unserved = self.backoff.unserved_sockets();
+        let this = self.clone();
+        self.tasks.spawn(async move {
+            futures::stream::iter(unserved)
+                .for_each_concurrent(AT_ONCE, |(path, socket)| {
+                    let this = &this;
+                    async move {
+                        if crate::liveness::accepts(&path, socket).await
+                            && this.backoff.release_unserved(&path)
+                        {
+                            info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
+                            this.queue.mark(path);
+                        }
+                    }
+                })
+                .await;
+            this.rechecking
+                .store(false, std::sync::atomic::Ordering::Release);
+        });
     }
 
     /// Whether nothing serves the socket `socket` at `path`, or the policy refuses it: its

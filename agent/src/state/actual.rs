@@ -201,6 +201,11 @@ impl ActualState {
             .collect()
     }
 
+    /// Every registered path (the table's own allocations, shared).
+    pub fn paths(&self) -> Vec<Arc<Path>> {
+        self.lock().by_path.keys().cloned().collect()
+    }
+
     /// The registered paths for which `keep` holds (without cloning the rest).
     pub fn paths_where(&self, keep: impl Fn(&Path) -> bool) -> Vec<PathBuf> {
         self.lock()

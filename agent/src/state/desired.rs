@@ -199,6 +199,20 @@ impl DesiredState {
         self.lock().get(path).map(|d| DesiredPlugin::clone(d))
     }
 
+    /// The socket instance desired at `path`, without copying its entry.
+    pub fn socket_of(&self, path: &Path) -> Option<SocketId> {
+        self.lock().get(path).map(|d| d.socket)
+    }
+
+    /// Every desired path (the table's own allocations, shared) with when it was seen: what a
+    /// full reconciliation orders by, without copying 100,000 entries to sort them.
+    pub fn paths_seen(&self) -> Vec<(Arc<Path>, SystemTime)> {
+        self.lock()
+            .iter()
+            .map(|(path, d)| (path.clone(), d.seen_at))
+            .collect()
+    }
+
     /// Whether `path` is desired.
     pub fn contains(&self, path: &Path) -> bool {
         self.lock().contains_key(path)
