@@ -53,16 +53,22 @@ enum Case {
     Deep,
     /// Item 10: a file system mounted over a sub-directory; the canary lives in it.
     Mount,
+    /// Issue 44, item 1: another instance's `cleanup --all --force` while the agent runs.
+    Pins,
+    /// Issue 44, item 7: more socket names in the tree than the eBPF name table's room.
+    Names,
 }
 
 impl Case {
-    const ALL: [Case; 6] = [
+    const ALL: [Case; 8] = [
         Case::Dirs,
         Case::Flood,
         Case::Stale,
         Case::Metrics,
         Case::Deep,
         Case::Mount,
+        Case::Pins,
+        Case::Names,
     ];
 
     fn name(self) -> &'static str {
@@ -73,6 +79,8 @@ impl Case {
             Case::Metrics => "metrics",
             Case::Deep => "deep",
             Case::Mount => "mount",
+            Case::Pins => "pins",
+            Case::Names => "names",
         }
     }
 
@@ -84,6 +92,8 @@ impl Case {
             Case::Metrics => "1,000 slow metrics connections from uid 65534",
             Case::Deep => "a tree 2,039 directories deep, safety pass every 1 s, for 20 s",
             Case::Mount => "tmpfs mounted over a sub-directory, canary inside it",
+            Case::Pins => "`cleanup --all --force` by another instance while the agent runs",
+            Case::Names => "17,000 bind-only sockets (beyond the eBPF name table's room), 30 s quiet",
         }
     }
 
@@ -96,6 +106,8 @@ impl Case {
             Case::Metrics => "dials fail (EMFILE), RSS ~400 MB, 3 live plugins deregistered",
             Case::Deep => "RSS 40 -> 139 MB over 6 minutes",
             Case::Mount => "missed until the 30 s safety pass",
+            Case::Pins => "eBPF blind: 29.2-29.8 s (the safety pass), /readyz 200",
+            Case::Names => "eBPF rescans for ever: 30.4 CPU s per 30 s; canary 35-125 ms",
         }
     }
 
@@ -374,6 +386,27 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
                     .arg(&sub),
             )?;
             attack.mount = Some(sub);
+        }
+        Case::Pins => {
+            let other = setup.dir.join("other-instance");
+            std::fs::create_dir_all(&other)?;
+            shell::run(
+                Command::new(setup.bin.join("plugin-agent"))
+                    .arg("--admin-socket")
+                    .arg(other.join("admin.sock"))
+                    .args(["cleanup", "--all", "--force"]),
+            )?;
+        }
+        Case::Names => {
+            let names = registry.join("names");
+            std::fs::create_dir(&names)?;
+            for i in 0..17_000 {
+                drop(std::os::unix::net::UnixListener::bind(
+                    names.join(format!("n{i}.sock")),
+                )?);
+            }
+            // The quiet the issue measured the rescans in.
+            std::thread::sleep(Duration::from_secs(30));
         }
     }
     Ok(attack)
