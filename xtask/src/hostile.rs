@@ -1,5 +1,5 @@
-//! `cargo xtask hostile`: the hostile-node cases of issue 22, one at a time, against the release
-//! agent on each event source, each ending with the figures the issue's targets name.
+//! `cargo xtask hostile`: the hostile-node cases of issues 22 and 44, one at a time, against the
+//! release agent on each event source, each ending with the figures the issue's targets name.
 //!
 //! ```text
 //! per case and source: fresh directory, dra-handler, agent (release), one live plugin registered
@@ -33,7 +33,8 @@ pub struct Options {
     /// Event sources to run every case on, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "ebpf,fanotify,inotify")]
     pub sources: Vec<String>,
-    /// Cases to run, comma separated (default: all): dirs, flood, stale, metrics, deep, mount.
+    /// Cases to run, comma separated (default: all): dirs, flood, stale, metrics, deep, mount,
+    /// pins, names.
     #[arg(long, value_delimiter = ',')]
     pub cases: Vec<String>,
 }
@@ -93,7 +94,9 @@ impl Case {
             Case::Deep => "a tree 2,039 directories deep, safety pass every 1 s, for 20 s",
             Case::Mount => "tmpfs mounted over a sub-directory, canary inside it",
             Case::Pins => "`cleanup --all --force` by another instance while the agent runs",
-            Case::Names => "17,000 bind-only sockets (beyond the eBPF name table's room), 30 s quiet",
+            Case::Names => {
+                "17,000 bind-only sockets (beyond the eBPF name table's room), 30 s quiet"
+            }
         }
     }
 
