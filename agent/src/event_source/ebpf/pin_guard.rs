@@ -102,15 +102,21 @@ impl Held {
     pub fn pin_again(&mut self, tree_dir: &Path) -> anyhow::Result<()> {
         pins::ensure_bpffs()?;
         let set = pins::new_set(tree_dir)?;
-        let mut inodes = BTreeMap::new();
         for (name, fd) in &self.objects {
             let path = set.join(name);
             if let Err(e) = obj_pin(fd, &path) {
                 pins::remove_set(&set);
                 return Err(e).with_context(|| format!("cannot pin {}", path.display()));
             }
-            inodes.insert(name.clone(), inode(&path)?);
         }
+        // What the next checks compare with: read as they read it.
+        let inodes = match pinned_inodes(&set) {
+            Ok(inodes) => inodes,
+            Err(e) => {
+                pins::remove_set(&set);
+                return Err(e).with_context(|| format!("cannot read {}", set.display()));
+            }
+        };
         for other in pins::sets_of(tree_dir).iter().filter(|s| **s != set) {
             pins::remove_set(other);
         }
@@ -166,13 +172,6 @@ fn pinned_inodes(set: &Path) -> std::io::Result<BTreeMap<String, u64>> {
     std::fs::read_dir(set)?
         .map(|entry| entry.map(|e| (e.file_name().to_string_lossy().into_owned(), e.ino())))
         .collect()
-}
-
-fn inode(path: &Path) -> anyhow::Result<u64> {
-    use std::os::unix::fs::MetadataExt;
-    Ok(std::fs::symlink_metadata(path)
-        .with_context(|| format!("cannot stat {}", path.display()))?
-        .ino())
 }
 
 /// `union bpf_attr` for BPF_OBJ_PIN and BPF_OBJ_GET (the kernel checks that bytes past what it
