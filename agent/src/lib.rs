@@ -23,6 +23,7 @@ pub mod kubelet;
 pub mod liveness;
 pub mod memory;
 pub mod mode;
+pub mod mounts;
 pub mod notifications;
 pub mod persist;
 pub mod policy;

@@ -433,6 +433,37 @@ async fn an_agent_whose_pins_are_removed_keeps_seeing_and_pins_them_again() {
         2.0,
         "{test}"
     );
+
+    // A file system mounted over the instance hides the pins (no file event says so; the mount
+    // table does), and nothing can be pinned there; unmounted, the set is as the agent made it.
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "hide-the-pins"])
+        .arg(&instance)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "{test}: mount a tmpfs over {instance:?}");
+    let unmount = unmount_when_dropped(&instance);
+    problems_until(&admin, |p| p.iter().any(|p| p.contains("event source"))).await;
+    http_until(addr, "/readyz", 503).await;
+    drop(unmount);
+    problems_until(&admin, |p| !p.iter().any(|p| p.contains("event source"))).await;
+    http_until(addr, "/readyz", 200).await;
+    assert_eq!(
+        counter(addr, "plugin_agent_event_source_pins_restored").await,
+        2.0,
+        "{test}: the set came back as it was, nothing pinned again"
+    );
+}
+
+/// Unmounts `dir` when dropped (also when the test fails half-way).
+fn unmount_when_dropped(dir: &Path) -> impl Drop {
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    Unmount(dir.to_path_buf())
 }
 
 /// Issue 44, item 1: an observer and a registrar on one directory shared one set: one adopted

@@ -45,7 +45,6 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-mod mounts;
 mod names;
 mod walk;
 
@@ -128,7 +127,7 @@ impl Watcher {
         on_ready: impl FnOnce(),
     ) -> anyhow::Result<()> {
         // Opened before the first walk: a mount between the two is a change it reports.
-        let mut mounts = match mounts::MountWatch::open(&self.root) {
+        let mut mounts = match crate::mounts::MountWatch::open(&self.root) {
             Ok(mounts) => Some(mounts),
             Err(e) => {
                 warn!(error = %e, "cannot follow mounts (/proc/self/mountinfo): a file system mounted in the plugin directory is found by the next safety pass");

@@ -5,21 +5,29 @@
 //! removed set detached the running agent's programs: it saw nothing more and found plugins only
 //! by its 30 s safety pass, while `/readyz` said 200. Now the agent holds a descriptor of every
 //! object of its set (links and maps), so removing the pins never detaches its programs, and it
-//! checks once a second that its set is still there, as pinned:
+//! checks its set whenever something may have changed it:
 //!
 //! ```text
-//! every 1 s: read the set's directory (one getdents) --> every pin there with the inode it had?
-//!   yes --> nothing
-//!   no  --> report the problem (status, /readyz 503), pin every held object again as a new set,
-//!           remove the other sets of the tree, clear the problem; retried each second until done
+//! inotify: an entry of the set's directory created, removed or renamed; the set's directory or
+//!          one on its way from /sys/fs/bpf removed or renamed (an `rm -r`, a `cleanup --force`)
+//! mountinfo POLLPRI: a mount over the set, on its way or under it (a new bpffs hides the pins)
+//!   --> read the set's directory (one getdents) --> every pin there with the inode it had?
+//!         yes --> nothing
+//!         no  --> report the problem (status, /readyz 503), pin every held object again as a new
+//!                 set, remove the other sets of the tree, clear the problem; retried each second
+//!                 until done
 //! ```
+//!
+//! The wake-ups are hints; the directory read decides. An idle agent is not woken at all; where
+//! inotify or the mount table cannot be followed (no instance left, a kernel without them), the
+//! set is read once a second instead, as it was before.
 //!
 //! aya pins a link only by giving the link up, and a failed pin would then close the last
 //! descriptor of a link whose pin is gone: the objects are held and pinned here by descriptor,
 //! with `bpf(BPF_OBJ_GET)` and `bpf(BPF_OBJ_PIN)`.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirEntryExt;
 use std::path::{Path, PathBuf};
@@ -29,11 +37,17 @@ use std::time::Duration;
 
 use agent_ebpf::names;
 use anyhow::Context;
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
 use tokio_util::sync::CancellationToken;
+
+use crate::mounts::MountWatch;
 
 use super::pins;
 
-/// How often the set is checked: an agent is never blind for more than this without saying so.
+/// How often the set is checked while it cannot be pinned again, or while its changes cannot be
+/// followed: an agent is never blind for more than this without saying so.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// The objects of a set, held by descriptor, and the inode each had when pinned.
@@ -126,8 +140,9 @@ impl Held {
     }
 }
 
-/// Checks the set every [`CHECK_EVERY`] until `cancel`, pinning it again when it is damaged;
-/// `report` hears the problem and its end, `restored` counts the sets pinned again.
+/// Checks the set whenever it may have changed (see the module's map) until `cancel`, pinning it
+/// again when it is damaged; `report` hears the problem and its end, `restored` counts the sets
+/// pinned again.
 pub async fn guard(
     mut held: Held,
     tree_dir: PathBuf,
@@ -135,35 +150,150 @@ pub async fn guard(
     restored: Arc<AtomicU64>,
     cancel: CancellationToken,
 ) {
-    let mut every = tokio::time::interval(CHECK_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Followed before the first check: a change between the two wakes the next.
+    let mut changes = Changes::follow(&held.set);
     let mut damaged = false;
     loop {
+        let problem = held.check();
+        if damaged && problem.is_none() {
+            // Put right by someone else (a mount over the set gone again).
+            tracing::info!(pins = %held.set.display(), "eBPF pins as the agent made them again");
+            report.set(None);
+            damaged = false;
+        }
+        if let Some(problem) = problem {
+            if !damaged {
+                tracing::warn!(%problem, "eBPF pins damaged: the programs stay attached (the agent holds them); pinning them again");
+                report.set(Some(problem.clone()));
+                damaged = true;
+            }
+            match held.pin_again(&tree_dir) {
+                Ok(()) => {
+                    restored.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(pins = %held.set.display(), "eBPF programs and maps pinned again");
+                    report.set(None);
+                    damaged = false;
+                    changes = Changes::follow(&held.set);
+                    continue;
+                }
+                Err(e) => {
+                    let problem = format!("{problem}; pinning them again failed: {e:#}");
+                    tracing::warn!(%problem, "eBPF pins still damaged: trying again in a second");
+                    report.set(Some(problem));
+                }
+            }
+        }
+        let poll = damaged || !changes.followed();
         tokio::select! {
             () = cancel.cancelled() => return,
-            _ = every.tick() => {}
+            () = changes.next() => {}
+            () = tokio::time::sleep(CHECK_EVERY), if poll => {}
         }
-        let Some(problem) = held.check() else {
-            continue;
-        };
-        if !damaged {
-            tracing::warn!(%problem, "eBPF pins damaged: the programs stay attached (the agent holds them); pinning them again");
-            report.set(Some(problem.clone()));
-            damaged = true;
-        }
-        match held.pin_again(&tree_dir) {
-            Ok(()) => {
-                restored.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(pins = %held.set.display(), "eBPF programs and maps pinned again");
-                report.set(None);
-                damaged = false;
-            }
+    }
+}
+
+/// What may change a pin set: its directory's entries, the directories on its way, the mounts
+/// over it. A part that cannot be followed is dropped (with a warning) and the guard polls.
+struct Changes {
+    entries: Option<AsyncFd<InotifyFd>>,
+    mounts: Option<MountWatch>,
+}
+
+impl Changes {
+    fn follow(set: &Path) -> Changes {
+        let entries = match watch_entries(set) {
+            Ok(fd) => Some(fd),
             Err(e) => {
-                let problem = format!("{problem}; pinning them again failed: {e:#}");
-                tracing::warn!(%problem, "eBPF pins still damaged: trying again in a second");
-                report.set(Some(problem));
+                tracing::warn!(error = %e, set = %set.display(), "cannot follow the eBPF pin set with inotify: checking it every second");
+                None
             }
+        };
+        let mounts = match MountWatch::open(set) {
+            Ok(mounts) => Some(mounts),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot follow mounts over the eBPF pin set (/proc/self/mountinfo): checking it every second");
+                None
+            }
+        };
+        Changes { entries, mounts }
+    }
+
+    fn followed(&self) -> bool {
+        self.entries.is_some() && self.mounts.is_some()
+    }
+
+    /// Returns at the next hint that the set may have changed (never, when nothing is followed).
+    async fn next(&mut self) {
+        let Changes { entries, mounts } = self;
+        let entry_changed = async {
+            match entries.as_ref() {
+                Some(fd) => drain(fd).await,
+                None => std::future::pending().await,
+            }
+        };
+        let mount_changed = async {
+            match mounts.as_mut() {
+                Some(mounts) => mounts.changed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            read = entry_changed => if let Err(e) = read {
+                tracing::warn!(error = %e, "stopped following the eBPF pin set with inotify: checking it every second");
+                *entries = None;
+            },
+            changed = mount_changed => if let Err(e) = changed {
+                tracing::warn!(error = %e, "stopped following mounts over the eBPF pin set: checking it every second");
+                *mounts = None;
+            },
         }
+    }
+}
+
+/// An inotify instance watching `set`'s entries, and `set` and each directory on its way from
+/// the bpffs for their removal or renaming.
+fn watch_entries(set: &Path) -> std::io::Result<AsyncFd<InotifyFd>> {
+    let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
+    let gone = AddWatchFlags::IN_DELETE_SELF
+        | AddWatchFlags::IN_MOVE_SELF
+        | AddWatchFlags::IN_ONLYDIR
+        | AddWatchFlags::IN_DONT_FOLLOW;
+    let entries = AddWatchFlags::IN_CREATE
+        | AddWatchFlags::IN_DELETE
+        | AddWatchFlags::IN_MOVED_FROM
+        | AddWatchFlags::IN_MOVED_TO;
+    inotify.add_watch(set, gone | entries)?;
+    let bpffs = Path::new(pins::PIN_ROOT).parent().unwrap_or(Path::new("/"));
+    for dir in set
+        .ancestors()
+        .skip(1)
+        .take_while(|dir| dir.starts_with(bpffs))
+    {
+        inotify.add_watch(dir, gone)?;
+    }
+    // SAFETY: `InotifyFd` owns the descriptor (inside `Inotify`) and closes it only when the
+    // `AsyncFd` is dropped; `as_raw_fd` always returns that same descriptor.
+    unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), Interest::READABLE) }
+        .map_err(std::io::Error::from)
+}
+
+/// Waits for inotify events and reads them all (what they say does not matter: the set is read).
+async fn drain(fd: &AsyncFd<InotifyFd>) -> std::io::Result<()> {
+    loop {
+        let mut ready = fd.readable().await?;
+        match ready.try_io(|fd| fd.get_ref().0.read_events().map_err(std::io::Error::from)) {
+            Ok(read) => return read.map(drop),
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+/// The inotify descriptor, in a form `AsyncFd` accepts.
+struct InotifyFd(Inotify);
+
+impl AsRawFd for InotifyFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
     }
 }
 

@@ -1,15 +1,16 @@
-//! Mounts at or under the plugin directory, and a wake-up when they change.
+//! Mounts on the way to a directory or under it, and a wake-up when they change.
 //!
-//! A file system mounted over a sub-directory of the tree (a bind mount, a tmpfs) hides what was
-//! there and shows what the new one holds, and no event source says so: inotify watches the
-//! covered directory, fanotify marks the old mount, the eBPF programs saw no socket change. Only
-//! a walk finds out, and the safety pass runs every 30 s. The kernel does announce mount table
-//! changes: `/proc/self/mountinfo` polls as `POLLPRI` after each one (the same signal `findmnt
-//! --poll` and systemd use). On that wake-up the mount points under the root are read again, and
-//! when they differ the watcher walks the tree.
+//! A file system mounted over a directory (a bind mount, a tmpfs) hides what was there and shows
+//! what the new one holds, and no file event says so. Over a sub-directory of the plugin tree:
+//! inotify watches the covered directory, fanotify marks the old mount, the eBPF programs saw no
+//! socket change, so only a walk finds out. Over the bpffs (or a directory of the agent's pin
+//! set): the pins the agent checks are no longer the ones it made. The kernel does announce mount
+//! table changes: `/proc/self/mountinfo` polls as `POLLPRI` after each one (the same signal
+//! `findmnt --poll` and systemd use). On that wake-up the mount points on the path to the root
+//! and under it are read again, and `changed` returns when they differ.
 //!
 //! ```text
-//! mount / umount anywhere -> /proc/self/mountinfo POLLPRI -> read the mount points under root
+//! mount / umount anywhere -> /proc/self/mountinfo POLLPRI -> read the mount points over root
 //!                                                         -> changed: MountWatch::changed returns
 //! ```
 
@@ -22,16 +23,16 @@ use tokio::io::unix::AsyncFd;
 /// Where the kernel lists this mount namespace's mounts.
 const MOUNTINFO: &str = "/proc/self/mountinfo";
 
-/// Follows the mount points at or under one directory.
-pub(super) struct MountWatch {
+/// Follows the mount points that can hide one directory: it, its ancestors, and below it.
+pub struct MountWatch {
     root: PathBuf,
     file: AsyncFd<std::fs::File>,
-    under_root: BTreeSet<PathBuf>,
+    over_root: BTreeSet<PathBuf>,
 }
 
 impl MountWatch {
-    /// Starts following the mounts at or under `root`.
-    pub(super) fn open(root: &Path) -> std::io::Result<MountWatch> {
+    /// Starts following the mounts over `root`.
+    pub fn open(root: &Path) -> std::io::Result<MountWatch> {
         let file = std::fs::File::open(MOUNTINFO)?;
         // SAFETY: the `File` owns its descriptor, and it is neither closed nor replaced while
         // the `AsyncFd` holds it.
@@ -39,45 +40,46 @@ impl MountWatch {
         let mut watch = MountWatch {
             root: root.to_path_buf(),
             file,
-            under_root: BTreeSet::new(),
+            over_root: BTreeSet::new(),
         };
         // Reading the file is also what re-arms its POLLPRI.
-        watch.under_root = watch.read()?;
+        watch.over_root = watch.read()?;
         Ok(watch)
     }
 
-    /// Returns once the mount points at or under the root differ from what was last seen
+    /// Returns once the mount points over the root differ from what was last seen
     /// (mounts elsewhere wake it briefly, and it waits on). An error: the file cannot be read
     /// any more (the caller stops following mounts).
-    pub(super) async fn changed(&mut self) -> std::io::Result<()> {
+    pub async fn changed(&mut self) -> std::io::Result<()> {
         loop {
             let mut ready = self.file.ready(Interest::PRIORITY).await?;
             ready.clear_ready();
             let now = self.read()?;
-            if now != self.under_root {
-                self.under_root = now;
+            if now != self.over_root {
+                self.over_root = now;
                 return Ok(());
             }
         }
     }
 
-    /// The mount points at or under the root, as the table says now.
+    /// The mount points over the root, as the table says now.
     fn read(&mut self) -> std::io::Result<BTreeSet<PathBuf>> {
         let file = self.file.get_mut();
         file.rewind()?;
         let mut table = String::new();
         file.read_to_string(&mut table)?;
-        Ok(mount_points_under(&table, &self.root))
+        Ok(mount_points_over(&table, &self.root))
     }
 }
 
-/// The mount points in `mountinfo` (the fifth field of each line) at or under `root`.
-fn mount_points_under(mountinfo: &str, root: &Path) -> BTreeSet<PathBuf> {
+/// The mount points in `mountinfo` (the fifth field of each line) that can hide `root`: at or
+/// under it, or one of its ancestors.
+fn mount_points_over(mountinfo: &str, root: &Path) -> BTreeSet<PathBuf> {
     mountinfo
         .lines()
         .filter_map(|line| line.split(' ').nth(4))
         .map(|point| PathBuf::from(unescape(point)))
-        .filter(|point| point.starts_with(root))
+        .filter(|point| point.starts_with(root) || root.starts_with(point))
         .collect()
 }
 
@@ -121,13 +123,13 @@ mod tests {
 ";
 
     #[test]
-    fn mount_points_under_the_root_are_read_with_their_escapes_undone() {
+    fn mount_points_over_the_root_are_read_with_their_escapes_undone() {
         let root = Path::new("/var/lib/kubelet/plugins_registry");
-        let points: Vec<PathBuf> = mount_points_under(TABLE, root).into_iter().collect();
+        let points: Vec<PathBuf> = mount_points_over(TABLE, root).into_iter().collect();
         assert_eq!(
             points,
-            [root.join("sub"), root.join("with space"),],
-            "a sibling whose name extends the root's is not under it"
+            [Path::new("/"), &root.join("sub"), &root.join("with space")],
+            "an ancestor can hide it; a sibling whose name extends the root's cannot"
         );
         assert_eq!(unescape("a\\134b\\011c\\9"), "a\\b\tc\\9");
     }
@@ -136,9 +138,9 @@ mod tests {
     async fn the_table_of_this_process_is_followed() {
         let mut watch = MountWatch::open(Path::new("/")).expect("mountinfo");
         assert!(
-            watch.under_root.contains(Path::new("/")),
+            watch.over_root.contains(Path::new("/")),
             "the root file system is a mount: {:?}",
-            watch.under_root
+            watch.over_root
         );
         // Nothing changed: it does not return.
         let waited = tokio::time::timeout(std::time::Duration::from_millis(50), watch.changed());
