@@ -87,7 +87,7 @@ struct Entry<'a> {
     generation: String,
     dev: u64,
     ino: u64,
-    birth_ns: Option<i128>,
+    birth_ns: Option<i64>,
     handle: Option<u64>,
     #[serde(rename = "type")]
     plugin_type: Cow<'a, str>,

@@ -216,6 +216,53 @@ async fn a_stale_socket_at_start_is_unserved_at_once_and_never_retried(source: S
     assert_eq!(state_of(&admin_socket, &socket).state, "registered");
 }
 
+/// Issue 44, item 7: with 100,000 dead sockets in the tree, each was dialled ~6 times over the
+/// walk-found socket's 1 s listen wait, holding a slot for that second (38 CPU s at start). The
+/// wait counts from the socket's birth: one bound longer ago than that is unserved at its first
+/// refused connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_bound_longer_ago_than_the_listen_wait_is_not_waited_for() {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let socket = dir.path("long-dead.sock");
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("bind a socket, then close it"));
+    // Older than the 1 s a socket found by a walk may take to listen.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let mut options = AgentOptions::new(Source::Inotify, &dir.root());
+    options
+        .extra
+        .extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+    let admin_socket = options.admin_socket.clone();
+    let Some(agent) = AgentProcess::start(&test, options).await else {
+        return;
+    };
+    let addr = plugin_agent_tests::http::metrics_addr(&agent).await;
+    agent
+        .wait_for_log(
+            "the long-dead socket unserved",
+            EVENT_TIMEOUT,
+            unserved(&socket, "connect_probe"),
+        )
+        .await;
+    assert_eq!(state_of(&admin_socket, &socket).state, "unserved");
+    let (_, metrics) =
+        tokio::task::spawn_blocking(move || plugin_agent_tests::http::http_get(addr, "/metrics"))
+            .await
+            .expect("scrape");
+    let dialled: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("plugin_agent_plugin_call_duration_seconds_sum{")
+                && l.contains("call=\"dial\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        dialled < 0.5,
+        "{test}: the dial waited {dialled} s for a socket bound 1.5 s before (want one refused connect)"
+    );
+}
+
 /// A restored registration has no registration connection: the new agent learns its server with
 /// a bare connect (no GetInfo, no Notify) and watches it from then on; one whose plugin died
 /// while no agent ran is refused and unserved at once.

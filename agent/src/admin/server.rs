@@ -223,7 +223,7 @@ fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
             .unwrap_or_default(),
         last_error: backoff
             .as_ref()
-            .map(|b| b.last_error.clone())
+            .map(|b| b.last_error.to_string())
             .unwrap_or_default(),
         next_retry_unix_ms: backoff
             .as_ref()

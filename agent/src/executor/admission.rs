@@ -141,7 +141,7 @@ impl OperationExecutor {
         let kind = FailureKind::Rejected {
             refusal: Arc::new(refusal),
             plugin: Arc::new(plugin.clone()),
-            provenance: provenance.clone(),
+            provenance: Box::new(provenance.clone()),
         };
         self.backoff.hold(path, socket, said.clone(), kind);
         if let Some(timer) = self.lock_retry_timers().remove(path) {

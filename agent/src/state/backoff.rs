@@ -51,8 +51,9 @@ pub enum FailureKind {
         refusal: Arc<Refusal>,
         /// What the plugin said it is.
         plugin: Arc<Plugin>,
-        /// Who made and serves the socket, as the policy saw them.
-        provenance: Provenance,
+        /// Who made and serves the socket, as the policy saw them (boxed: every held socket's
+        /// entry is as large as the largest kind).
+        provenance: Box<Provenance>,
     },
     /// Anything else.
     Other,
@@ -86,8 +87,9 @@ pub struct Backoff {
     pub delay: Duration,
     /// No new attempt before this instant.
     pub retry_at: Instant,
-    /// The last error, for operators.
-    pub last_error: String,
+    /// The last error, for operators (exactly its length: one is kept per failed socket, and
+    /// a tree of dead sockets has one per socket).
+    pub last_error: Box<str>,
     /// Retry-policy class of the last error.
     pub kind: FailureKind,
 }
@@ -132,7 +134,7 @@ impl BackoffTable {
                 };
                 b.failures += 1;
                 b.retry_at = now + b.delay;
-                b.last_error = error;
+                b.last_error = error.into_boxed_str();
                 b.kind = kind;
                 b.clone()
             }
@@ -147,7 +149,7 @@ impl BackoffTable {
                         failures: 1,
                         delay,
                         retry_at: now + delay,
-                        last_error: error,
+                        last_error: error.into_boxed_str(),
                         kind,
                     })
                     .clone()
@@ -170,7 +172,7 @@ impl BackoffTable {
             failures,
             delay: NEVER,
             retry_at: Instant::now() + NEVER,
-            last_error: reason,
+            last_error: reason.into_boxed_str(),
             kind,
         };
         self.lock()

@@ -30,8 +30,9 @@ pub struct DesiredPlugin {
     pub by_event: bool,
     /// Who created it (see `provenance`).
     pub creator: Creator,
-    /// The first process other than the agent to connect to it (eBPF only), once one has.
-    pub first_contact: Option<Contact>,
+    /// The first process other than the agent to connect to it (eBPF only), once one has (boxed:
+    /// most sockets never have one, and every entry would carry its 80 bytes).
+    pub first_contact: Option<Box<Contact>>,
 }
 
 /// What [`DesiredState::add_or_update`] did.
@@ -130,7 +131,7 @@ impl DesiredState {
         if plugin.first_contact.is_some() {
             return None;
         }
-        plugin.first_contact = Some(contact);
+        plugin.first_contact = Some(Box::new(contact));
         let now = DesiredPlugin::clone(plugin);
         drop(plugins);
         self.contacted.notify_waiters();

@@ -92,7 +92,7 @@ impl PluginStatus {
         if let Some(FailureKind::Rejected { provenance, .. }) =
             self.backoff.as_ref().map(|b| &b.kind)
         {
-            return Some(provenance.clone());
+            return Some(Provenance::clone(provenance));
         }
         let desired = self.desired.as_ref()?;
         Some(Provenance {
@@ -401,10 +401,10 @@ mod tests {
         let kind = FailureKind::Rejected {
             refusal: Arc::new(refusal),
             plugin: Arc::new(plugin),
-            provenance: Provenance {
+            provenance: Box::new(Provenance {
                 server: Some(server.clone()),
                 ..Provenance::default()
-            },
+            }),
         };
         view.backoff.hold(path, socket(), "refused".into(), kind);
         assert_eq!(view.status(path, now).state, PluginState::Deregistering);
