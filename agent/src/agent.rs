@@ -446,7 +446,7 @@ impl Stages {
             queue.clone(),
             config.reconcile_mode,
             config.safety_period,
-            Some(watcher.rescan_requests()),
+            watcher.safety_pass(),
         );
         Stages {
             desired,

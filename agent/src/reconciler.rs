@@ -22,10 +22,10 @@ use crate::executor::OperationExecutor;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
 use crate::state::queue::{ReconcileQueue, Work};
+use crate::state::safety_pass::SafetyPass;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, trace};
@@ -51,7 +51,7 @@ pub struct Reconciler {
     queue: Arc<ReconcileQueue>,
     mode: ReconcileMode,
     safety_period: Duration,
-    rescan: Option<Arc<Notify>>,
+    safety: Arc<SafetyPass>,
 }
 
 impl Reconciler {
@@ -60,7 +60,8 @@ impl Reconciler {
     /// - `queue`: the marked paths, and the wake-up;
     /// - `mode`, `safety_period`: event-driven with a full pass every `safety_period`, or kubelet's
     ///   1 s polling loop;
-    /// - `rescan`: where to ask the watcher for a full re-walk on each safety pass (none in tests).
+    /// - `safety`: where each safety pass asks the watcher for a full re-walk, and learns what
+    ///   the last pass cost (see `state::safety_pass`).
     pub fn new(
         desired: Arc<DesiredState>,
         actual: Arc<ActualState>,
@@ -68,7 +69,7 @@ impl Reconciler {
         queue: Arc<ReconcileQueue>,
         mode: ReconcileMode,
         safety_period: Duration,
-        rescan: Option<Arc<Notify>>,
+        safety: Arc<SafetyPass>,
     ) -> Self {
         Reconciler {
             desired,
@@ -77,7 +78,7 @@ impl Reconciler {
             queue,
             mode,
             safety_period,
-            rescan,
+            safety,
         }
     }
 
@@ -100,14 +101,11 @@ impl Reconciler {
                 _ = self.queue.changed() => {}
                 _ = &mut pass => {
                     let now = Instant::now();
-                    schedule.passed(now);
+                    schedule.passed(now, self.safety.spacing(self.safety_period));
                     pass.set(tokio::time::sleep_until(schedule.due()));
                     self.queue.mark_all();
-                    self.executor.recheck_unserved();
-                    if let Some(rescan) = &self.rescan {
-                        // A stored permit: the request survives a watcher that is busy now.
-                        rescan.notify_one();
-                    }
+                    self.executor.recheck_unserved(&self.safety);
+                    self.safety.request();
                 }
             }
             if let Some(work) = self.queue.take() {
@@ -195,12 +193,14 @@ impl Reconciler {
     }
 }
 
-/// When the safety pass is due: `period` after the last change (or the previous pass, if nothing
-/// changed since), and never later than `2 × period` after the previous pass, so that a tree that
-/// never settles is still walked.
+/// When the safety pass is due: `period` after the last change, and not before `spacing` after
+/// the previous pass (the period, or longer when passes are costly: see `state::safety_pass`),
+/// and never later than `2 × spacing` after it, so that a tree that never settles is still
+/// walked.
 #[derive(Debug)]
 struct SafetySchedule {
     period: Duration,
+    spacing: Duration,
     last_pass: Instant,
     due: Instant,
 }
@@ -215,6 +215,7 @@ impl SafetySchedule {
     fn new(period: Duration, started: Instant) -> Self {
         SafetySchedule {
             period,
+            spacing: period,
             last_pass: started,
             due: started + period,
         }
@@ -224,15 +225,18 @@ impl SafetySchedule {
         self.due
     }
 
-    /// A pass ran at `now`.
-    fn passed(&mut self, now: Instant) {
+    /// A pass ran at `now`; the next is `spacing` later (at least the period).
+    fn passed(&mut self, now: Instant, spacing: Duration) {
+        self.spacing = spacing.max(self.period);
         self.last_pass = now;
-        self.due = now + self.period;
+        self.due = now + self.spacing;
     }
 
     /// Something changed at `now`; true if the due time moved.
     fn changed(&mut self, now: Instant) -> bool {
-        let wanted = (now + self.period).min(self.last_pass + 2 * self.period);
+        let wanted = (now + self.period)
+            .max(self.last_pass + self.spacing)
+            .min(self.last_pass + 2 * self.spacing);
         if wanted < self.due + Self::SLACK {
             return false;
         }
@@ -252,8 +256,26 @@ mod tests {
         let start = Instant::now();
         let mut schedule = SafetySchedule::new(PERIOD, start);
         assert_eq!(schedule.due(), start + PERIOD);
-        schedule.passed(start + PERIOD);
+        schedule.passed(start + PERIOD, PERIOD);
         assert_eq!(schedule.due(), start + 2 * PERIOD);
+    }
+
+    #[test]
+    fn a_costly_pass_spaces_the_next_and_changes_do_not_bring_it_closer() {
+        let start = Instant::now();
+        let mut schedule = SafetySchedule::new(PERIOD, start);
+        schedule.passed(start + PERIOD, 10 * PERIOD);
+        assert_eq!(schedule.due(), start + 11 * PERIOD);
+        // A change long after the pass: a period of quiet is not enough, the spacing holds.
+        schedule.changed(start + 2 * PERIOD);
+        assert_eq!(schedule.due(), start + 11 * PERIOD);
+        // Changes until just before it: the pass waits for quiet, at most twice the spacing.
+        let mut now = start + 10 * PERIOD;
+        while now < start + 30 * PERIOD {
+            schedule.changed(now);
+            now += Duration::from_secs(1);
+        }
+        assert_eq!(schedule.due(), start + 21 * PERIOD);
     }
 
     #[test]
@@ -280,7 +302,7 @@ mod tests {
         let mut passes = Vec::new();
         while now < start + 5 * PERIOD {
             if now >= schedule.due() {
-                schedule.passed(now);
+                schedule.passed(now, PERIOD);
                 passes.push(now - start);
             }
             schedule.changed(now);

@@ -57,7 +57,7 @@ pub struct RunArgs {
     pub reconcile_mode: Option<ReconcileMode>,
 
     /// Quiet before the safety pass (full reconcile and re-walk) in event mode; it runs at least
-    /// every twice this long [default: 30s].
+    /// every twice this long, and a costly pass is spaced to 1% of a CPU [default: 30s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub safety_period: Option<Duration>,
 

@@ -7,7 +7,9 @@
 //! - [`queue`]: which paths changed since the reconciler last looked (marked by the watcher, the
 //!   executor and handler changes; taken by the reconciler);
 //! - [`view`]: a plugin's state (pending, backing off, registered, ...) derived from the three
-//!   tables in one place, for the admin API, the CLI and metrics.
+//!   tables in one place, for the admin API, the CLI and metrics;
+//! - [`safety_pass`]: the safety pass's request to the watcher, and what its parts cost (the
+//!   next pass waits until that is a small share of the CPU).
 //!
 //! The reconciler compares desired and actual state and asks the executor to close the gap. This
 //! room imports nothing from the data flow's stages (only `handler`'s plugin types and `memory`),
@@ -17,6 +19,7 @@ pub mod actual;
 pub mod backoff;
 pub mod desired;
 pub mod queue;
+pub mod safety_pass;
 pub mod view;
 
 use std::ffi::{CStr, CString};

@@ -32,6 +32,7 @@ use crate::provenance::Contact;
 use crate::state::EntryKind;
 use crate::state::desired::{Change, DesiredState};
 use crate::state::queue::ReconcileQueue;
+use crate::state::safety_pass::SafetyPass;
 use crate::telemetry::Telemetry;
 use crate::telemetry::discovery::{Found, Via, wall_time_of};
 use std::collections::BTreeMap;
@@ -69,7 +70,7 @@ pub struct Watcher {
     anchor: Option<WatchedDir>,
     /// Full re-walks asked for by the reconciler's safety pass (a stored permit: never lost,
     /// even while the event channel is full).
-    rescan_requests: Arc<tokio::sync::Notify>,
+    safety: Arc<SafetyPass>,
     notifications: NotificationBus,
     telemetry: Arc<Telemetry>,
     /// Where the source's hints about who serves a socket go (`FsEvent::Serving`).
@@ -99,7 +100,7 @@ impl Watcher {
             queue,
             dirs: BTreeMap::new(),
             anchor: None,
-            rescan_requests: Arc::default(),
+            safety: Arc::default(),
             notifications,
             telemetry,
             liveness: None,
@@ -113,9 +114,9 @@ impl Watcher {
         self
     }
 
-    /// Where the reconciler's safety pass asks for a full re-walk.
-    pub fn rescan_requests(&self) -> Arc<tokio::sync::Notify> {
-        self.rescan_requests.clone()
+    /// Where the reconciler's safety pass asks for a full re-walk, and learns what the walks cost.
+    pub fn safety_pass(&self) -> Arc<SafetyPass> {
+        self.safety.clone()
     }
 
     /// Creates the root if missing, watches and walks it, then follows the source's `hints` until `cancel`.
@@ -134,10 +135,12 @@ impl Watcher {
                 None
             }
         };
+        let started = std::time::Instant::now();
         self.rescan(RescanReason::Start);
+        self.safety.spent(started.elapsed());
         on_ready();
         let mut batch = Vec::with_capacity(BATCH);
-        let rescan_requests = self.rescan_requests.clone();
+        let safety = self.safety.clone();
         loop {
             let mount_change = async {
                 match mounts.as_mut() {
@@ -147,8 +150,10 @@ impl Watcher {
             };
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
-                _ = rescan_requests.notified() => {
+                () = safety.requested() => {
+                    let started = std::time::Instant::now();
                     self.rescan(RescanReason::Periodic);
+                    safety.spent(started.elapsed());
                     continue;
                 }
                 changed = mount_change => {

@@ -50,6 +50,9 @@ use super::pins;
 /// followed: an agent is never blind for more than this without saying so.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// How long after a hint the set is read: the changes of one removal come as many hints.
+const SETTLE: Duration = Duration::from_millis(100);
+
 /// The objects of a set, held by descriptor, and the inode each had when pinned.
 pub struct Held {
     set: PathBuf,
@@ -186,7 +189,11 @@ pub async fn guard(
         let poll = damaged || !changes.followed();
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = changes.next() => {}
+            () = changes.next() => {
+                // A removal under way (an `rm -r`, a forced cleanup) finishes first, rather than
+                // find the set pinned again beside it.
+                tokio::time::sleep(SETTLE).await;
+            }
             () = tokio::time::sleep(CHECK_EVERY), if poll => {}
         }
     }

@@ -211,8 +211,26 @@ pub fn remove_all(own_runtime_dir: &Path, force: bool) -> anyhow::Result<Cleanup
         match keep {
             Some(why) => done.kept.push((tree.dir, format!("{root}: {why}"))),
             None => {
-                remove(&tree.dir)?;
-                done.removed.push((tree.dir, root));
+                match remove(&tree.dir) {
+                    Ok(()) => done.removed.push((tree.dir, root)),
+                    // Its running agent pinned a new set the moment its pins went (see
+                    // `pin_guard`): removed, and back.
+                    Err(e)
+                        if force
+                            && e.downcast_ref::<std::io::Error>().is_some_and(|e| {
+                                e.kind() == std::io::ErrorKind::DirectoryNotEmpty
+                            })
+                            && tree.meta.as_ref().is_some_and(owner_runs) =>
+                    {
+                        done.kept.push((
+                            tree.dir,
+                            format!(
+                                "{root}: removed, and pinned again at once by its running agent"
+                            ),
+                        ));
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
     }
