@@ -536,9 +536,7 @@ fn validate_info(info: &PluginInfo) -> Result<(), PluginCallError> {
 /// record one, or the clock was set back since).
 fn age(socket: SocketId) -> Duration {
     socket
-        .birth_ns
-        .and_then(|ns| u64::try_from(ns).ok())
-        .map(|ns| std::time::UNIX_EPOCH + Duration::from_nanos(ns))
+        .born()
         .and_then(|born| std::time::SystemTime::now().duration_since(born).ok())
         .unwrap_or_default()
 }

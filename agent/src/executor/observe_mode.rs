@@ -10,7 +10,6 @@ use crate::mode::{Contact, KUBELET_FIRST};
 use crate::registration::OnInvalid;
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
-use std::time::Duration;
 
 impl OperationExecutor {
     /// GetInfo (unless `contact` is off; by default only after kubelet's) and an actual-state
@@ -69,12 +68,7 @@ impl OperationExecutor {
     /// never a plugin's first caller. A socket made long ago (found by the start's walk) is
     /// asked at once.
     async fn after_kubelet(&self, path: &Path, desired: &DesiredPlugin, slot: &mut Slot) {
-        let made = desired
-            .socket
-            .birth_ns
-            .and_then(|ns| u64::try_from(ns).ok())
-            .map(|ns| std::time::UNIX_EPOCH + Duration::from_nanos(ns))
-            .unwrap_or(desired.seen_at);
+        let made = desired.socket.born().unwrap_or(desired.seen_at);
         let left = (made + KUBELET_FIRST)
             .duration_since(std::time::SystemTime::now())
             .unwrap_or_default();

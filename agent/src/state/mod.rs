@@ -48,6 +48,14 @@ pub struct SocketId {
     pub handle: Option<u64>,
 }
 
+impl SocketId {
+    /// When the socket was bound, where the file system records it.
+    pub fn born(&self) -> Option<std::time::SystemTime> {
+        let ns = u64::try_from(self.birth_ns?).ok()?;
+        Some(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns))
+    }
+}
+
 /// What `lstat` found at a path under the watched tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryKind {
