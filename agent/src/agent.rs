@@ -420,7 +420,10 @@ impl Stages {
             actual.clone(),
             handlers.clone(),
             queue.clone(),
-            config.executor,
+            ExecutorConfig {
+                listens_reported: source.kind().reports_listens(),
+                ..config.executor
+            },
             notifications.clone(),
             telemetry.clone(),
             cancel.child_token(),

@@ -10,12 +10,13 @@
 //! exist before its gRPC server runs (listen, then serve). Kubelet's dial blocks with gRPC's
 //! reconnect backoff and then counts the plugin as failed, so such a plugin waits out backoff
 //! steps meant for broken plugins. Here:
-//! - `ECONNREFUSED` (bound, not listening) is retried at once on a short schedule (1 ms doubling to
-//!   50 ms) within the 10 s dial budget (1 s for a socket found by a walk: at start, a socket
-//!   nobody listens on is usually a dead plugin's), counted from the socket's birth where the
-//!   file system records it: a socket bound longer ago than that and refusing is not waited for
-//!   (a tree of 100,000 dead sockets cost ~6 connects and a slot-second each). Refused to the end is
-//!   [`PluginCallError::NotListening`]: the socket is *unserved* (see `liveness`), which waits
+//! - `ECONNREFUSED` (bound, not listening) is retried at once, three times in [`QUICK_LISTEN_WAIT`]
+//!   (a plugin caught between its bind and its listen listens within microseconds). A socket
+//!   still refusing after that ends the attempt with [`PluginCallError::NotListeningYet`]: the
+//!   executor waits for its listen without an operation (the kernel's report, or a retry),
+//!   within the listen wait it passes in [`Timeouts::listen`]. An attempt held open through that
+//!   wait cost ~6 KB, and 17,000 bind-only sockets made at once held 100 MB. Refused to the end
+//!   is [`PluginCallError::NotListening`]: the socket is *unserved* (see `liveness`), which waits
 //!   for the socket to change instead of backing off;
 //! - a connection whose peer has sent *nothing* when `GetInfo`'s 1 s deadline passes is a server
 //!   that is not serving yet (a gRPC server sends its HTTP/2 SETTINGS as soon as it serves), so the
@@ -87,9 +88,10 @@ impl Pause for Sleep {
 pub struct Timeouts {
     /// Connecting and waiting for the plugin to serve (kubelet: 10 s).
     pub dial: Duration,
-    /// How long, within `dial`, a socket that refuses connections (bound, not listening yet) is
-    /// waited for before it counts as unserved (see `liveness`); the executor shortens it for
-    /// sockets found by a walk rather than seen being created.
+    /// How long, within `dial`, a socket that refuses connections (bound, not listening yet) may
+    /// go on refusing before it counts as unserved (see `liveness`). The executor sets what is
+    /// left of the socket's wait (see `executor::listen_wait`); an attempt itself waits only
+    /// [`QUICK_LISTEN_WAIT`] of it.
     pub listen: Duration,
     /// `GetInfo` (kubelet: 1 s).
     pub get_info: Duration,
@@ -107,6 +109,10 @@ impl Default for Timeouts {
         }
     }
 }
+
+/// How long one attempt retries a socket that refuses connections before handing the wait back
+/// ([`PluginCallError::NotListeningYet`]): its three quick retries, 1 + 2 + 4 ms.
+pub const QUICK_LISTEN_WAIT: Duration = Duration::from_millis(7);
 
 /// Pause before asking a silent (not yet serving) plugin again, so a listener that accepts and
 /// closes at once is not spun on.
@@ -138,6 +144,10 @@ pub enum PluginCallError {
     /// the socket is unserved, not a broken plugin.
     #[error("nothing listens on {path}: connection refused for {elapsed:?}")]
     NotListening { path: PathBuf, elapsed: Duration },
+    /// The socket refuses connections (bound, not listening yet) and may still listen until
+    /// `until`: the attempt ends, and the wait goes on without it (see the module docs).
+    #[error("{path} refuses connections (bound, not listening yet)")]
+    NotListeningYet { path: PathBuf, until: Instant },
     /// Could not connect within the dial timeout.
     #[error("dial {path}: {reason} (after {elapsed:?})")]
     Dial {
@@ -244,9 +254,12 @@ impl PluginConnection {
     /// `expected` is the socket instance being registered: if the path comes to hold another
     /// socket while this attempt waits, the attempt ends (the new socket has its own).
     /// `waiting` does the pauses between tries; `steps` is told how long each step took.
+    /// `connected` is a connection already made to the socket (a look that found it
+    /// listening): the first try uses it, so a plugin that serves one connection is asked on it.
     pub async fn get_info(
         socket: &Path,
         expected: SocketId,
+        mut connected: Option<UnixStream>,
         timeouts: Timeouts,
         waiting: &mut dyn Pause,
         on_invalid: OnInvalid,
@@ -254,18 +267,22 @@ impl PluginConnection {
     ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
         let started = Instant::now();
         let budget_end = started + timeouts.dial;
-        let listen_left = timeouts
-            .listen
-            .min(timeouts.dial)
-            .saturating_sub(age(expected));
+        let listen_end = started + timeouts.listen.min(timeouts.dial);
         loop {
-            let listen_end = started + listen_left;
             let span = info_span!("dial");
             let dialled = Instant::now();
-            let dial =
-                connect_when_listening(socket, expected, budget_end, listen_end, started, waiting)
-                    .instrument(span.clone())
-                    .await;
+            let listen = ListenWait {
+                until: listen_end,
+                hand_back: true,
+            };
+            let dial = match connected.take() {
+                Some(stream) => Ok(heard(stream)),
+                None => {
+                    connect_when_listening(socket, expected, budget_end, listen, started, waiting)
+                        .instrument(span.clone())
+                        .await
+                }
+            };
             span.in_scope(|| steps.record(Step::Dial, dialled.elapsed(), dial.is_ok()));
             let (stream, peer) = dial?;
             let server = Server::of(stream.inner.as_fd())
@@ -409,8 +426,13 @@ impl PluginConnection {
         tracing::info!(error = %broken, "the registration connection broke before Notify; notifying on a new one");
         let started = Instant::now();
         let budget_end = started + self.timeouts.dial;
+        // Mid-registration: a listener that went away and comes back is waited for here.
+        let listen = ListenWait {
+            until: budget_end,
+            hand_back: false,
+        };
         let (stream, _) =
-            connect_when_listening(socket, expected, budget_end, budget_end, started, waiting)
+            connect_when_listening(socket, expected, budget_end, listen, started, waiting)
                 .instrument(info_span!("dial"))
                 .await
                 .map_err(|e| PluginCallError::Notify(format!("{broken}; re-dial: {e}")))?;
@@ -532,22 +554,35 @@ fn validate_info(info: &PluginInfo) -> Result<(), PluginCallError> {
     Ok(())
 }
 
-/// How long ago `socket` was bound, as its birth time says (zero when the file system does not
-/// record one, or the clock was set back since).
-fn age(socket: SocketId) -> Duration {
-    socket
-        .born()
-        .and_then(|born| std::time::SystemTime::now().duration_since(born).ok())
-        .unwrap_or_default()
+/// `stream`, with its peer's bytes counted from now.
+fn heard(stream: UnixStream) -> (HeardStream, Arc<PeerBytes>) {
+    let peer = Arc::new(PeerBytes::default());
+    (
+        HeardStream {
+            inner: stream,
+            peer: peer.clone(),
+        },
+        peer,
+    )
 }
 
-/// Connects to `socket`, retrying `ECONNREFUSED` (bound but not listening yet) until
-/// `listen_end`, and other transient refusals until `budget_end`.
+/// How a dial waits for a socket that refuses connections (bound, not listening yet).
+#[derive(Debug, Clone, Copy)]
+struct ListenWait {
+    /// Refused after this, the socket is unserved.
+    until: Instant,
+    /// Past its quick retries, the dial hands the wait back to its caller
+    /// ([`PluginCallError::NotListeningYet`]) rather than pausing.
+    hand_back: bool,
+}
+
+/// Connects to `socket`, retrying `ECONNREFUSED` (bound but not listening yet) as `listen` says,
+/// and other transient refusals until `budget_end`.
 async fn connect_when_listening(
     socket: &Path,
     expected: SocketId,
     budget_end: Instant,
-    listen_end: Instant,
+    listen: ListenWait,
     started: Instant,
     waiting: &mut dyn Pause,
 ) -> Result<(HeardStream, Arc<PeerBytes>), PluginCallError> {
@@ -559,16 +594,7 @@ async fn connect_when_listening(
         let remaining = budget_end.saturating_duration_since(Instant::now());
         let attempt = tokio::time::timeout(remaining, UnixStream::connect(socket)).await;
         let error = match attempt {
-            Ok(Ok(stream)) => {
-                let peer = Arc::new(PeerBytes::default());
-                return Ok((
-                    HeardStream {
-                        inner: stream,
-                        peer: peer.clone(),
-                    },
-                    peer,
-                ));
-            }
+            Ok(Ok(stream)) => return Ok(heard(stream)),
             Ok(Err(e)) => e,
             Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
         };
@@ -576,7 +602,17 @@ async fn connect_when_listening(
             io::ErrorKind::NotFound => {
                 return Err(PluginCallError::SocketGone(socket.to_path_buf()));
             }
-            io::ErrorKind::ConnectionRefused if Instant::now() + pause < listen_end => {
+            io::ErrorKind::ConnectionRefused
+                if listen.hand_back
+                    && started.elapsed() + pause > QUICK_LISTEN_WAIT
+                    && Instant::now() < listen.until =>
+            {
+                return Err(PluginCallError::NotListeningYet {
+                    path: socket.to_path_buf(),
+                    until: listen.until,
+                });
+            }
+            io::ErrorKind::ConnectionRefused if Instant::now() + pause < listen.until => {
                 waiting.pause(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));
             }
@@ -773,6 +809,7 @@ mod tests {
         let (_connection, info) = PluginConnection::get_info(
             &path,
             socket,
+            None,
             Timeouts::default(),
             &mut Sleep,
             OnInvalid::Notify,

@@ -72,6 +72,22 @@ fn serve(listener: tokio::net::UnixListener, plugin: Plugin) -> CancellationToke
     stop
 }
 
+/// Serves `plugin` on one connection already accepted.
+fn serve_one(connection: tokio::net::UnixStream, plugin: Plugin) -> CancellationToken {
+    use tokio_stream::StreamExt as _;
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    let incoming =
+        tokio_stream::once(Ok::<_, std::io::Error>(connection)).chain(tokio_stream::pending());
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(plugin))
+            .serve_with_incoming_shutdown(incoming, stopped.cancelled_owned())
+            .await;
+    });
+    stop
+}
+
 fn identity(path: &Path) -> SocketId {
     match EntryKind::of(path).expect("stat socket") {
         EntryKind::Socket(id) => id,
@@ -102,6 +118,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
     let (mut connection, info) = PluginConnection::get_info(
         &ok,
         identity(&ok),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -125,6 +142,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
     let (mut connection, _) = PluginConnection::get_info(
         &failing,
         identity(&failing),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -154,6 +172,7 @@ async fn notify_transport_error_is_wrapped() {
     let (mut connection, _) = PluginConnection::get_info(
         &path,
         identity(&path),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -203,6 +222,7 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
             PluginConnection::get_info(
                 &path,
                 id,
+                None,
                 fast(),
                 &mut Sleep,
                 OnInvalid::Notify,
@@ -228,33 +248,87 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
 }
 
 #[tokio::test]
-async fn a_socket_refusing_connections_past_the_listen_wait_is_not_listening() {
+async fn a_socket_refusing_connections_hands_its_wait_back_then_is_not_listening_at_its_end() {
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&path).expect("bind, then close"));
-    let timeouts = Timeouts {
-        listen: Duration::from_millis(50),
-        ..fast()
-    };
-    let started = std::time::Instant::now();
-    let result = PluginConnection::get_info(
+    let wait = |listen| Timeouts { listen, ..fast() };
+    let started = tokio::time::Instant::now();
+    // Within its wait: a few quick retries, then the wait is the caller's (no attempt is held
+    // open through it).
+    let within = PluginConnection::get_info(
         &path,
         identity(&path),
-        timeouts,
+        None,
+        wait(Duration::from_secs(5)),
+        &mut Sleep,
+        OnInvalid::Notify,
+        &StepTimer::default(),
+    )
+    .await;
+    match within {
+        Err(PluginCallError::NotListeningYet { until, .. }) => {
+            assert!(
+                until >= started + Duration::from_secs(5),
+                "the wait's end is the caller's listen wait"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "the attempt waited for the listen itself"
+            );
+        }
+        other => panic!("got {:?}", other.map(|(_, info)| info)),
+    }
+    // At its end (what the caller passes then): not listening.
+    let at_end = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        None,
+        wait(Duration::ZERO),
         &mut Sleep,
         OnInvalid::Notify,
         &StepTimer::default(),
     )
     .await;
     assert!(
-        matches!(result, Err(PluginCallError::NotListening { .. })),
+        matches!(at_end, Err(PluginCallError::NotListening { .. })),
         "got {:?}",
-        result.map(|(_, info)| info)
+        at_end.map(|(_, info)| info)
     );
-    assert!(
-        started.elapsed() < fast().dial,
-        "the listen wait, not the dial budget, ended it"
+}
+
+/// A look that found the socket listening hands its connection to the attempt, which asks on
+/// it: a plugin that serves exactly one connection is not robbed of it by the look.
+#[tokio::test]
+async fn a_connection_already_made_is_the_one_asked() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("once.sock");
+    let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+    let looked = tokio::net::UnixStream::connect(&path)
+        .await
+        .expect("the look's connect");
+    // Serves the first connection in its queue (the look's), and no other: the listener closes.
+    let (accepted, _) = listener.accept().await.expect("accept");
+    drop(listener);
+    let _stop = serve_one(
+        accepted,
+        Plugin {
+            name: "once".into(),
+            ..Plugin::default()
+        },
     );
+    let (_, info) = PluginConnection::get_info(
+        &path,
+        identity(&path),
+        Some(looked),
+        fast(),
+        &mut Sleep,
+        OnInvalid::Notify,
+        &StepTimer::default(),
+    )
+    .await
+    .expect("answered on the look's connection");
+    assert_eq!(info.name, "once");
 }
 
 #[tokio::test]
@@ -271,6 +345,7 @@ async fn the_connection_names_the_process_that_serves_the_socket() {
     let (mut connection, _) = PluginConnection::get_info(
         &path,
         identity(&path),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -296,6 +371,7 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
             PluginConnection::get_info(
                 &path,
                 id,
+                None,
                 fast(),
                 &mut Sleep,
                 OnInvalid::Notify,
@@ -331,6 +407,7 @@ async fn hung_get_info_fails_after_its_deadline() {
     let result = PluginConnection::get_info(
         &path,
         identity(&path),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -360,6 +437,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     let result = PluginConnection::get_info(
         &huge,
         identity(&huge),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -382,6 +460,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     let result = PluginConnection::get_info(
         &many,
         identity(&many),
+        None,
         fast(),
         &mut Sleep,
         OnInvalid::Notify,
@@ -407,6 +486,7 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
             PluginConnection::get_info(
                 &path,
                 stale,
+                None,
                 fast(),
                 &mut Sleep,
                 OnInvalid::Notify,
@@ -471,6 +551,7 @@ async fn get_info_tells_its_pause_when_the_answer_is_slow() {
             PluginConnection::get_info(
                 &socket,
                 identity(&socket),
+                None,
                 timeouts,
                 &mut TellingPause(told_tx),
                 OnInvalid::Notify,

@@ -20,6 +20,7 @@ per_source!(
     registers_a_socket_whose_path_is_107_bytes_long,
     registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path,
     registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves,
+    registers_a_plugin_that_listens_a_second_after_it_binds_and_serves_one_connection,
     loses_no_plugin_under_a_create_delete_storm,
     deregisters_a_plugin_whose_socket_is_deleted_during_registration,
 );
@@ -364,6 +365,32 @@ async fn registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves(sou
     if let Some(failure) = failures.first() {
         agent.fail(&format!(
             "a plugin that is not serving yet was counted as failed: {failure}"
+        ));
+    }
+}
+
+/// A socket that refuses connections waits without an operation (see `state::backoff`); where
+/// no listen is reported (fanotify, inotify) a bare connect looks for it, and the registration
+/// asks on that connection: a plugin that serves exactly one connection would otherwise have
+/// served the look and never the registration.
+async fn registers_a_plugin_that_listens_a_second_after_it_binds_and_serves_one_connection(
+    source: Source,
+) {
+    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
+        return;
+    };
+    let socket = dir.path("once.sock");
+    let plugin = plugin!(&socket)
+        .name("once.example.com")
+        .arg("--listen-delay")
+        .arg("1s")
+        .arg("--serve-once")
+        .spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    let failures = agent.logs_since(Mark(0), logs::any_registration_failed);
+    if let Some(failure) = failures.first() {
+        agent.fail(&format!(
+            "{test}: a plugin that was not listening yet was counted as failed: {failure}"
         ));
     }
 }

@@ -366,6 +366,8 @@ impl RunArgs {
                 .or(file.max_concurrent)
                 .unwrap_or(ExecutorConfig::default().max_concurrent),
             mode: Mode::Register,
+            // Known once the source is open (see `agent`).
+            listens_reported: false,
         }
     }
 }

@@ -41,6 +41,12 @@ impl SourceKind {
         self == SourceKind::Ebpf
     }
 
+    /// Whether the source reports a socket's `listen` (liveness's kernel hints): only the
+    /// kernel's programs see it.
+    pub fn reports_listens(self) -> bool {
+        self == SourceKind::Ebpf
+    }
+
     /// The lowercase name used on the command line, in logs and in metrics labels.
     pub fn as_str(self) -> &'static str {
         match self {

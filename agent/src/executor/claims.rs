@@ -41,6 +41,21 @@ impl OperationExecutor {
         }
     }
 
+    /// Whether the kernel reported a `listen` on `path` that the operation holding it has not
+    /// waited for (one that came after its last refused connect). Takes the report.
+    pub(super) fn listen_reported_to_claim(&self, path: &Path) -> bool {
+        use futures::FutureExt as _;
+        let Some(listened) = self
+            .lock_in_flight()
+            .get(path)
+            .map(|claim| claim.listened.clone())
+        else {
+            return false;
+        };
+        // A report nobody waited for is kept as the Notify's permit: polling takes it.
+        listened.notified().now_or_never().is_some()
+    }
+
     fn finish(&self, path: &Path) {
         let idle = {
             let mut in_flight = self.lock_in_flight();

@@ -145,9 +145,11 @@ impl OperationExecutor {
         if let Err(error) = result {
             record(&span, "error", &error.to_string());
         }
-        let kept = mark_tail(&span, result.is_err(), took);
+        // A socket waiting to listen is not a failure, and its attempt not the registration.
+        let waiting = matches!(outcome, "waiting_to_listen" | "waiting_for_kubelet");
+        let kept = mark_tail(&span, result.is_err() && !waiting, took);
         // A socket that vanished mid-attempt is not a registration that failed: no latency.
-        if outcome != "socket_gone" {
+        if outcome != "socket_gone" && !waiting {
             let latency = desired
                 .kernel_ns
                 .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)))

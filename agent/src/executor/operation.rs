@@ -27,6 +27,10 @@ pub(super) enum RegisterFailure {
     Plugin(#[from] PluginCallError),
     #[error("no handler registered for plugin type: {plugin_type} at socket {socket}")]
     NoHandler { plugin_type: String, socket: String },
+    /// Observe mode: kubelet has not contacted the socket yet, and may until `until`; the
+    /// agent does not call a plugin before kubelet (see `mode::KUBELET_FIRST`). Not a failure.
+    #[error("waiting for kubelet's first contact")]
+    WaitingForKubelet { until: Instant },
     /// The agent began shutting down before the plugin answered: no outcome to report.
     #[error("the agent is shutting down")]
     ShuttingDown,
@@ -54,12 +58,14 @@ impl RegisterFailure {
             RegisterFailure::Plugin(PluginCallError::SocketGone(_)) => "socket_gone",
             RegisterFailure::Plugin(PluginCallError::Dial { .. }) => "dial_error",
             RegisterFailure::Plugin(PluginCallError::NotListening { .. }) => "not_listening",
+            RegisterFailure::Plugin(PluginCallError::NotListeningYet { .. }) => "waiting_to_listen",
             RegisterFailure::Plugin(
                 PluginCallError::GetInfo(_) | PluginCallError::GetInfoTimeout(_),
             ) => "get_info_error",
             RegisterFailure::Plugin(PluginCallError::InvalidInfo(_)) => "invalid_info",
             RegisterFailure::Plugin(PluginCallError::Notify(_)) => "notify_error",
             RegisterFailure::NoHandler { .. } => "no_handler",
+            RegisterFailure::WaitingForKubelet { .. } => "waiting_for_kubelet",
             RegisterFailure::ShuttingDown => "shutting_down",
             RegisterFailure::Rejected(_) => "rejected_by_policy",
             RegisterFailure::NotRecorded(_) => "state_not_recorded",
@@ -219,7 +225,8 @@ impl OperationExecutor {
             PluginConnection::get_info(
                 path,
                 desired.socket,
-                self.plugin_timeouts(desired),
+                self.found_listening(path, desired.socket),
+                self.plugin_timeouts(path, desired),
                 slot,
                 on_invalid,
                 &self.steps,
@@ -232,13 +239,30 @@ impl OperationExecutor {
         }
     }
 
-    /// The plugin call deadlines for `desired`: a socket found by a walk is waited for only
-    /// briefly while it refuses connections (see [`super::LISTEN_WAIT_AFTER_WALK`]).
-    pub(super) fn plugin_timeouts(&self, desired: &DesiredPlugin) -> crate::registration::Timeouts {
+    /// The plugin call deadlines for `desired` at `path`, with what is left of its wait to
+    /// listen: the rest of a wait under way, else the whole one counted from the socket's birth
+    /// where the file system records it (a socket bound longer ago than that and refusing is
+    /// not waited for: a tree of 100,000 dead sockets cost ~6 connects and a slot-second
+    /// each), and a socket found by a walk is waited for only briefly (see
+    /// [`super::LISTEN_WAIT_AFTER_WALK`]).
+    pub(super) fn plugin_timeouts(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+    ) -> crate::registration::Timeouts {
         let mut timeouts = self.config.plugin_timeouts;
-        if !desired.by_event {
-            timeouts.listen = timeouts.listen.min(super::LISTEN_WAIT_AFTER_WALK);
-        }
+        let now = Instant::now();
+        timeouts.listen = match self.backoff.waiting_to_listen_until(path, desired.socket) {
+            Some(until) => until.saturating_duration_since(now),
+            None => {
+                let wait = if desired.by_event {
+                    timeouts.listen
+                } else {
+                    timeouts.listen.min(super::LISTEN_WAIT_AFTER_WALK)
+                };
+                wait.saturating_sub(age(desired.socket))
+            }
+        };
         timeouts
     }
 
@@ -471,4 +495,13 @@ fn record_process(span: &tracing::Span, keys: &ProcessKeys, process: &crate::pro
     if let Some(path) = process.cgroup_path() {
         record(span, keys.cgroup, path);
     }
+}
+
+/// How long ago `socket` was bound, as its birth time says (zero when the file system does not
+/// record one, or the clock was set back since).
+fn age(socket: crate::state::SocketId) -> Duration {
+    socket
+        .born()
+        .and_then(|born| std::time::SystemTime::now().duration_since(born).ok())
+        .unwrap_or_default()
 }

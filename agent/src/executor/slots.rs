@@ -250,17 +250,6 @@ impl Slot {
 }
 
 impl Slot {
-    /// Waits for `wait` without the slot (nor a dial permit), then takes a slot again: for waits
-    /// that need nothing of the agent (an observer leaving kubelet the first call).
-    pub async fn without_slot<T>(&mut self, wait: impl Future<Output = T>) -> T {
-        self.permit = None;
-        self.lane_permit = None;
-        self.dial = None;
-        let waited = wait.await;
-        self.take_slot_again().await;
-        waited
-    }
-
     /// Takes the lane's share (if it has one) and a slot again, after a wait without them.
     async fn take_slot_again(&mut self) {
         if let Some(lane) = &self.lane

@@ -227,7 +227,7 @@ pub struct Loss {
 
 /// What one connect attempt found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Probe {
+pub enum Probe {
     /// Something accepts connections (or will: its backlog is full).
     Served,
     /// Nothing listens on the socket.
@@ -236,7 +236,8 @@ enum Probe {
     Replaced,
 }
 
-async fn probe(path: &Path, socket: SocketId) -> (Probe, Option<tokio::net::UnixStream>) {
+/// One connect to `socket` at `path`: what it found, and the connection when one was made.
+pub async fn probe(path: &Path, socket: SocketId) -> (Probe, Option<tokio::net::UnixStream>) {
     if !matches!(EntryKind::of(path), Ok(EntryKind::Socket(id)) if id == socket) {
         return (Probe::Replaced, None);
     }
@@ -279,6 +280,7 @@ const RELEASE_CHECKS: [Duration; 3] = [
 
 type OnLoss = Box<dyn Fn(Loss) + Send + Sync>;
 type OnListen = Box<dyn Fn(&Path) + Send + Sync>;
+type OnHintsLost = Box<dyn Fn() + Send + Sync>;
 
 /// A registration whose server is known (or being learned). It stays until the registration is
 /// deregistered or lost, also after its server's exit was decided (a handed-on listener), so the
@@ -366,6 +368,7 @@ pub struct Liveness {
     watches: Mutex<Watches>,
     on_loss: OnceLock<OnLoss>,
     on_listen: OnceLock<OnListen>,
+    on_hints_lost: OnceLock<OnHintsLost>,
     attaches: Arc<Semaphore>,
 }
 
@@ -375,6 +378,7 @@ impl Default for Liveness {
             watches: Mutex::new(Watches::default()),
             on_loss: OnceLock::new(),
             on_listen: OnceLock::new(),
+            on_hints_lost: OnceLock::new(),
             attaches: Arc::new(Semaphore::new(CONCURRENT_ATTACHES)),
         }
     }
@@ -389,6 +393,19 @@ impl Liveness {
     /// Where the kernel's "started listening" hints go (set once, by the executor).
     pub fn on_listen(&self, report: impl Fn(&Path) + Send + Sync + 'static) {
         let _ = self.on_listen.set(Box::new(report));
+    }
+
+    /// Where it is said that the kernel's hints were lost (set once, by the executor): the
+    /// "started listening" ones among them never come.
+    pub fn on_hints_lost(&self, report: impl Fn() + Send + Sync + 'static) {
+        let _ = self.on_hints_lost.set(Box::new(report));
+    }
+
+    /// The source lost hints (an overflow: the watcher rescans).
+    pub fn hints_lost(&self) {
+        if let Some(report) = self.on_hints_lost.get() {
+            report();
+        }
     }
 
     /// Watches `server` for the registration `generation` of the socket `socket` at `path`,

@@ -7,6 +7,12 @@
 //! One exception, before the chain: a plugin that has just started serving and misses GetInfo's
 //! 1 s deadline (busy starting up: kubernetes issue 127457) is asked again after
 //! [`QUICK_RETRY_DELAY`], at most [`QUICK_RETRIES`] times, before it is treated as broken.
+//!
+//! And one entry that is not a failure: a socket that refuses connections (bound, not listening
+//! yet) waits here for its listen ([`FailureKind::WaitingToListen`]), released by the kernel's
+//! report of it or looked at again after [`LISTEN_POLL_FIRST`], doubling to [`LISTEN_POLL_MAX`],
+//! by sources that do not report listens. An entry costs ~200 bytes where the attempt held open
+//! through the wait cost ~6 KB.
 
 use super::SocketId;
 use crate::handler::Plugin;
@@ -26,6 +32,11 @@ pub const MAX_DELAY: Duration = Duration::from_secs(122);
 pub const QUICK_RETRY_DELAY: Duration = Duration::from_millis(100);
 /// Quick retries of a slow new plugin before the backoff chain starts.
 pub const QUICK_RETRIES: u32 = 3;
+/// First look again at a socket waiting to listen, where no listen is reported.
+pub const LISTEN_POLL_FIRST: Duration = Duration::from_millis(8);
+/// Longest wait between two looks at a socket waiting to listen, where no listen is reported
+/// (kubelet's reconciler looks once a second).
+pub const LISTEN_POLL_MAX: Duration = Duration::from_secs(1);
 
 /// Why the last attempt failed, as far as retry policy cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +66,18 @@ pub enum FailureKind {
         /// entry is as large as the largest kind).
         provenance: Box<Provenance>,
     },
+    /// Not a failure: the socket refuses connections (bound, not listening yet) and may listen
+    /// until `until`, when it counts as unserved. Released by the kernel's report of its listen.
+    WaitingToListen {
+        /// The end of its wait.
+        until: Instant,
+    },
+    /// Not a failure: observe mode waits for kubelet to contact the socket first, until
+    /// `until` (see `mode::KUBELET_FIRST`); a contact recorded in desired state ends the wait.
+    WaitingForKubelet {
+        /// The end of its wait.
+        until: Instant,
+    },
     /// Anything else.
     Other,
 }
@@ -72,6 +95,30 @@ impl FailureKind {
     pub fn is_held(&self) -> bool {
         self.is_unserved() || self.is_rejected()
     }
+
+    /// Waiting for its socket to listen (not a failure).
+    pub fn is_waiting_to_listen(&self) -> bool {
+        matches!(self, FailureKind::WaitingToListen { .. })
+    }
+
+    /// Waiting for its socket to listen or for kubelet's first contact: not a failure, the
+    /// plugin is pending.
+    pub fn is_waiting(&self) -> bool {
+        matches!(
+            self,
+            FailureKind::WaitingToListen { .. } | FailureKind::WaitingForKubelet { .. }
+        )
+    }
+}
+
+/// What a socket's listen released in the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenReleased {
+    Nothing,
+    /// An unserved mark: the socket serves again.
+    Unserved,
+    /// A wait for its first listen.
+    Waiting,
 }
 
 /// How far "never" is for an unserved socket's `retry_at` (a representable instant that no
@@ -103,10 +150,20 @@ pub struct BackoffTable {
 }
 
 impl BackoffTable {
-    /// When the next attempt for this socket may start, if it is backing off now.
-    pub fn blocked_until(&self, path: &Path, socket: SocketId, now: Instant) -> Option<Instant> {
+    /// When the next attempt for this socket may start, if it is backing off now. A wait for
+    /// kubelet's first contact ends with the contact (`contacted`).
+    pub fn blocked_until(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        now: Instant,
+        contacted: bool,
+    ) -> Option<Instant> {
         let entries = self.lock();
         let backoff = entries.get(&(path.to_path_buf(), socket))?;
+        if contacted && matches!(backoff.kind, FailureKind::WaitingForKubelet { .. }) {
+            return None;
+        }
         (backoff.retry_at > now).then_some(backoff.retry_at)
     }
 
@@ -180,13 +237,114 @@ impl BackoffTable {
         backoff
     }
 
-    /// Lifts the unserved mark of whatever socket is at `path` (it started listening); returns
-    /// whether there was one.
-    pub fn release_unserved(&self, path: &Path) -> bool {
+    /// The socket refuses connections and may listen until `until`: records the wait, replacing
+    /// a failure's backoff, and returns it. Its next look is at `until` where the kernel reports
+    /// listens (`listens_reported`), else after a poll delay doubling from [`LISTEN_POLL_FIRST`]
+    /// to [`LISTEN_POLL_MAX`]. Not a failure: the failure count is kept as it was.
+    pub fn wait_to_listen(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        until: Instant,
+        listens_reported: bool,
+        reason: String,
+        now: Instant,
+    ) -> Backoff {
         let mut entries = self.lock();
-        let before = entries.len();
-        entries.retain(|(p, _), b| p != path || !b.kind.is_unserved());
-        entries.len() != before
+        let key = (path.to_path_buf(), socket);
+        let previous = entries.get(&key);
+        let failures = previous.map_or(0, |b| b.failures);
+        let delay = match previous {
+            Some(b) if b.kind.is_waiting_to_listen() => (b.delay * 2).min(LISTEN_POLL_MAX),
+            _ => LISTEN_POLL_FIRST,
+        };
+        let retry_at = if listens_reported {
+            until
+        } else {
+            (now + delay).min(until)
+        };
+        let backoff = Backoff {
+            failures,
+            delay,
+            retry_at,
+            last_error: reason.into_boxed_str(),
+            kind: FailureKind::WaitingToListen { until },
+        };
+        entries.insert(key, backoff.clone());
+        backoff
+    }
+
+    /// A look at a socket waiting to listen found it still refusing at `now`: the next look is
+    /// later (doubling, as [`Self::wait_to_listen`]); `None` if it no longer waits.
+    pub fn listen_look_refused(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        now: Instant,
+    ) -> Option<Instant> {
+        let mut entries = self.lock();
+        let backoff = entries.get_mut(&(path.to_path_buf(), socket))?;
+        let FailureKind::WaitingToListen { until } = backoff.kind else {
+            return None;
+        };
+        backoff.delay = (backoff.delay * 2).min(LISTEN_POLL_MAX);
+        backoff.retry_at = (now + backoff.delay).min(until);
+        Some(backoff.retry_at)
+    }
+
+    /// Observe mode waits for kubelet's first contact with the socket until `until`: records
+    /// the wait (the next look is then, or at the contact) and returns it. Not a failure.
+    pub fn wait_for_kubelet(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        until: Instant,
+        reason: String,
+    ) -> Backoff {
+        let mut entries = self.lock();
+        let key = (path.to_path_buf(), socket);
+        let failures = entries.get(&key).map_or(0, |b| b.failures);
+        let backoff = Backoff {
+            failures,
+            delay: Duration::ZERO,
+            retry_at: until,
+            last_error: reason.into_boxed_str(),
+            kind: FailureKind::WaitingForKubelet { until },
+        };
+        entries.insert(key, backoff.clone());
+        backoff
+    }
+
+    /// Lifts the unserved mark, or the wait to listen, of whatever socket is at `path` (it
+    /// started listening); says which it was.
+    pub fn release_on_listen(&self, path: &Path) -> ListenReleased {
+        let mut released = ListenReleased::Nothing;
+        self.lock().retain(|(p, _), b| {
+            if p != path {
+                return true;
+            }
+            match b.kind {
+                FailureKind::Unserved { .. } => released = ListenReleased::Unserved,
+                FailureKind::WaitingToListen { .. } => released = ListenReleased::Waiting,
+                _ => return true,
+            }
+            false
+        });
+        released
+    }
+
+    /// Lifts every wait to listen (the listens reported may have been lost); returns their
+    /// paths, to be looked at again.
+    pub fn release_waiting_to_listen(&self) -> Vec<PathBuf> {
+        let mut released = Vec::new();
+        self.lock().retain(|(path, _), backoff| {
+            let waiting = backoff.kind.is_waiting_to_listen();
+            if waiting {
+                released.push(path.clone());
+            }
+            !waiting
+        });
+        released
     }
 
     /// Lifts every policy refusal (the policy changed); returns their paths, to be tried again.
@@ -216,6 +374,14 @@ impl BackoffTable {
         self.lock()
             .get(&(path.to_path_buf(), socket))
             .is_some_and(|b| b.kind.is_unserved())
+    }
+
+    /// The end of this socket's wait to listen, if it waits.
+    pub fn waiting_to_listen_until(&self, path: &Path, socket: SocketId) -> Option<Instant> {
+        match self.lock().get(&(path.to_path_buf(), socket))?.kind {
+            FailureKind::WaitingToListen { until } => Some(until),
+            _ => None,
+        }
     }
 
     /// Whether this socket is held (unserved or rejected): a registration of it is ended.
@@ -308,6 +474,62 @@ mod tests {
     }
 
     #[test]
+    fn a_socket_waiting_to_listen_is_looked_at_again_doubling_to_a_second_or_waits_for_the_kernel()
+    {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let until = now + Duration::from_secs(10);
+        let path = Path::new("/r/bound.sock");
+        let looks: Vec<Duration> = (0..10)
+            .map(|_| {
+                table
+                    .wait_to_listen(path, id(1), until, false, "x".into(), now)
+                    .retry_at
+                    - now
+            })
+            .collect();
+        assert_eq!(looks[0], LISTEN_POLL_FIRST);
+        assert_eq!(looks[1], LISTEN_POLL_FIRST * 2);
+        assert_eq!(looks[9], LISTEN_POLL_MAX);
+        // Not a failure: no attempt count, no retry.
+        assert_eq!(table.get(path, id(1)).map(|b| b.failures), Some(0));
+        assert_eq!(table.waiting_to_listen_until(path, id(1)), Some(until));
+        // Near its end, the next look is the end.
+        let late = until - Duration::from_millis(3);
+        assert_eq!(
+            table
+                .wait_to_listen(path, id(1), until, false, "x".into(), late)
+                .retry_at,
+            until
+        );
+        // Where the kernel reports listens, the one look is at the end of the wait.
+        let reported = Path::new("/r/reported.sock");
+        let wait = table.wait_to_listen(reported, id(2), until, true, "x".into(), now);
+        assert_eq!(wait.retry_at, until);
+        // The report releases it, and only it.
+        assert_eq!(table.release_on_listen(reported), ListenReleased::Waiting);
+        assert_eq!(table.release_on_listen(reported), ListenReleased::Nothing);
+        assert!(table.blocked_until(path, id(1), now, false).is_some());
+        // Lost reports release every wait.
+        assert_eq!(table.release_waiting_to_listen(), vec![path.to_path_buf()]);
+        assert!(table.blocked_until(path, id(1), now, false).is_none());
+    }
+
+    #[test]
+    fn a_wait_for_kubelet_ends_at_its_deadline_or_at_the_contact() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let until = now + Duration::from_secs(3);
+        let path = Path::new("/r/observed.sock");
+        table.wait_for_kubelet(path, id(1), until, "x".into());
+        assert_eq!(table.blocked_until(path, id(1), now, false), Some(until));
+        assert_eq!(table.blocked_until(path, id(1), now, true), None);
+        assert!(table.get(path, id(1)).is_some_and(|b| b.kind.is_waiting()));
+        // A listen does not end it.
+        assert_eq!(table.release_on_listen(path), ListenReleased::Nothing);
+    }
+
+    #[test]
     fn delays_double_from_500ms_and_cap_at_2m2s() {
         let table = BackoffTable::default();
         let now = Instant::now();
@@ -324,7 +546,10 @@ mod tests {
         assert_eq!(delays[2], Duration::from_secs(2));
         assert_eq!(delays[8], Duration::from_secs(122));
         assert_eq!(delays[11], MAX_DELAY);
-        assert_eq!(table.blocked_until(path, id(1), now), Some(now + MAX_DELAY));
+        assert_eq!(
+            table.blocked_until(path, id(1), now, false),
+            Some(now + MAX_DELAY)
+        );
     }
 
     #[test]
@@ -335,8 +560,8 @@ mod tests {
         for _ in 0..5 {
             table.fail(path, id(1), "x".into(), FailureKind::Other, now);
         }
-        assert!(table.blocked_until(path, id(1), now).is_some());
-        assert_eq!(table.blocked_until(path, id(2), now), None);
+        assert!(table.blocked_until(path, id(1), now, false).is_some());
+        assert_eq!(table.blocked_until(path, id(2), now, false), None);
         assert_eq!(
             table
                 .fail(path, id(2), "x".into(), FailureKind::Other, now)
@@ -352,7 +577,7 @@ mod tests {
         let path = Path::new("/r/a.sock");
         table.fail(path, id(1), "x".into(), FailureKind::Other, now);
         table.reset(path, id(1));
-        assert_eq!(table.blocked_until(path, id(1), now), None);
+        assert_eq!(table.blocked_until(path, id(1), now, false), None);
         assert_eq!(
             table
                 .fail(path, id(1), "x".into(), FailureKind::Other, now)
@@ -397,17 +622,17 @@ mod tests {
             vec![PathBuf::from("/r/dra.sock")]
         );
         assert_eq!(
-            table.blocked_until(Path::new("/r/dra.sock"), id(1), now),
+            table.blocked_until(Path::new("/r/dra.sock"), id(1), now, false),
             None
         );
         assert!(
             table
-                .blocked_until(Path::new("/r/csi.sock"), id(2), now)
+                .blocked_until(Path::new("/r/csi.sock"), id(2), now, false)
                 .is_some()
         );
         assert!(
             table
-                .blocked_until(Path::new("/r/bad.sock"), id(3), now)
+                .blocked_until(Path::new("/r/bad.sock"), id(3), now, false)
                 .is_some()
         );
     }

@@ -62,8 +62,6 @@ pub struct DesiredState {
     /// the last growth, with a burst's registrations in flight (0.4 and 0.2 MB, plus 1.9 MB of
     /// entries, boxed).
     plugins: Mutex<HashMap<Arc<Path>, Box<DesiredPlugin>>>,
-    /// Woken at every first contact recorded (see [`DesiredState::contacted`]).
-    contacted: tokio::sync::Notify,
 }
 
 impl DesiredState {
@@ -134,22 +132,15 @@ impl DesiredState {
         plugin.first_contact = Some(Box::new(contact));
         let now = DesiredPlugin::clone(plugin);
         drop(plugins);
-        self.contacted.notify_waiters();
         Some(now)
     }
 
     /// Whether the socket instance `generation` desired at `path` has had its first contact (a
-    /// look under the lock, no copy: every contact in a burst wakes every observer waiting).
+    /// look under the lock, no copy).
     pub fn contacted_since(&self, path: &Path, generation: Uuid) -> bool {
         self.lock()
             .get(path)
             .is_some_and(|now| now.generation == generation && now.first_contact.is_some())
-    }
-
-    /// Completes at the next first contact recorded, of any socket (create it before looking at
-    /// the one waited for, so that none recorded in between is missed).
-    pub fn contacted(&self) -> tokio::sync::futures::Notified<'_> {
-        self.contacted.notified()
     }
 
     /// Records the socket a previous agent registered at `path`, with that agent's generation,

@@ -16,6 +16,8 @@
 //!            or its socket is unserved/rejected)
 //!   yes      no                                  unserved            Unserved
 //!   yes      no                                  rejected            Rejected
+//!   yes      no                                  waiting (listen,    Pending
+//!                                                kubelet's contact)
 //!   yes      no                                  yes                 BackingOff
 //!   yes      no                                  no (none, or due)   Pending
 //! ```
@@ -32,7 +34,7 @@ use tokio::time::Instant;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PluginState {
     /// Desired and not registered; an attempt runs or is about to (a retry whose backoff expired
-    /// included).
+    /// included), or its socket is bound and not listening yet, within its wait for that.
     Pending,
     /// Desired, not registered, and its last attempt failed: no attempt before the backoff ends.
     BackingOff,
@@ -124,6 +126,7 @@ pub fn derive(
         (_, Some(_)) => PluginState::Deregistering,
         _ if held.is_some_and(|kind| kind.is_unserved()) => PluginState::Unserved,
         _ if held.is_some() => PluginState::Rejected,
+        _ if backoff.is_some_and(|b| b.kind.is_waiting()) => PluginState::Pending,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
         _ => PluginState::Pending,
     }
@@ -316,6 +319,28 @@ mod tests {
         let status = view.status(path, retrying);
         assert_eq!(status.state, PluginState::Pending);
         assert!(status.backoff.is_some(), "the failure is still reported");
+    }
+
+    #[test]
+    fn a_socket_waiting_to_listen_or_for_kubelet_is_pending_not_backing_off() {
+        let view = view();
+        let now = Instant::now();
+        let (listen, kubelet) = (Path::new("/r/bound.sock"), Path::new("/r/observed.sock"));
+        for path in [listen, kubelet] {
+            view.desired
+                .add_or_update(path, socket(), None)
+                .expect("desired");
+        }
+        let until = now + Duration::from_secs(10);
+        view.backoff
+            .wait_to_listen(listen, socket(), until, true, "bound".into(), now);
+        view.backoff
+            .wait_for_kubelet(kubelet, socket(), until, "kubelet first".into());
+        for path in [listen, kubelet] {
+            let status = view.status(path, now);
+            assert_eq!(status.state, PluginState::Pending, "{}", path.display());
+            assert!(status.backoff.is_some(), "what it waits for is reported");
+        }
     }
 
     #[test]

@@ -232,6 +232,9 @@ impl Watcher {
             }
             if let Some(reason) = rescan {
                 self.rescan(reason);
+                if let Some(liveness) = &self.liveness {
+                    liveness.hints_lost();
+                }
             }
             // After the removals beside them: a plugin going away unlinks its socket, then closes
             // its listener, and a socket already forgotten needs no check of who serves it (its
@@ -280,6 +283,8 @@ impl Watcher {
             "plugin socket first contacted"
         );
         self.telemetry.first_contact(path, &contact, after_creation);
+        // Observe mode waits for this contact before it asks the plugin (see `executor`).
+        self.queue.mark(path.to_path_buf());
         let mut event = AgentEvent::new(EventKind::FirstContact, path);
         event.at = at;
         event.contact = Some(contact);
