@@ -254,7 +254,12 @@ impl OperationExecutor {
             // on a timer; the kernel's word ends its wait, so it registers within a millisecond
             // of the listen rather than up to 50 ms after it.
             executor.listened(path);
-            match executor.backoff.release_on_listen(path) {
+            // Whatever socket is at the path now is the one that listens.
+            let Ok(crate::state::EntryKind::Socket(socket)) = crate::state::EntryKind::of(path)
+            else {
+                return;
+            };
+            match executor.backoff.release_on_listen(path, socket) {
                 ListenReleased::Nothing => {}
                 ListenReleased::Unserved => {
                     info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
@@ -603,7 +608,8 @@ impl OperationExecutor {
                     let this = &this;
                     async move {
                         if crate::liveness::accepts(&path, socket).await
-                            && this.backoff.release_on_listen(&path) == ListenReleased::Unserved
+                            && this.backoff.release_on_listen(&path, socket)
+                                == ListenReleased::Unserved
                         {
                             info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
                             this.queue.mark(path);
@@ -829,7 +835,7 @@ impl OperationExecutor {
         // A listen reported after the attempt's last refused connect found no wait to end:
         // it is one now (recorded first, so a report racing with this is not lost either).
         if self.listen_reported_to_claim(path)
-            && self.backoff.release_on_listen(path) == ListenReleased::Waiting
+            && self.backoff.release_on_listen(path, desired.socket) == ListenReleased::Waiting
         {
             self.queue.mark(path.to_path_buf());
             return;
@@ -888,7 +894,7 @@ impl OperationExecutor {
                             this.lock_found_listening()
                                 .insert(path.clone(), (socket, stream));
                         }
-                        this.backoff.release_on_listen(&path);
+                        this.backoff.release_on_listen(&path, socket);
                         break;
                     }
                     (Probe::Replaced, _) => break,
