@@ -860,13 +860,7 @@ impl OperationExecutor {
         until: Instant,
     ) {
         use crate::liveness::Probe;
-        let cancel = self.cancel.child_token();
-        if let Some(previous) = self
-            .lock_retry_timers()
-            .insert(path.to_path_buf(), cancel.clone())
-        {
-            previous.cancel();
-        }
+        let cancel = self.replace_timer(path);
         let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
@@ -929,13 +923,7 @@ impl OperationExecutor {
 
     /// Looks at `path` again at `at` (a backoff's end), replacing an earlier timer.
     fn look_again_at(self: &Arc<Self>, path: &Path, at: Instant) {
-        let cancel = self.cancel.child_token();
-        if let Some(previous) = self
-            .lock_retry_timers()
-            .insert(path.to_path_buf(), cancel.clone())
-        {
-            previous.cancel();
-        }
+        let cancel = self.replace_timer(path);
         let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
@@ -955,6 +943,19 @@ impl OperationExecutor {
         for path in self.backoff.release_waiting_to_listen() {
             self.queue.mark(path);
         }
+    }
+
+    /// The token of `path`'s timer from now on: an earlier timer of the path is cancelled (one
+    /// timer per path, whatever it waits for).
+    fn replace_timer(&self, path: &Path) -> CancellationToken {
+        let cancel = self.cancel.child_token();
+        if let Some(previous) = self
+            .lock_retry_timers()
+            .insert(path.to_path_buf(), cancel.clone())
+        {
+            previous.cancel();
+        }
+        cancel
     }
 
     fn lock_retry_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
