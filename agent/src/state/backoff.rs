@@ -333,26 +333,23 @@ impl BackoffTable {
     /// Lifts every wait to listen (the listens reported may have been lost); returns their
     /// paths, to be looked at again.
     pub fn release_waiting_to_listen(&self) -> Vec<PathBuf> {
-        let mut released = Vec::new();
-        self.lock().retain(|(path, _), backoff| {
-            let waiting = backoff.kind.is_waiting_to_listen();
-            if waiting {
-                released.push(path.clone());
-            }
-            !waiting
-        });
-        released
+        self.release_where(FailureKind::is_waiting_to_listen)
     }
 
     /// Lifts every policy refusal (the policy changed); returns their paths, to be tried again.
     pub fn release_rejected(&self) -> Vec<PathBuf> {
+        self.release_where(FailureKind::is_rejected)
+    }
+
+    /// Lifts every backoff whose kind `lifted` says; returns their paths.
+    fn release_where(&self, lifted: impl Fn(&FailureKind) -> bool) -> Vec<PathBuf> {
         let mut released = Vec::new();
         self.lock().retain(|(path, _), backoff| {
-            let rejected = backoff.kind.is_rejected();
-            if rejected {
+            let lift = lifted(&backoff.kind);
+            if lift {
                 released.push(path.clone());
             }
-            !rejected
+            !lift
         });
         released
     }
@@ -402,16 +399,9 @@ impl BackoffTable {
     /// handler;
     /// returns their paths so they can be retried now.
     pub fn release_waiting_for(&self, plugin_type: &str) -> Vec<PathBuf> {
-        let mut released = Vec::new();
-        self.lock()
-            .retain(|(path, _), backoff| match &backoff.kind {
-                FailureKind::WaitingForHandler { plugin_type: t } if t == plugin_type => {
-                    released.push(path.clone());
-                    false
-                }
-                _ => true,
-            });
-        released
+        self.release_where(
+            |kind| matches!(kind, FailureKind::WaitingForHandler { plugin_type: t } if t == plugin_type),
+        )
     }
 
     /// The backoff of a socket, for status reporting.
