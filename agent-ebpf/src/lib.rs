@@ -362,6 +362,16 @@ pub struct VfsArgs {
     pub renamedata_new_dentry: u32,
     /// `renamedata.flags` (`unsigned int`: `RENAME_EXCHANGE`, `RENAME_NOREPLACE`, ...).
     pub renamedata_flags: u32,
+    /// Where each function's return value is in an fexit program's context: after its
+    /// arguments, so at its parameter count. Read there rather than with `bpf_get_func_ret`,
+    /// which arrived in 5.17: the 5.10 verifier refuses that helper.
+    pub unlink_ret: u32,
+    pub rmdir_ret: u32,
+    pub mkdir_ret: u32,
+    pub mknod_ret: u32,
+    pub rename_ret: u32,
+    /// Padding, zero (keeps the size a multiple of 8, as `Config` needs without implicit padding).
+    pub _pad: u32,
 }
 
 /// Everything the programs need from userspace at load time, set as one read-only global.
@@ -403,6 +413,12 @@ impl Config {
             renamedata_old_dentry: 0,
             renamedata_new_dentry: 0,
             renamedata_flags: 0,
+            unlink_ret: 0,
+            rmdir_ret: 0,
+            mkdir_ret: 0,
+            mknod_ret: 0,
+            rename_ret: 0,
+            _pad: 0,
         },
     };
 }
@@ -444,10 +460,10 @@ mod tests {
         );
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 23 * 4);
         assert_eq!(core::mem::size_of::<SyscallNumbers>(), 10 * 4);
-        assert_eq!(core::mem::size_of::<VfsArgs>(), 10 * 4);
+        assert_eq!(core::mem::size_of::<VfsArgs>(), 16 * 4);
         assert_eq!(
             core::mem::size_of::<Config>(),
-            23 * 4 + 4 + 16 + 10 * 4 + 10 * 4
+            23 * 4 + 4 + 16 + 10 * 4 + 16 * 4
         );
     }
 

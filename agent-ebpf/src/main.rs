@@ -1261,10 +1261,18 @@ mod programs {
         };
     }
 
+    /// The traced function's return value, from the context slot after its `slot` arguments
+    /// (the trampoline stores it there for fexit programs on every kernel that has them;
+    /// `bpf_get_func_ret`, which `FExitContext::ret` calls, arrived only in 5.17).
+    #[inline(always)]
+    fn func_ret(ctx: *mut core::ffi::c_void, slot: u32) -> Option<u64> {
+        func_arg(ctx, slot)
+    }
+
     /// Whether an `int`-returning VFS function succeeded (0; the upper half of the register is
     /// not defined for an `int`).
-    fn int_ok(ret: Result<u64, i32>) -> bool {
-        matches!(ret, Ok(r) if r as u32 == 0)
+    fn int_ok(ret: Option<u64>) -> bool {
+        matches!(ret, Some(r) if r as u32 == 0)
     }
 
     /// A socket inode created: `bind` of a unix socket to a path, or `mknod(S_IFSOCK)`.
@@ -1275,7 +1283,7 @@ mod programs {
     }
 
     fn try_vfs_mknod_exit(ctx: &FExitContext) -> Option<()> {
-        if is_agent() || !int_ok(ctx.ret::<u64>()) {
+        if is_agent() || !int_ok(func_ret(ctx.as_ptr(), vfs!(mknod_ret))) {
             return None;
         }
         let mode = func_arg(ctx.as_ptr(), vfs!(mknod_mode))?;
@@ -1297,12 +1305,12 @@ mod programs {
         if is_agent() {
             return None;
         }
-        let ret = ctx.ret::<u64>();
+        let ret = func_ret(ctx.as_ptr(), vfs!(mkdir_ret));
         let dentry = if vfs!(mkdir_returns_ptr) != 0 {
             // The new directory's dentry (which may not be the argument's, then released), or an
             // ERR_PTR (the top 4095 values).
             match ret {
-                Ok(r) if r != 0 && r < (-4095i64) as u64 => r as usize,
+                Some(r) if r != 0 && r < (-4095i64) as u64 => r as usize,
                 _ => return None,
             }
         } else if int_ok(ret) {
@@ -1316,19 +1324,19 @@ mod programs {
     /// An entry unlinked.
     #[fexit(function = "vfs_unlink")]
     pub fn vfs_unlink_exit(ctx: FExitContext) -> u32 {
-        let _ = try_vfs_removal_exit(&ctx, vfs!(unlink_dentry));
+        let _ = try_vfs_removal_exit(&ctx, vfs!(unlink_dentry), vfs!(unlink_ret));
         0
     }
 
     /// A directory removed.
     #[fexit(function = "vfs_rmdir")]
     pub fn vfs_rmdir_exit(ctx: FExitContext) -> u32 {
-        let _ = try_vfs_removal_exit(&ctx, vfs!(rmdir_dentry));
+        let _ = try_vfs_removal_exit(&ctx, vfs!(rmdir_dentry), vfs!(rmdir_ret));
         0
     }
 
-    fn try_vfs_removal_exit(ctx: &FExitContext, dentry_arg: u32) -> Option<()> {
-        if is_agent() || !int_ok(ctx.ret::<u64>()) {
+    fn try_vfs_removal_exit(ctx: &FExitContext, dentry_arg: u32, ret_slot: u32) -> Option<()> {
+        if is_agent() || !int_ok(func_ret(ctx.as_ptr(), ret_slot)) {
             return None;
         }
         // The dentry is negative now, but keeps its parent and name.
@@ -1386,7 +1394,7 @@ mod programs {
     /// dentry now is (`d_move` gave it the target's parent and name).
     #[fexit(function = "vfs_rename")]
     pub fn vfs_rename_exit(ctx: FExitContext) -> u32 {
-        let succeeded = int_ok(ctx.ret::<u64>());
+        let succeeded = int_ok(func_ret(ctx.as_ptr(), vfs!(rename_ret)));
         let thread = bpf_get_current_pid_tgid();
         report_parked(&PENDING, thread, succeeded);
         if succeeded && !is_agent() {

@@ -137,6 +137,8 @@ pub struct RunningAgent {
     pub source: SourceKind,
     /// What the source attached, for operators.
     pub source_description: String,
+    /// What the kernel gives the agent (found once at start).
+    pub kernel: Arc<crate::kernel::KernelFeatures>,
     /// Becomes true once the first full scan is done.
     pub ready: watch::Receiver<bool>,
     /// Discovery and registration notifications, for the admin API and tests.
@@ -179,6 +181,8 @@ impl RunningAgent {
         let source_kind = source.kind();
         let source_description = source.describe();
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
+        let kernel = Arc::new(crate::kernel::probe(source.fentry()));
+        kernel.log();
 
         let stages = Stages::assemble(&config, &handlers, source.clone(), &cancel);
         // A source that breaks while running (pins removed by someone else) says so where
@@ -205,6 +209,7 @@ impl RunningAgent {
                     handlers: handlers.clone(),
                     watcher: stages.telemetry.watcher.clone(),
                     source,
+                    kernel: kernel.clone(),
                 };
                 let metrics = &stages.telemetry.metrics;
                 let registry = (metrics.registry(collector), metrics.renders());
@@ -246,6 +251,7 @@ impl RunningAgent {
             executor: stages.executor,
             source: source_kind,
             source_description,
+            kernel,
             ready,
             notifications: stages.notifications,
             telemetry: stages.telemetry,

@@ -19,6 +19,7 @@ pub mod config;
 pub mod event_source;
 pub mod executor;
 pub mod handler;
+pub mod kernel;
 pub mod kubelet;
 pub mod liveness;
 pub mod memory;

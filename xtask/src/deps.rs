@@ -10,7 +10,7 @@
 //! Each step checks first and prints either what it installs or that it is already there.
 
 use crate::apt_plan::{self, Installed, Origin};
-use crate::{cross_test, shell, vm_test};
+use crate::{cross_test, kernels, shell, vm_test};
 use anyhow::{Context, bail};
 use std::fs;
 use std::path::PathBuf;
@@ -45,7 +45,11 @@ pub struct Options {
 pub fn deps(options: &Options) -> anyhow::Result<()> {
     let mut sets = vec![APT_PACKAGES];
     if options.all {
-        sets.extend([cross_test::APT_PACKAGES, vm_test::APT_PACKAGES]);
+        sets.extend([
+            cross_test::APT_PACKAGES,
+            vm_test::APT_PACKAGES,
+            kernels::APT_PACKAGES,
+        ]);
     }
     for set in sets {
         if options.check {

@@ -13,12 +13,14 @@ mod build_ebpf;
 mod cross_test;
 mod deps;
 mod hostile;
+mod kernels;
 mod lint;
 mod modules;
 mod run;
 mod shell;
 mod soak;
 mod test;
+mod vm;
 mod vm_test;
 
 use clap::{Parser, Subcommand};
@@ -61,6 +63,9 @@ enum Command {
     /// eBPF tests in a VM on Debian's stock kernel: the source's on fentry/fexit (which this
     /// machine's kernel refuses) and on tracepoints, the agent's end-to-end ones on fentry/fexit.
     VmTest(vm_test::Options),
+    /// The eBPF suites on the kernels nodes run (5.10, 6.1, 6.12; x86_64 and arm64), each booted
+    /// in QEMU from Debian's packages; prints the table and writes it to docs/kernels.md.
+    Kernels(kernels::Options),
     /// Churn plus injected faults for a bounded time; ends with zero plugins lost and flat memory.
     Soak(soak::Options),
     /// Issue 22's hostile-node cases one at a time on each source (release agent): the canary's
@@ -82,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         Command::Soak(options) => soak::soak(&options),
         Command::Hostile(options) => hostile::hostile(&options),
         Command::VmTest(options) => vm_test::vm_test(&options),
+        Command::Kernels(options) => kernels::kernels(&options),
         Command::CrossTest => cross_test::cross_test(),
     }
 }

@@ -13,6 +13,20 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or(manifest_dir)
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else the workspace's `target`.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|dir| {
+            if dir.is_absolute() {
+                dir
+            } else {
+                workspace_root().join(dir)
+            }
+        })
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
 /// Prints the command, runs it, and fails with its exit status if it fails.
 pub fn run(command: &mut Command) -> anyhow::Result<()> {
     eprintln!("xtask: $ {}", display(command));

@@ -9,7 +9,7 @@
 //! Privileged tests (eBPF load, fanotify) skip with a printed reason when they cannot run (not root,
 //! no eBPF built in); with `CI=true` they fail instead, so CI can never pass without running them.
 
-use crate::{build, build_ebpf, cross_test, deps, lint, shell, vm_test};
+use crate::{build, build_ebpf, cross_test, deps, kernels, lint, shell, vm_test};
 
 /// Options for the test run.
 #[derive(clap::Args, Default)]
@@ -67,7 +67,10 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
     }
     let arm64 = timed("arm64", cross_test::cross_test);
     let vm = timed("VM", || vm_test::vm_test(&vm_test::Options::default()));
-    host.and(arm64).and(vm)
+    let ends = timed("kernel matrix ends", || {
+        kernels::kernels(&kernels::Options::ci())
+    });
+    host.and(arm64).and(vm).and(ends)
 }
 
 /// Runs one stage and prints its wall time, so a CI log says where the run's time went, and the

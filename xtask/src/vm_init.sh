@@ -1,5 +1,5 @@
 #!/bin/busybox sh
-# /init of the `cargo xtask vm-test` guest: loads the 9p modules, mounts the host's root read-write
+# /init of the `cargo xtask vm-test` and `cargo xtask kernels` guests: loads the 9p modules, mounts the host's root read-write
 # at /mnt (so the workspace, its target directory and the toolchain are at their host paths), gives
 # it the guest's own /proc, /sys, /dev and an empty tmpfs at /dev/shm (TMPDIR: unix sockets and
 # fanotify need a local filesystem), runs the script named by `vmtest=` on the kernel command line
@@ -30,7 +30,13 @@ mount -t tracefs tracefs /mnt/sys/kernel/tracing
 # cgroup v2, as on a node: the eBPF records name their caller's cgroup by its directory's inode.
 mount -t cgroup2 cgroup2 /mnt/sys/fs/cgroup || echo "vm-test: cannot mount cgroup2"
 script=$(sed -n 's/.* vmtest=\([^ ]*\).*/\1/p' /proc/cmdline)
+# A guest of another architecture than the host names its own shell (busybox) in the host's tree.
+shell=$(sed -n 's/.* vmshell=\([^ ]*\).*/\1/p' /proc/cmdline)
 mount -t securityfs securityfs /mnt/sys/kernel/security
 echo "vm-test: kernel $(uname -r), $(nproc) CPUs, LSMs $(cat /mnt/sys/kernel/security/lsm), running $script"
-chroot /mnt /bin/sh "$script"
+if [ -n "$shell" ]; then
+    chroot /mnt "$shell" sh "$script"
+else
+    chroot /mnt /bin/sh "$script"
+fi
 poweroff -f

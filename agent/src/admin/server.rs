@@ -56,6 +56,7 @@ struct StaticStatus {
     reconcile_mode: String,
     mode: String,
     started_at: SystemTime,
+    kernel: Arc<crate::kernel::KernelFeatures>,
 }
 
 impl AdminService {
@@ -74,6 +75,7 @@ impl AdminService {
                 reconcile_mode: format!("{:?}", agent.config.reconcile_mode).to_lowercase(),
                 mode: agent.config.executor.mode.to_string(),
                 started_at: agent.started_at,
+                kernel: agent.kernel.clone(),
             },
             allowed_uid: nix::unistd::geteuid().as_raw(),
             observes: agent.config.executor.mode.observes(),
@@ -163,6 +165,23 @@ impl AdminService {
             plugin_dir: self.status.plugin_dir.clone(),
             reconcile_mode: self.status.reconcile_mode.clone(),
             mode: self.status.mode.clone(),
+            kernel: format!(
+                "{} ({})",
+                self.status.kernel.release, self.status.kernel.machine
+            ),
+            kernel_features: self
+                .status
+                .kernel
+                .features
+                .iter()
+                .map(|f| api::KernelFeature {
+                    feature: f.name.into(),
+                    available: f.availability.as_str().into(),
+                    since: f.since.into(),
+                    detail: f.detail.clone(),
+                    without: f.without.into(),
+                })
+                .collect(),
             watched_directories: self.stats.watched_dirs.load(Relaxed),
             problems: {
                 let problems = self.stats.health.get();

@@ -27,6 +27,7 @@ mod cleanup;
 mod handler;
 mod list;
 mod policy;
+mod probe;
 mod render;
 pub mod run;
 mod status;
@@ -167,6 +168,16 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// What this node's kernel gives the agent, without running it: each kernel feature it uses
+    /// (and what it does without one), and each eBPF hook family loaded through the verifier,
+    /// attached and detached again. Needs the privileges of `run` (root, or CAP_BPF and
+    /// CAP_PERFMON); fails when no hook family loads.
+    #[command(after_help = "Examples:\n  plugin-agent probe\n  plugin-agent probe -o json")]
+    Probe {
+        /// Output format (`json` is one line).
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     /// Print shell completions.
     #[command(
         after_help = "Example:\n  plugin-agent completions bash > /etc/bash_completion.d/plugin-agent"
@@ -234,6 +245,7 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
             all,
             force,
         } => cleanup::cleanup(plugin_dir, all, force, &socket()),
+        Command::Probe { output } => probe::probe(output),
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "plugin-agent", &mut script);

@@ -22,6 +22,18 @@ struct StatusView {
     watched_directories: u64,
     problems: Vec<String>,
     handlers: Vec<HandlerView>,
+    kernel: String,
+    kernel_features: Vec<KernelFeatureView>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct KernelFeatureView {
+    feature: String,
+    available: String,
+    since: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    detail: String,
+    without: String,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -63,6 +75,18 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
                 last_error: (!h.last_error.is_empty()).then_some(h.last_error),
             })
             .collect(),
+        kernel: s.kernel,
+        kernel_features: s
+            .kernel_features
+            .into_iter()
+            .map(|f| KernelFeatureView {
+                feature: f.feature,
+                available: f.available,
+                since: f.since,
+                detail: f.detail,
+                without: f.without,
+            })
+            .collect(),
     };
     if output != Output::Table {
         return print_structured(&view, output);
@@ -94,6 +118,33 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         view.loss_rescans
     );
     out!("watching:      {} directories", view.watched_directories);
+    let has = |available: &str| {
+        view.kernel_features
+            .iter()
+            .filter(|f| f.available == available)
+            .map(|f| f.feature.as_str())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    out!("kernel:        {}: has {}", view.kernel, has("true"));
+    for f in view
+        .kernel_features
+        .iter()
+        .filter(|f| f.available != "true")
+    {
+        let state = if f.available == "false" {
+            "MISSING"
+        } else {
+            "unknown"
+        };
+        out!(
+            "  {} {state} (Linux {}): {}; {}",
+            f.feature,
+            f.since,
+            crate::text::escape(&f.detail),
+            f.without
+        );
+    }
     for problem in &view.problems {
         out!("PROBLEM:       {}", crate::text::escape(problem));
     }

@@ -222,6 +222,11 @@ pub trait EventSource: Send + Sync {
     /// Operator-facing summary of what is attached (hooks, marks, queue sizes), logged at start.
     fn describe(&self) -> String;
 
+    /// What this source found out about the kernel's fentry/fexit (eBPF only).
+    fn fentry(&self) -> crate::kernel::FentryFinding {
+        crate::kernel::FentryFinding::NotTried
+    }
+
     /// Start reporting changes directly inside `dir` (not recursively: the watcher calls this for
     /// every directory of the tree).
     fn watch(&self, dir: &WatchedDir) -> anyhow::Result<()>;

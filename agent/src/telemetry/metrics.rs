@@ -499,6 +499,8 @@ pub struct StateCollector {
     pub watcher: Arc<WatcherStats>,
     /// The event source, for its own counters.
     pub source: Arc<dyn EventSource>,
+    /// What the kernel gives, for `plugin_agent_kernel_features`.
+    pub kernel: Arc<crate::kernel::KernelFeatures>,
 }
 
 impl std::fmt::Debug for StateCollector {
@@ -533,6 +535,7 @@ impl Collector for StateCollector {
         self.encode_plugins(&mut encoder, &plugins)?;
         self.encode_handlers(&mut encoder)?;
         self.encode_source(&mut encoder)?;
+        self.encode_kernel(&mut encoder)?;
         encode_build(&mut encoder)
     }
 }
@@ -706,6 +709,28 @@ impl StateCollector {
     }
 }
 
+impl StateCollector {
+    /// `plugin_agent_kernel_features`: one series per feature (a fixed set), its availability a
+    /// label, so a dashboard counts the nodes whose kernels lack one.
+    fn encode_kernel(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        family(
+            encoder,
+            "plugin_agent_kernel_features",
+            "Kernel features the agent uses (btf, ring_buffer, fentry, pidfd, so_peerpidfd, pidfs) and whether this kernel has each (true, false, unknown); a missing one degrades that feature only.",
+            MetricType::Gauge,
+            self.kernel.features.iter().map(|f| {
+                (
+                    vec![
+                        ("feature", f.name.to_string()),
+                        ("available", f.availability.as_str().to_string()),
+                    ],
+                    ConstGauge::new(1),
+                )
+            }),
+        )
+    }
+}
+
 /// `plugin_agent_build_info`.
 fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
     let mut info = encoder.encode_descriptor(
@@ -789,6 +814,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_event_source_pins_restored_total",
     "plugin_agent_watched_directories",
     "plugin_agent_event_source_info",
+    "plugin_agent_kernel_features",
     "plugin_agent_build_info",
     "plugin_agent_metrics_renders_total",
 ];
@@ -887,6 +913,7 @@ mod tests {
             handlers,
             watcher: Arc::new(WatcherStats::default()),
             source: Arc::new(RingSource),
+            kernel: Arc::new(crate::kernel::probe(crate::kernel::FentryFinding::NotTried)),
         });
         render(&registry).expect("renders")
     }

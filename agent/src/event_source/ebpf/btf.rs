@@ -48,6 +48,11 @@ impl Signature {
             })?;
         u32::try_from(index).context("parameter index overflows u32")
     }
+
+    /// Where an fexit program finds the return value: the context slot after the arguments.
+    fn return_slot(&self) -> anyhow::Result<u32> {
+        u32::try_from(self.parameters.len()).context("parameter count overflows u32")
+    }
 }
 
 /// A member located inside a struct: byte offset from the struct's start, and byte size.
@@ -420,6 +425,12 @@ pub fn resolve_vfs_args(btf: &KernelBtf) -> anyhow::Result<VfsArgs> {
             "renamedata.new_dentry",
         )?,
         renamedata_flags: flags.offset,
+        unlink_ret: unlink.return_slot()?,
+        rmdir_ret: rmdir.return_slot()?,
+        mkdir_ret: mkdir.return_slot()?,
+        mknod_ret: mknod.return_slot()?,
+        rename_ret: rename.return_slot()?,
+        _pad: 0,
     })
 }
 

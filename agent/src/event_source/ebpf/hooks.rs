@@ -107,6 +107,23 @@ impl fmt::Display for Selection {
     }
 }
 
+/// What a selection says of fentry/fexit, from its [`Display`](fmt::Display) form (the load child
+/// hands the selection over as that text): in use, passed over and why, or not tried.
+pub fn fentry_finding(family: HookFamily, selection: &str) -> crate::kernel::FentryFinding {
+    use crate::kernel::FentryFinding;
+    if family == HookFamily::Fentry {
+        return FentryFinding::InUse;
+    }
+    let marker = format!("{}: ", HookFamily::Fentry);
+    match selection.split_once(&marker) {
+        Some((_, why)) => {
+            let why = why.strip_suffix(')').unwrap_or(why);
+            FentryFinding::Refused(why.split("; ").next().unwrap_or(why).to_owned())
+        }
+        None => FentryFinding::NotTried,
+    }
+}
+
 /// Attaches the first family in `choice` that the kernel allows: `attach` loads and attaches one
 /// family's programs (returning the hooks attached), `detach` undoes a family that failed half way,
 /// so a refused family leaves nothing behind.
@@ -182,6 +199,31 @@ mod tests {
             matches!(&err, Err(m) if m.contains("expected auto")),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn a_selection_says_what_became_of_fentry() {
+        use crate::kernel::FentryFinding;
+        let refused = Selection {
+            family: HookFamily::Tracepoints,
+            passed_over: vec![format!("{}: {POLICY_REFUSAL}", HookFamily::Fentry)],
+        };
+        assert!(matches!(
+            fentry_finding(HookFamily::Tracepoints, &refused.to_string()),
+            FentryFinding::Refused(why) if why == POLICY_REFUSAL
+        ));
+        let only_tracepoints = Selection {
+            family: HookFamily::Tracepoints,
+            passed_over: Vec::new(),
+        };
+        assert!(matches!(
+            fentry_finding(HookFamily::Tracepoints, &only_tracepoints.to_string()),
+            FentryFinding::NotTried
+        ));
+        assert!(matches!(
+            fentry_finding(HookFamily::Fentry, "hooks: fentry/fexit (adopted)"),
+            FentryFinding::InUse
+        ));
     }
 
     #[test]

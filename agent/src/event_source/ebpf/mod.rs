@@ -133,12 +133,41 @@ impl EbpfOptions {
     }
 }
 
+/// One hook family loaded and attached on its own, then detached: `plugin-agent probe`'s report
+/// of what this kernel's verifier accepts.
+pub struct FamilyProbe {
+    pub family: HookFamily,
+    /// Where the load's time went, or why the family does not load here.
+    pub result: Result<LoadTimings, String>,
+}
+
+/// Loads and attaches `family`'s programs with the default sizes, in this process, and detaches
+/// them again.
+pub fn probe_family(family: HookFamily) -> FamilyProbe {
+    let options = EbpfOptions::default();
+    let params = LoadParams {
+        ring_buffer_bytes: options.ring_buffer_bytes,
+        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
+        batch_delay: options.batch_delay,
+        watched_capacity: options.watched_capacity,
+        names_capacity: options.names_capacity,
+        hooks: HookChoice::Only(family),
+        layout_here: true,
+    };
+    // Dropping what was loaded detaches it.
+    let result = loader::load(&params)
+        .map(|loaded| loaded.timings)
+        .map_err(|e| format!("{e:#}"));
+    FamilyProbe { family, result }
+}
+
 /// The running eBPF source. Dropping it detaches the programs and stops its reader.
 pub struct EbpfSource {
     filters: Arc<Filters>,
     /// What the programs are attached to: the tracepoints match calls by name, fentry/fexit see
     /// every dentry and need no name table.
     family: HookFamily,
+    fentry: crate::kernel::FentryFinding,
     description: String,
     /// Loss counters and ring occupancy, for [`EventSource::stats`].
     stats: DeliveryStats,
@@ -296,6 +325,7 @@ pub fn open(
         maps,
         Started {
             family: loaded.hooks.family,
+            fentry: hooks::fentry_finding(loaded.hooks.family, &loaded.hooks.to_string()),
             description,
             timings: loaded.timings,
             ebpf,
@@ -366,6 +396,8 @@ enum Adoption {
 /// What the load (or the adoption) says about the programs.
 struct Started {
     family: HookFamily,
+    /// What became of fentry/fexit, for the kernel's feature report.
+    fentry: crate::kernel::FentryFinding,
     description: String,
     timings: LoadTimings,
     ebpf: Option<aya::Ebpf>,
@@ -417,7 +449,11 @@ fn start_adopted(
     // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
     let object = loader::object_hash().unwrap_or_default();
     // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
-    let (hooks, how) = match how {
+    let fentry = match &how {
+        Adoption::LoadedByChild { selection, .. } => hooks::fentry_finding(family, selection),
+        Adoption::Restart => hooks::fentry_finding(family, ""),
+    };
+    let (hooks, how) = match &how {
         Adoption::Restart => {
             tracing::info!(
                 pins,
@@ -439,7 +475,7 @@ fn start_adopted(
                 "eBPF programs loaded"
             );
             (
-                selection,
+                selection.clone(),
                 format!("; loaded in a child process, pinned in {pins}"),
             )
         }
@@ -467,6 +503,7 @@ fn start_adopted(
         maps,
         Started {
             family,
+            fentry,
             description,
             timings,
             ebpf: None,
@@ -531,6 +568,7 @@ fn start(
     Ok(EbpfSource {
         filters,
         family: started.family,
+        fentry: started.fentry,
         description: started.description,
         stats,
         timings: started.timings,
@@ -583,6 +621,10 @@ impl EventSource for EbpfSource {
 
     /// What is attached and how it is tuned: fixed at open. (The watched-directory count is the
     /// watcher's, reported live by status and metrics; a count here would be frozen at open.)
+    fn fentry(&self) -> crate::kernel::FentryFinding {
+        self.fentry.clone()
+    }
+
     fn describe(&self) -> String {
         self.description.clone()
     }
