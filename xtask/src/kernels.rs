@@ -157,6 +157,10 @@ pub struct Options {
     /// Leave docs/kernels.md as it is (the table is printed all the same).
     #[arg(long)]
     pub no_docs: bool,
+    /// Run only these suites (`ebpf_source`, `discovery`), keeping the row's other suites' last
+    /// results (a fix to one suite re-run without the others).
+    #[arg(long = "suite")]
+    pub suites: Vec<String>,
     /// Boot nothing: the table of every row's last recorded run (`target/kernels/<row>/`), for
     /// rows run at different times with `--only`.
     #[arg(long, conflicts_with_all = ["only", "ci"])]
@@ -172,6 +176,7 @@ impl Options {
             accel: "tcg,thread=multi".into(),
             timeout_secs: 1200,
             no_docs: true,
+            suites: Vec::new(),
             table: false,
         }
     }
@@ -195,6 +200,13 @@ pub fn kernels(options: &Options) -> anyhow::Result<()> {
         return report(&results, options);
     }
     let rows = chosen_rows(options)?;
+    if let Some(unknown) = options
+        .suites
+        .iter()
+        .find(|name| !SUITES.iter().any(|suite| suite.label == name.as_str()))
+    {
+        bail!("--suite {unknown}: no such suite (ebpf_source, discovery)");
+    }
     deps::install_missing()?;
     deps::install_apt_packages(APT_PACKAGES)?;
     if rows.iter().any(|row| row.arch == Arch::Arm64) {
@@ -283,10 +295,24 @@ fn run_row(
         Arch::Arm64 => arm64_busybox(&cache, mirror)?,
     };
     let work = dir.join(row.label());
-    let _ = fs::remove_dir_all(&work);
+    if options.suites.is_empty() {
+        let _ = fs::remove_dir_all(&work);
+    } else {
+        // Only the chosen suites' results go; the others' stay for the table.
+        for entry in fs::read_dir(&work).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if options
+                .suites
+                .iter()
+                .any(|suite| name.starts_with(&format!("{suite}-")))
+            {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
     fs::create_dir_all(&work)?;
     let initramfs = vm::make_initramfs(&work, &kernel, &busybox)?;
-    let binaries = build_for(object, arch, options.ci)?;
+    let binaries = build_for(object, arch, options)?;
     let script = work.join("guest.sh");
     fs::write(&script, guest_script(&work, &binaries, options.ci))?;
     eprintln!(
@@ -308,15 +334,20 @@ fn run_row(
     .run();
     let package = format!("{} {}", package.name, package.version);
     let took = started.elapsed();
-    let record =
-        serde_json::json!({ "package": package, "took_secs": took.as_secs(), "ci": options.ci });
+    let record = serde_json::json!({ "package": package, "took_secs": took.as_secs(), "ci": options.ci, "suites": options.suites });
     fs::write(work.join("row.json"), record.to_string())?;
-    Ok(RowResult::read(row, &package, &work, options.ci, took))
+    Ok(RowResult::read(
+        row,
+        &package,
+        &work,
+        (options.ci, &options.suites),
+        took,
+    ))
 }
 
-/// Whether `suite` runs in a guest of `arch` (in CI's share or not). Every suite runs on every
-/// architecture; the parameter keeps the choice in one place.
-fn runs_on(suite: &Suite, _arch: Arch, ci: bool) -> bool {
+/// Whether `suite` is in the run (CI's share, or everything). Every suite runs on both
+/// architectures.
+fn in_run(suite: &Suite, ci: bool) -> bool {
     !ci || suite.ci
 }
 
@@ -326,7 +357,7 @@ struct Binaries {
     suites: Vec<(&'static Suite, PathBuf)>,
 }
 
-fn build_for(object: &Path, arch: Arch, ci: bool) -> anyhow::Result<Binaries> {
+fn build_for(object: &Path, arch: Arch, options: &Options) -> anyhow::Result<Binaries> {
     if arch != Arch::X86_64 {
         cross_test::add_rust_target()?;
     }
@@ -348,7 +379,10 @@ fn build_for(object: &Path, arch: Arch, ci: bool) -> anyhow::Result<Binaries> {
     };
     let suites = SUITES
         .iter()
-        .filter(|suite| runs_on(suite, arch, ci))
+        .filter(|suite| in_run(suite, options.ci))
+        .filter(|suite| {
+            options.suites.is_empty() || options.suites.iter().any(|s| s == suite.label)
+        })
         .map(|suite| {
             vm::test_executable(object, arch, suite.package, suite.test).map(|exe| (suite, exe))
         })
@@ -457,24 +491,38 @@ impl RowResult {
                 row,
                 record["package"].as_str().unwrap_or_default(),
                 &work,
-                record["ci"] == true,
+                (
+                    record["ci"] == true,
+                    &serde_json::from_value::<Vec<String>>(record["suites"].clone())
+                        .unwrap_or_default(),
+                ),
                 Duration::from_secs(record["took_secs"].as_u64().unwrap_or_default()),
             ),
             None => RowResult::broken(row, "not run yet".into(), Duration::ZERO),
         }
     }
 
-    fn read(row: &Row, package: &str, work: &Path, ci: bool, took: Duration) -> Self {
+    /// The row's results in `work`. `run`: whether CI's share was run, and the suites chosen
+    /// (none: all); a suite not chosen counts only when an earlier run left its results.
+    fn read(row: &Row, package: &str, work: &Path, run: (bool, &[String]), took: Duration) -> Self {
+        let (ci, chosen) = run;
         let probe = fs::read_to_string(work.join("probe.json"))
             .ok()
             .and_then(|text| serde_json::from_str(&text).ok());
         let mut runs = Vec::new();
-        for suite in SUITES.iter().filter(|suite| runs_on(suite, row.arch, ci)) {
+        for suite in SUITES.iter().filter(|suite| in_run(suite, ci)) {
             let families: &[&str] = if suite.per_family {
                 FAMILIES
             } else {
                 &["auto"]
             };
+            let chosen = chosen.is_empty() || chosen.iter().any(|name| name == suite.label);
+            let left = families
+                .iter()
+                .any(|family| vm::status(work, &format!("{}-{family}", suite.label)).is_some());
+            if !chosen && !left {
+                continue;
+            }
             for family in families {
                 let label = format!("{}-{family}", suite.label);
                 let log = fs::read_to_string(work.join(format!("{label}.log"))).unwrap_or_default();
