@@ -12,7 +12,8 @@
 //! `liveness`'s pidfd fallbacks, `event_source::open`'s fallback to fanotify). This module only
 //! finds out and says so, once, the same way everywhere (docs/kernels.md has the matrix).
 
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// Whether the kernel has a feature.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,14 +212,51 @@ fn ring_buffer() -> Result<(), Found> {
     }
 }
 
-fn pidfd_of_self() -> Result<OwnedFd, Found> {
+/// `pidfd_open(2)` (Linux 5.3).
+pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) };
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     match libc::c_int::try_from(fd) {
         // SAFETY: a new descriptor that nothing else owns.
         Ok(fd) if fd >= 0 => Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
-        _ => Err(errno_finding("pidfd_open(2)")),
+        _ => Err(io::Error::last_os_error()),
     }
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5) of a connected unix socket: the kernel's own pidfd for the peer
+/// (`ENOPROTOOPT` before 6.5).
+pub fn peer_pidfd(connection: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`, which is that large.
+    let rc = unsafe {
+        libc::getsockopt(
+            connection.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERPIDFD,
+            (&raw mut fd).cast(),
+            &raw mut len,
+        )
+    };
+    if rc == 0 && fd >= 0 {
+        // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    Err(io::Error::last_os_error())
+}
+
+/// Whether `pidfd` lives on pidfs (Linux 6.9: one inode per process, never reused; before, pidfds
+/// are anonymous inodes, all alike).
+pub fn on_pidfs(pidfd: BorrowedFd<'_>) -> io::Result<bool> {
+    /// `PID_FS_MAGIC`.
+    const PIDFS_MAGIC: i64 = 0x5049_4446;
+    let fs = nix::sys::statfs::fstatfs(pidfd).map_err(io::Error::from)?;
+    Ok(fs.filesystem_type().0 as i64 == PIDFS_MAGIC)
+}
+
+fn pidfd_of_self() -> Result<OwnedFd, Found> {
+    // SAFETY: getpid cannot fail.
+    pidfd_open(unsafe { libc::getpid() }).map_err(|e| errno_finding("pidfd_open(2)", e))
 }
 
 fn so_peerpidfd() -> Result<(), Found> {
@@ -230,43 +268,23 @@ fn so_peerpidfd() -> Result<(), Found> {
         SockFlag::SOCK_CLOEXEC,
     )
     .map_err(|e| Found::Unknown(format!("socketpair: {e}")))?;
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `fd`, which is that large.
-    let rc = unsafe {
-        libc::getsockopt(
-            one.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERPIDFD,
-            (&raw mut fd).cast(),
-            &raw mut len,
-        )
-    };
-    if rc == 0 && fd >= 0 {
-        // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
-        drop(unsafe { OwnedFd::from_raw_fd(fd) });
-        return Ok(());
-    }
-    Err(errno_finding("getsockopt(SO_PEERPIDFD)"))
+    peer_pidfd(one.as_fd())
+        .map(drop)
+        .map_err(|e| errno_finding("getsockopt(SO_PEERPIDFD)", e))
 }
 
 fn pidfs(pidfd: &OwnedFd) -> Result<(), Found> {
-    /// `PID_FS_MAGIC`.
-    const PIDFS_MAGIC: i64 = 0x5049_4446;
-    let fs = nix::sys::statfs::fstatfs(pidfd.as_fd())
-        .map_err(|e| Found::Unknown(format!("fstatfs on a pidfd: {e}")))?;
-    if fs.filesystem_type().0 as i64 == PIDFS_MAGIC {
-        Ok(())
-    } else {
-        Err(Found::Missing(
+    match on_pidfs(pidfd.as_fd()) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Found::Missing(
             "pidfds are anonymous inodes, all alike".into(),
-        ))
+        )),
+        Err(e) => Err(Found::Unknown(format!("fstatfs on a pidfd: {e}"))),
     }
 }
 
-/// The last errno as a finding: "not implemented" kinds are missing, anything else unknown.
-fn errno_finding(call: &str) -> Found {
-    let err = std::io::Error::last_os_error();
+/// A failed call as a finding: "not implemented" kinds are missing, anything else unknown.
+fn errno_finding(call: &str, err: io::Error) -> Found {
     match err.raw_os_error() {
         Some(libc::ENOSYS | libc::ENOPROTOOPT | libc::EINVAL) => {
             Found::Missing(format!("{call}: {err}"))

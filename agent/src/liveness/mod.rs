@@ -35,7 +35,8 @@
 //! the descriptor), checked with the same connect; and a bound socket started listening, which
 //! moves an unserved socket on at once.
 //!
-//! This room imports only `state` (the socket identity a probe checks first); the executor owns
+//! This room imports only `state` (the socket identity a probe checks first) and the leaf `kernel`
+//! (the pidfd calls, shared with its feature probe); the executor owns
 //! the [`Liveness`] and is what a [`Loss`] is reported to.
 
 mod holders;
@@ -43,7 +44,7 @@ mod holders;
 use crate::state::{EntryKind, SocketId};
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -119,10 +120,7 @@ impl Server {
 
 /// `pidfd`'s inode when it lives on pidfs (see [`Server::identity`]).
 fn pidfs_inode(pidfd: BorrowedFd<'_>) -> Option<u64> {
-    /// `PID_FS_MAGIC`.
-    const PIDFS_MAGIC: i64 = 0x5049_4446;
-    let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
-    if fs.filesystem_type().0 as i64 != PIDFS_MAGIC {
+    if !crate::kernel::on_pidfs(pidfd).ok()? {
         return None;
     }
     nix::sys::stat::fstat(pidfd).ok().map(|stat| stat.st_ino)
@@ -155,25 +153,10 @@ enum PeerPidfd {
 
 /// `SO_PEERPIDFD` (Linux 6.5): the kernel's own pidfd for the peer, immune to pid reuse.
 fn peer_pidfd(connection: BorrowedFd<'_>) -> PeerPidfd {
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `fd`, which is that large.
-    let rc = unsafe {
-        libc::getsockopt(
-            connection.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERPIDFD,
-            (&raw mut fd).cast(),
-            &raw mut len,
-        )
-    };
-    if rc == 0 && fd >= 0 {
-        // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
-        return PeerPidfd::Given(unsafe { OwnedFd::from_raw_fd(fd) });
-    }
-    match io::Error::last_os_error().raw_os_error() {
-        Some(libc::ENOPROTOOPT) => PeerPidfd::Unsupported,
-        _ => PeerPidfd::ListenerGone,
+    match crate::kernel::peer_pidfd(connection) {
+        Ok(pidfd) => PeerPidfd::Given(pidfd),
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => PeerPidfd::Unsupported,
+        Err(_) => PeerPidfd::ListenerGone,
     }
 }
 
@@ -182,11 +165,7 @@ fn peer_pidfd(connection: BorrowedFd<'_>) -> PeerPidfd {
 /// name an unrelated process by now, and this opens that one. Kernels since 6.5 never take this
 /// path (docs/operations.md, "What each kernel gives").
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    let fd = libc::c_int::try_from(fd).ok().filter(|fd| *fd >= 0)?;
-    // SAFETY: a new descriptor that nothing else owns.
-    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::kernel::pidfd_open(libc::pid_t::try_from(pid).ok()?).ok()
 }
 
 /// How a liveness loss was learned: the `learned_by` label of metrics, spans and logs.
