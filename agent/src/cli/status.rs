@@ -118,15 +118,13 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         view.loss_rescans
     );
     out!("watching:      {} directories", view.watched_directories);
-    let has = |available: &str| {
-        view.kernel_features
-            .iter()
-            .filter(|f| f.available == available)
-            .map(|f| f.feature.as_str())
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    out!("kernel:        {}: has {}", view.kernel, has("true"));
+    let present: Vec<&str> = view
+        .kernel_features
+        .iter()
+        .filter(|f| f.available == "true")
+        .map(|f| f.feature.as_str())
+        .collect();
+    out!("kernel:        {}: has {}", view.kernel, present.join(" "));
     for f in view
         .kernel_features
         .iter()

@@ -107,8 +107,25 @@ impl fmt::Display for Selection {
     }
 }
 
-/// What a selection says of fentry/fexit, from its [`Display`](fmt::Display) form (the load child
-/// hands the selection over as that text): in use, passed over and why, or not tried.
+impl Selection {
+    /// What became of fentry/fexit: in use, passed over and why, or not tried.
+    pub fn fentry(&self) -> crate::kernel::FentryFinding {
+        use crate::kernel::FentryFinding;
+        if self.family == HookFamily::Fentry {
+            return FentryFinding::InUse;
+        }
+        let marker = format!("{}: ", HookFamily::Fentry);
+        self.passed_over
+            .iter()
+            .find_map(|passed| passed.strip_prefix(&marker))
+            .map_or(FentryFinding::NotTried, |why| {
+                FentryFinding::Refused(why.to_owned())
+            })
+    }
+}
+
+/// [`Selection::fentry`] from a selection's [`Display`](fmt::Display) form, which is how the load
+/// child hands it over.
 pub fn fentry_finding(family: HookFamily, selection: &str) -> crate::kernel::FentryFinding {
     use crate::kernel::FentryFinding;
     if family == HookFamily::Fentry {
@@ -211,6 +228,15 @@ mod tests {
         assert!(matches!(
             fentry_finding(HookFamily::Tracepoints, &refused.to_string()),
             FentryFinding::Refused(why) if why == POLICY_REFUSAL
+        ));
+        assert!(matches!(refused.fentry(), FentryFinding::Refused(why) if why == POLICY_REFUSAL));
+        assert!(matches!(
+            Selection {
+                family: HookFamily::Fentry,
+                passed_over: Vec::new()
+            }
+            .fentry(),
+            FentryFinding::InUse
         ));
         let only_tracepoints = Selection {
             family: HookFamily::Tracepoints,

@@ -144,21 +144,25 @@ pub struct FamilyProbe {
 /// Loads and attaches `family`'s programs with the default sizes, in this process, and detaches
 /// them again.
 pub fn probe_family(family: HookFamily) -> FamilyProbe {
-    let options = EbpfOptions::default();
-    let params = LoadParams {
-        ring_buffer_bytes: options.ring_buffer_bytes,
-        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
-        batch_delay: options.batch_delay,
-        watched_capacity: options.watched_capacity,
-        names_capacity: options.names_capacity,
-        hooks: HookChoice::Only(family),
-        layout_here: true,
-    };
+    let params = load_params(&EbpfOptions::default(), HookChoice::Only(family), true);
     // Dropping what was loaded detaches it.
     let result = loader::load(&params)
         .map(|loaded| loaded.timings)
         .map_err(|e| format!("{e:#}"));
     FamilyProbe { family, result }
+}
+
+/// What a load of the programs is sized and tuned with (`layout_here`: see [`LoadParams`]).
+fn load_params(options: &EbpfOptions, hooks: HookChoice, layout_here: bool) -> LoadParams {
+    LoadParams {
+        ring_buffer_bytes: options.ring_buffer_bytes,
+        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
+        batch_delay: options.batch_delay,
+        watched_capacity: options.watched_capacity,
+        names_capacity: options.names_capacity,
+        hooks,
+        layout_here,
+    }
 }
 
 /// The running eBPF source. Dropping it detaches the programs and stops its reader.
@@ -199,18 +203,11 @@ pub fn open(
     options.validate()?;
     let runtime = tokio::runtime::Handle::try_current()
         .context("the eBPF event source must be opened inside the tokio runtime")?;
-    let params = LoadParams {
-        ring_buffer_bytes: options.ring_buffer_bytes,
-        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
-        batch_delay: options.batch_delay,
-        watched_capacity: options.watched_capacity,
-        names_capacity: options.names_capacity,
-        hooks: match options.hooks {
-            Some(choice) => choice,
-            None => HookChoice::from_env()?,
-        },
-        layout_here: false,
+    let hooks = match options.hooks {
+        Some(choice) => choice,
+        None => HookChoice::from_env()?,
     };
+    let params = load_params(&options, hooks, false);
     let identity = identity(&params);
     let pin_dir = options.pins.as_ref().map(PinOwner::dir);
     if let Some(owner) = &options.pins {
@@ -325,7 +322,7 @@ pub fn open(
         maps,
         Started {
             family: loaded.hooks.family,
-            fentry: hooks::fentry_finding(loaded.hooks.family, &loaded.hooks.to_string()),
+            fentry: loaded.hooks.fentry(),
             description,
             timings: loaded.timings,
             ebpf,
@@ -619,12 +616,12 @@ impl EventSource for EbpfSource {
         SourceKind::Ebpf
     }
 
-    /// What is attached and how it is tuned: fixed at open. (The watched-directory count is the
-    /// watcher's, reported live by status and metrics; a count here would be frozen at open.)
     fn fentry(&self) -> crate::kernel::FentryFinding {
         self.fentry.clone()
     }
 
+    /// What is attached and how it is tuned: fixed at open. (The watched-directory count is the
+    /// watcher's, reported live by status and metrics; a count here would be frozen at open.)
     fn describe(&self) -> String {
         self.description.clone()
     }
