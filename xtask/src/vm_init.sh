@@ -7,6 +7,8 @@
 /bin/busybox --install -s /bin
 export PATH=/bin
 mount -t proc proc /proc
+# Loopback, as on any host: tests scrape the agent's metrics on 127.0.0.1.
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 # Module dependencies in load order are not known here; three passes settle them.
