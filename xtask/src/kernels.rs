@@ -727,23 +727,19 @@ impl RowResult {
         FAMILIES.iter().copied().find(|f| self.loaded(f))
     }
 
-    /// The kernel features the probe found missing, and what the agent does instead.
+    /// The kernel features other than fentry the probe found missing.
     fn degraded(&self) -> String {
         let missing: Vec<String> = self
             .probe
             .as_ref()
             .and_then(|p| p["features"].as_array())
             .map(|features| {
+                // fentry has its own row; the others by name (docs/operations.md says what
+                // each costs).
                 features
                     .iter()
-                    .filter(|f| f["available"] == false)
-                    .map(|f| {
-                        format!(
-                            "{}: {}",
-                            f["feature"].as_str().unwrap_or("?"),
-                            f["without"].as_str().unwrap_or("?")
-                        )
-                    })
+                    .filter(|f| f["available"] == "false" && f["feature"] != "fentry")
+                    .map(|f| format!("no {}", f["feature"].as_str().unwrap_or("?")))
                     .collect()
             })
             .unwrap_or_default();
