@@ -170,7 +170,10 @@ impl RunningAgent {
         let cancel = CancellationToken::new();
         let source_opening = Instant::now();
         let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
-        let source = event_source::open(
+        let event_source::Opened {
+            source,
+            passed_over,
+        } = event_source::open(
             config.source,
             hints_tx,
             cancel.child_token(),
@@ -179,7 +182,14 @@ impl RunningAgent {
         .await?;
         let source_open = Instant::now();
         let source_kind = source.kind();
-        let source_description = source.describe();
+        let source_description = match passed_over.is_empty() {
+            true => source.describe(),
+            false => format!(
+                "{}; passed over {}",
+                source.describe(),
+                passed_over.join("; ")
+            ),
+        };
         info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
         let kernel = Arc::new(crate::kernel::probe(source.fentry()));
         kernel.log();

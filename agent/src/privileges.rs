@@ -8,8 +8,9 @@
 //! capability. So after start the agent drops everything except:
 //!
 //! - `CAP_DAC_OVERRIDE`: connect to a plugin's socket whatever its owner and mode (CSI drivers
-//!   often run as other users with 0660 sockets), and re-create the registration directory;
-//! - `CAP_DAC_READ_SEARCH`: walk and watch sub-directories whatever their mode.
+//!   often run as other users with 0660 sockets), walk and watch sub-directories whatever their
+//!   mode (on a directory it grants read and search too), and re-create the registration
+//!   directory;
 //!
 //! from the effective, permitted, inheritable, ambient and bounding sets, so neither the agent nor
 //! anything it could be tricked into executing gets them back.
@@ -18,10 +19,9 @@ use crate::event_source::SourceKind;
 use caps::{CapSet, Capability, CapsHashSet};
 
 /// Capabilities kept for the agent's whole life (see the module docs for why each).
-pub const KEPT: [Capability; 2] = [
-    Capability::CAP_DAC_OVERRIDE,
-    Capability::CAP_DAC_READ_SEARCH,
-];
+/// `CAP_DAC_READ_SEARCH` is not among them: measured in the shipped pod without it, nothing the
+/// agent does changes (tests/tests/container.rs, docs/operations.md "Least privilege, measured").
+pub const KEPT: [Capability; 1] = [Capability::CAP_DAC_OVERRIDE];
 
 /// Capabilities an event source needs to start, for documentation and error messages.
 pub fn needed_to_start(source: SourceKind) -> &'static [Capability] {

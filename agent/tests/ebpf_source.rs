@@ -804,7 +804,9 @@ async fn a_bind_names_its_caller_as_the_kernel_recorded_it() {
         .lines()
         .find_map(|l| l.strip_prefix("0::"))
         .expect("a cgroup v2 line");
-    let root = plugin_agent::provenance::cgroup2_mount().expect("cgroup v2 is mounted");
+    let root = plugin_agent::provenance::cgroup_view::CgroupView::discover()
+        .expect("cgroup v2 is mounted")
+        .root;
     let dir = root.join(own.trim_start_matches('/'));
     use std::os::unix::fs::MetadataExt;
     let id = std::fs::metadata(&dir).expect("stat own cgroup").ino();
@@ -1665,7 +1667,7 @@ impl Measured {
                 let source = event_source::open(choice, sink, cancel.clone(), &options)
                     .await
                     .unwrap_or_else(|err| panic!("open the {other} source: {err:#}"));
-                (source, None)
+                (source.source, None)
             }
         };
         source

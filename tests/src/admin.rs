@@ -64,3 +64,71 @@ pub fn list_json(admin_socket: &Path) -> BTreeMap<PathBuf, serde_json::Value> {
         })
         .collect()
 }
+
+/// `plugin-agent watch -o json` against an agent, live: the stream has no history, so it is
+/// returned only once the command says (on stderr) that the agent subscribed it. The process
+/// is killed when dropped.
+#[derive(Debug)]
+pub struct Watch {
+    child: std::process::Child,
+    events: crate::events::EventLog,
+}
+
+impl Watch {
+    /// Starts watching the agent on `admin_socket`.
+    pub async fn start(admin_socket: &Path) -> Watch {
+        use crate::events::{EventLog, Mark};
+        let mut child = Command::new(agent_bin())
+            .arg("--admin-socket")
+            .arg(admin_socket)
+            .args(["watch", "-o", "json"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("plugin-agent watch");
+        let events = EventLog::read_from(child.stdout.take().expect("piped"), "watch".into());
+        let said = EventLog::read_from(child.stderr.take().expect("piped"), "watch-err".into());
+        if let Err(e) = said
+            .wait_for(Mark(0), crate::EVENT_TIMEOUT, |l| {
+                l.message().starts_with("watching events of")
+            })
+            .await
+        {
+            panic!("`watch` never went live: {e:?}\n{}", said.tail(20));
+        }
+        Watch { child, events }
+    }
+
+    /// The events so far and to come, one JSON object each.
+    pub fn events(&self) -> &crate::events::EventLog {
+        &self.events
+    }
+
+    /// Waits for the command to end by itself (the agent went away).
+    pub fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.child.wait()
+    }
+
+    /// Waits for an event of `kind` about `socket` (as the agent names it).
+    pub async fn wait_for(&self, kind: &str, socket: &Path) -> crate::events::Line {
+        let socket = socket.display().to_string();
+        self.events
+            .wait_for(crate::events::Mark(0), crate::EVENT_TIMEOUT, |l| {
+                l.field_is("kind", kind) && l.field_is("socket_path", &socket)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "no {kind} event for {socket} ({e:?}); events:\n{}",
+                    self.events.tail(30)
+                )
+            })
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -23,13 +23,16 @@ pub async fn metrics_addr(agent: &AgentProcess) -> SocketAddr {
 
 /// A plain HTTP/1.0 GET on loopback: status code and body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    try_http_get(addr, path).unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
+}
+
+/// [`http_get`], for a probe that may find nothing listening yet.
+pub fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
+    stream.read_to_string(&mut response)?;
     let status = response
         .split(' ')
         .nth(1)
@@ -39,5 +42,5 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
-    (status, body)
+    Ok((status, body))
 }

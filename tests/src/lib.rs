@@ -24,6 +24,7 @@
 pub mod admin;
 pub mod agent;
 pub mod cgroup;
+pub mod container;
 pub mod env;
 pub mod events;
 pub mod handler;

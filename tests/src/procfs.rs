@@ -16,8 +16,8 @@ pub struct Caps {
     pub ambient: u64,
 }
 
-/// `CAP_DAC_OVERRIDE` (1) and `CAP_DAC_READ_SEARCH` (2): what the agent keeps after start.
-pub const DAC_OVERRIDE_AND_READ_SEARCH: u64 = (1 << 1) | (1 << 2);
+/// `CAP_DAC_OVERRIDE` (1): what the agent keeps after start.
+pub const DAC_OVERRIDE: u64 = 1 << 1;
 
 fn status(pid: u32) -> std::io::Result<String> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

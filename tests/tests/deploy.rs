@@ -25,9 +25,9 @@ fn read(file: &str) -> String {
     std::fs::read_to_string(deploy(file)).unwrap_or_else(|e| panic!("deploy/{file}: {e}"))
 }
 
-/// Every document of `deploy/daemonset.yaml`, as JSON values (easier to index).
+/// Every document of `deploy/base/daemonset.yaml`, as JSON values (easier to index).
 fn daemonset_documents() -> Vec<Value> {
-    let text = read("daemonset.yaml");
+    let text = read("base/daemonset.yaml");
     serde_norway::Deserializer::from_str(&text)
         .map(|doc| Value::deserialize(doc).expect("every document of daemonset.yaml parses"))
         .collect()

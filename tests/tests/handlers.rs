@@ -4,6 +4,7 @@
 //!
 //! Handlers do not depend on the event source, so these run on inotify only.
 
+use plugin_agent_tests::admin::Watch;
 use plugin_agent_tests::events::EventLog;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source,
@@ -476,35 +477,11 @@ async fn deregistration_follows_registration_in_contract_order() {
     assert_eq!(order, vec!["validate", "register", "deregister"]);
 }
 
-/// Starts `plugin-agent watch -o json` and returns once the stream is live (the command says so
-/// on stderr after the agent subscribed it): the stream has no history, so an event that happens
-/// before that point would never be seen.
-async fn watch_events(admin: &std::path::Path) -> (std::process::Child, EventLog) {
-    let mut watch = Command::new(plugin_agent_tests::env::agent_bin())
-        .arg("--admin-socket")
-        .arg(admin)
-        .args(["watch", "-o", "json"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("plugin-agent watch");
-    let events = EventLog::read_from(watch.stdout.take().expect("piped"), "watch".into());
-    let said = EventLog::read_from(watch.stderr.take().expect("piped"), "watch-err".into());
-    if let Err(e) = said
-        .wait_for(Mark(0), EVENT_TIMEOUT, |l| {
-            l.message().starts_with("watching events of")
-        })
-        .await
-    {
-        panic!("`watch` never went live: {e:?}\n{}", said.tail(20));
-    }
-    (watch, events)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_api_lists_plugins_and_streams_events() {
     let s = start_agent("admin_list_watch", &["CSIPlugin=accept-all".into()], &[]).await;
-    let (mut watch, events) = watch_events(&s.admin).await;
+    let watch = Watch::start(&s.admin).await;
+    let events = watch.events();
     let plugin = plugin!(s.dir.path("a.sock")).name("a").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let (ok, out, err) = cli(&s.admin, &["list", "-o", "json"]);
@@ -526,8 +503,6 @@ async fn admin_api_lists_plugins_and_streams_events() {
             l.field_is("kind", "deregistered")
         })
         .await;
-    let _ = watch.kill();
-    let _ = watch.wait();
     let removed =
         removed.unwrap_or_else(|e| panic!("no deregistered event: {e:?}\n{}", events.tail(20)));
     assert_eq!(
@@ -633,10 +608,11 @@ async fn http_handler_configured_in_a_toml_file_registers_plugins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_watch_stream_does_not_hold_up_sigterm() {
     let s = start_agent("watch_and_sigterm", &["CSIPlugin=accept-all".into()], &[]).await;
-    let (mut watch, events) = watch_events(&s.admin).await;
+    let mut watch = Watch::start(&s.admin).await;
     let plugin = plugin!(s.dir.path("a.sock")).name("a").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    events
+    watch
+        .events()
         .wait_for(Mark(0), EVENT_TIMEOUT, |l| l.field_is("kind", "registered"))
         .await
         .expect("the watch stream carries events");

@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 per_source!(
     ignores_10000_non_socket_files_and_registers_the_plugins_among_them,
     ignores_symlink_loops_and_registers_the_plugins_next_to_them,
-    walks_a_mode_000_sub_directory_with_its_cap_dac_read_search,
+    walks_a_mode_000_sub_directory_with_its_cap_dac_override,
     registers_a_socket_path_at_the_108_byte_limit_and_reports_one_beyond_it,
     converges_on_a_plugin_recreating_its_socket_100_times_a_second,
     registers_a_plugin_promptly_after_1000_directories_made_by_absolute_path,
@@ -157,7 +157,7 @@ async fn ignores_symlink_loops_and_registers_the_plugins_next_to_them(source: So
     memory_stayed_bounded(&test, &agent);
 }
 
-async fn walks_a_mode_000_sub_directory_with_its_cap_dac_read_search(source: Source) {
+async fn walks_a_mode_000_sub_directory_with_its_cap_dac_override(source: Source) {
     let test = test_name();
     let dir = PluginDir::new();
     if !plugin_agent_tests::env::privileged(&test) {
@@ -166,8 +166,8 @@ async fn walks_a_mode_000_sub_directory_with_its_cap_dac_read_search(source: Sou
     let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
         return;
     };
-    // The agent runs as root but keeps only DAC_OVERRIDE and DAC_READ_SEARCH; mode 000 does not
-    // stop those, by design (the agent must see every driver's directory).
+    // The agent runs as root but keeps only DAC_OVERRIDE; mode 000 does not stop it, by design
+    // (the agent must see every driver's directory).
     let locked = dir.path("locked");
     std::fs::create_dir(&locked).expect("mkdir");
     let socket = locked.join("driver.sock");

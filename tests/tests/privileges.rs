@@ -1,9 +1,8 @@
 //! Least privilege, per event source: once its source is attached the agent holds exactly
-//! `CAP_DAC_OVERRIDE` and `CAP_DAC_READ_SEARCH` (what the kernel reports in `/proc/<pid>/status`),
-//! and those are enough to keep discovering and registering plugins in directories and sockets
+//! `CAP_DAC_OVERRIDE` (what the kernel reports in `/proc/<pid>/status`), and that is enough to keep discovering and registering plugins in directories and sockets
 //! created afterwards by other users with private modes.
 
-use plugin_agent_tests::procfs::{self, DAC_OVERRIDE_AND_READ_SEARCH};
+use plugin_agent_tests::procfs::{self, DAC_OVERRIDE};
 use plugin_agent_tests::{
     AgentProcess, EVENT_TIMEOUT, PluginDir, Source, per_source, plugin, test_name,
 };
@@ -36,26 +35,19 @@ async fn keeps_only_dac_capabilities_and_still_registers_plugins_in_private_dire
     let pid = agent.pid().expect("running");
     let caps = procfs::caps(pid).expect("read /proc/<pid>/status");
     assert_eq!(
-        caps.effective, DAC_OVERRIDE_AND_READ_SEARCH,
-        "{test}: CapEff should be DAC_OVERRIDE|DAC_READ_SEARCH: {caps:x?}"
+        caps.effective, DAC_OVERRIDE,
+        "{test}: CapEff should be DAC_OVERRIDE: {caps:x?}"
     );
-    assert_eq!(
-        caps.permitted, DAC_OVERRIDE_AND_READ_SEARCH,
-        "{test}: CapPrm {caps:x?}"
-    );
-    assert_eq!(
-        caps.bounding, DAC_OVERRIDE_AND_READ_SEARCH,
-        "{test}: CapBnd {caps:x?}"
-    );
+    assert_eq!(caps.permitted, DAC_OVERRIDE, "{test}: CapPrm {caps:x?}");
+    assert_eq!(caps.bounding, DAC_OVERRIDE, "{test}: CapBnd {caps:x?}");
     assert_eq!(
         (caps.inheritable, caps.ambient),
         (0, 0),
         "{test}: {caps:x?}"
     );
 
-    // A driver directory made after the drop: another owner, mode 0700 (needs
-    // CAP_DAC_READ_SEARCH to walk), holding a socket of that owner with mode 0600 (needs
-    // CAP_DAC_OVERRIDE to connect to). Both are in place before the plugin listens.
+    // A driver directory made after the drop: another owner, mode 0700 (CAP_DAC_OVERRIDE walks
+    // it), holding a socket of that owner with mode 0600 (CAP_DAC_OVERRIDE connects to it). Both are in place before the plugin listens.
     let private_dir = dir.path("vendor/private");
     std::fs::create_dir_all(&private_dir).expect("mkdir");
     for d in [dir.path("vendor"), private_dir.clone()] {
@@ -82,7 +74,7 @@ async fn keeps_only_dac_capabilities_and_still_registers_plugins_in_private_dire
         .await;
     assert_eq!(
         procfs::caps(pid).expect("status").effective,
-        DAC_OVERRIDE_AND_READ_SEARCH,
+        DAC_OVERRIDE,
         "{test}: no capability came back"
     );
 }

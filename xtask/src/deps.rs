@@ -17,14 +17,17 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Debian packages the eBPF build needs, and `prometheus` (the server and `promtool`) for the
-/// observability tests.
+/// Debian packages the eBPF build needs, `prometheus` (the server and `promtool`) for the
+/// observability tests, and for the container tests an OCI runtime (`runc`) and the
+/// containers-common seccomp profile (`RuntimeDefault`).
 pub const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
     "libstd-rust-web-dev-bpf",
     "llvm-22-dev",
     "prometheus",
+    "runc",
+    "golang-github-containers-common",
 ];
 
 /// bpf-linker version known to work with rustc-web 1.96 / LLVM 22.

@@ -15,6 +15,7 @@ mod deps;
 mod hostile;
 mod kernels;
 mod lint;
+mod manifests;
 mod modules;
 mod run;
 mod shell;
@@ -54,6 +55,10 @@ enum Command {
     Lint,
     /// The agent's module graph (room -> rooms it imports); fails on an import cycle.
     Modules,
+    /// Every Kubernetes manifest in deploy/ (raw, and each kustomization rendered by kustomize)
+    /// against the API schemas of Kubernetes 1.30 to the newest kubernetes-validate ships,
+    /// strict; installs kubernetes-validate and kustomize when missing.
+    Manifests,
     /// Registration latency per event source and kubelet-like polling, side by side.
     Bench(bench::Options),
     /// Event sources alone: detection latency and throughput, eBPF vs fanotify vs inotify.
@@ -82,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
         Command::Modules => modules::modules(),
+        Command::Manifests => manifests::manifests(),
         Command::Bench(options) => bench::bench(&options),
         Command::BenchSources(options) => bench_sources::bench_sources(&options),
         Command::Soak(options) => soak::soak(&options),

@@ -6,10 +6,14 @@
 //! `cargo xtask vm-test` the eBPF tests on Debian's stock kernel in a VM, on both hook families
 //! (`--no-vm` skips both; a test filter in the cargo arguments does too).
 //!
+//! Before the host stage, `cargo xtask manifests` validates the manifests in `deploy/` against
+//! the Kubernetes API schemas and installs the kustomize the container tests
+//! (`tests/tests/container.rs`: the DaemonSet in runc) render the register overlay with.
+//!
 //! Privileged tests (eBPF load, fanotify) skip with a printed reason when they cannot run (not root,
 //! no eBPF built in); with `CI=true` they fail instead, so CI can never pass without running them.
 
-use crate::{build, build_ebpf, cross_test, deps, kernels, lint, shell, vm_test};
+use crate::{build, build_ebpf, cross_test, deps, kernels, lint, manifests, shell, vm_test};
 
 /// Options for the test run.
 #[derive(clap::Args, Default)]
@@ -37,6 +41,9 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
             check: false,
         })
     })?;
+    // The manifests against the API schemas, and the kustomize the container tests render the
+    // register overlay with.
+    let manifests = timed("manifests", manifests::manifests);
     let host = timed("host", || {
         let object = build_ebpf::build(&build_ebpf::Options::default())?;
         if !options.no_lint {
@@ -47,8 +54,12 @@ pub fn test(options: &Options) -> anyhow::Result<()> {
             .args(["test", "--workspace", "--no-fail-fast"])
             .args(&options.cargo_args);
         build::with_ebpf_object(&mut command, &object);
+        if let Ok(Some(kustomize)) = manifests::standalone_kustomize() {
+            command.env("PLUGIN_AGENT_KUSTOMIZE", kustomize);
+        }
         shell::run(&mut command)
     });
+    let host = manifests.and(host);
     // The contributor loop's floor: the same build again, nothing changed, compiles nothing (only
     // when the build was the whole workspace's: a package selection builds other units).
     let whole_workspace = options.cargo_args.first().is_none_or(|arg| arg == "--");

@@ -134,8 +134,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "BOOL")]
     pub provenance: Option<bool>,
 
-    /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE and
-    /// CAP_DAC_READ_SEARCH once the event source is attached (for debugging).
+    /// Keep all capabilities after start instead of dropping all but CAP_DAC_OVERRIDE once the
+    /// event source is attached (for debugging).
     #[arg(long)]
     pub keep_capabilities: bool,
 }

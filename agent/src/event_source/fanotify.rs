@@ -191,9 +191,15 @@ fn init_group(unlimited: bool) -> anyhow::Result<(Fanotify, QueueLimit)> {
 }
 
 fn init_error(errno: Errno) -> anyhow::Error {
+    let refusal;
     let hint = match errno {
         Errno::EPERM => {
-            "; needs CAP_SYS_ADMIN (or Linux >= 5.13 for an unprivileged fanotify group)"
+            use crate::kernel::{CAP_SYS_ADMIN, permission_refusal};
+            refusal = format!(
+                "; {} (Linux >= 5.13 also allows an unprivileged fanotify group)",
+                permission_refusal("fanotify_init(2)", &[CAP_SYS_ADMIN], None)
+            );
+            refusal.as_str()
         }
         Errno::EINVAL => "; the kernel lacks FAN_REPORT_DFID_NAME (needs Linux >= 5.9)",
         Errno::ENOSYS => "; the kernel is built without fanotify",

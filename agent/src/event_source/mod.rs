@@ -367,6 +367,13 @@ pub struct SourceOptions {
     pub ebpf_pins: Option<ebpf::PinOwner>,
 }
 
+/// An open source, and the ones [`SourceChoice::Auto`] passed over before it, each with the
+/// refusal that made it pass (`status` shows them: the answer to "why not eBPF?").
+pub struct Opened {
+    pub source: std::sync::Arc<dyn EventSource>,
+    pub passed_over: Vec<String>,
+}
+
 /// Opens the chosen source. With [`SourceChoice::Auto`], each refusal is logged with its reason
 /// and the next source is tried, so an operator can see why eBPF was not used.
 pub async fn open(
@@ -374,7 +381,7 @@ pub async fn open(
     sink: tokio::sync::mpsc::Sender<FsEvent>,
     cancel: tokio_util::sync::CancellationToken,
     options: &SourceOptions,
-) -> anyhow::Result<std::sync::Arc<dyn EventSource>> {
+) -> anyhow::Result<Opened> {
     let kinds: &[SourceKind] = match &choice {
         SourceChoice::Auto => &SourceKind::PREFERENCE,
         SourceChoice::Only(kind) => std::slice::from_ref(kind),
@@ -386,7 +393,10 @@ pub async fn open(
                 if choice == SourceChoice::Auto {
                     tracing::info!(source = %kind, passed_over = ?refusals, "event source chosen automatically");
                 }
-                return Ok(source);
+                return Ok(Opened {
+                    source,
+                    passed_over: refusals,
+                });
             }
             Err(error) => {
                 if choice == SourceChoice::Auto {

@@ -24,7 +24,10 @@
 //! This room imports nothing: the event sources, the watcher, the executor, state and the policy
 //! all speak its types.
 
+pub mod cgroup_view;
 pub mod kubernetes;
+
+use cgroup_view::CgroupView;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -239,8 +242,8 @@ impl Contact {
 #[derive(Debug)]
 pub struct Resolver {
     proc_root: PathBuf,
-    /// Where cgroup v2 is mounted (`None`: no cgroup v2 here; paths come from /proc alone).
-    cgroup_root: Option<PathBuf>,
+    /// The host's cgroup v2 tree (`None`: no cgroup v2 here; paths come from /proc alone).
+    cgroups_view: Option<CgroupView>,
     cgroups: Mutex<Interned>,
     /// Servers by process identity (see [`Self::server`]), with when they were read.
     servers: Mutex<HashMap<u64, (std::time::Instant, Arc<Process>)>>,
@@ -263,15 +266,15 @@ const MAX_INTERNED: usize = 65_536;
 
 impl Default for Resolver {
     fn default() -> Self {
-        Resolver::new(Path::new("/proc"), cgroup2_mount())
+        Resolver::new(Path::new("/proc"), CgroupView::discover())
     }
 }
 
 impl Resolver {
-    pub fn new(proc_root: &Path, cgroup_root: Option<PathBuf>) -> Resolver {
+    pub fn new(proc_root: &Path, cgroups_view: Option<CgroupView>) -> Resolver {
         Resolver {
             proc_root: proc_root.to_path_buf(),
-            cgroup_root,
+            cgroups_view,
             cgroups: Mutex::new(Interned::default()),
             servers: Mutex::new(HashMap::new()),
             kernel_only: false,
@@ -308,7 +311,7 @@ impl Resolver {
             process.gid = gid.or_else(|| status_id(&status, "Gid:"));
         }
         process.cgroup = read_small(&dir.join("cgroup"))
-            .and_then(|text| unified_path(&text).map(str::to_owned))
+            .and_then(|text| unified_path(&text).map(|path| self.host_path(path)))
             .map(|path| self.cgroup_by_path(&path));
         process
     }
@@ -438,9 +441,9 @@ impl Resolver {
             return found.clone();
         }
         let id = self
-            .cgroup_root
+            .cgroups_view
             .as_ref()
-            .and_then(|root| std::fs::metadata(root.join(path.trim_start_matches('/'))).ok())
+            .and_then(|view| std::fs::metadata(view.root.join(path.trim_start_matches('/'))).ok())
             .map(|meta| meta.ino());
         self.intern(path, id)
     }
@@ -455,13 +458,13 @@ impl Resolver {
         if let Some(pid) = pid {
             let text = read_small(&self.proc_root.join(pid.to_string()).join("cgroup"));
             if let Some(path) = text.as_deref().and_then(unified_path) {
-                let cgroup = self.cgroup_by_path(path);
+                let cgroup = self.cgroup_by_path(&self.host_path(path));
                 if cgroup.id == Some(id) {
                     return Some(cgroup);
                 }
             }
         }
-        let root = self.cgroup_root.as_ref()?;
+        let root = &self.cgroups_view.as_ref()?.root;
         let path = find_cgroup(root, id)?;
         Some(self.intern(&path, Some(id)))
     }
@@ -483,6 +486,15 @@ impl Resolver {
             interned.by_id.insert(id, cgroup.clone());
         }
         cgroup
+    }
+
+    /// A path `/proc/PID/cgroup` gave, as the host names it (kept as read where it cannot be
+    /// resolved: a namespace root not found).
+    fn host_path(&self, path: &str) -> String {
+        self.cgroups_view
+            .as_ref()
+            .and_then(|view| view.host_path(path))
+            .unwrap_or_else(|| path.to_string())
     }
 
     fn interned(&self) -> std::sync::MutexGuard<'_, Interned> {
@@ -528,19 +540,6 @@ fn unified_path(text: &str) -> Option<&str> {
     text.lines()
         .find_map(|line| line.strip_prefix("0::"))
         .map(str::trim_end)
-}
-
-/// Where cgroup v2 is mounted in the agent's mount namespace (`/sys/fs/cgroup` on a unified
-/// host, `/sys/fs/cgroup/unified` on a hybrid one), from `/proc/self/mountinfo`.
-pub fn cgroup2_mount() -> Option<PathBuf> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    mountinfo.lines().find_map(|line| {
-        let (fields, rest) = line.split_once(" - ")?;
-        let fstype = rest.split_whitespace().next()?;
-        let root = fields.split_whitespace().nth(3)?;
-        let mount_point = fields.split_whitespace().nth(4)?;
-        (fstype == "cgroup2" && root == "/").then(|| PathBuf::from(mount_point))
-    })
 }
 
 /// Directories visited at most when looking for a cgroup by id.
@@ -632,7 +631,10 @@ mod tests {
         let id = std::fs::metadata(root.path().join(pod))
             .expect("stat")
             .ino();
-        let resolver = Resolver::new(Path::new("/nonexistent-proc"), Some(root.path().into()));
+        let resolver = Resolver::new(
+            Path::new("/nonexistent-proc"),
+            Some(CgroupView::at(root.path().into())),
+        );
         let actor = Actor {
             pid: 7,
             cgroup_id: Some(id),

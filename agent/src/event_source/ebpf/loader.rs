@@ -706,9 +706,11 @@ fn with_hint(err: anyhow::Error, what: &str) -> anyhow::Error {
         .find_map(|cause| cause.downcast_ref::<io::Error>())
         .and_then(io::Error::raw_os_error);
     match errno {
-        Some(libc::EPERM) | Some(libc::EACCES) => err.context(format!(
-            "{what}: permission denied; need CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN)"
-        )),
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            use crate::kernel::{CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, permission_refusal};
+            let why = permission_refusal("bpf(2)", &[CAP_BPF, CAP_PERFMON], Some(CAP_SYS_ADMIN));
+            err.context(format!("{what}: {why}"))
+        }
         _ => err.context(what.to_string()),
     }
 }
