@@ -77,3 +77,22 @@ fn cgroup2_mount() -> Option<PathBuf> {
         (fstype == "cgroup2" && root == "/").then(|| Path::new(mount_point).to_path_buf())
     })
 }
+
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` (writing "0" names
+/// the writer). Runs between fork and exec.
+pub fn join_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: open, write and close with valid pointers and lengths.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let error = std::io::Error::last_os_error();
+        libc::close(fd);
+        if written != 1 {
+            return Err(error);
+        }
+    }
+    Ok(())
+}

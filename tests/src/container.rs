@@ -704,6 +704,28 @@ fn parse_version(text: &str) -> (u32, u32) {
     (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
 }
 
+/// The cgroup every test container is placed under (`cgroupsPath`), removed once empty.
+const CGROUP_PARENT: &str = "/plugin-agent-container-test";
+
+/// The `cgroupsPath` of the container `id`.
+pub fn cgroup_path(id: &str) -> String {
+    format!("{CGROUP_PARENT}/{id}")
+}
+
+/// Removes the parent cgroup the runtime made in each hierarchy, where it is empty (the runtime
+/// removes the container's own on delete, not the parents it created).
+fn remove_cgroup_parent() {
+    let hierarchies = std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .chain(std::iter::once(PathBuf::from("/sys/fs/cgroup")));
+    for hierarchy in hierarchies {
+        let _ = std::fs::remove_dir(hierarchy.join(CGROUP_PARENT.trim_start_matches('/')));
+    }
+}
+
 /// The OCI runtime the stage uses: `PLUGIN_AGENT_CONTAINER_RUNTIME`, else runc. (Debian
 /// bookworm's crun 1.8.1 refuses this CI machine's cgroup v1/v2 hybrid layout outright: "cgroups
 /// in hybrid mode not supported"; it is for cgroup v2 hosts.)
@@ -856,6 +878,7 @@ impl Container {
             .args(["delete", "--force", &self.id])
             .stderr(Stdio::null())
             .status();
+        remove_cgroup_parent();
     }
 }
 

@@ -102,7 +102,7 @@ impl PluginOptions {
             // (open, write, close) on memory prepared before the fork.
             unsafe {
                 use std::os::unix::process::CommandExt;
-                command.pre_exec(move || join_cgroup(&procs));
+                command.pre_exec(move || crate::cgroup::join_cgroup(&procs));
             }
         }
         if let Some((uid, gid)) = self.user {
@@ -358,23 +358,4 @@ impl Drop for PluginProcess {
             let _ = std::fs::remove_file(&self.socket);
         }
     }
-}
-
-/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` (writing "0" names
-/// the writer). Runs between fork and exec.
-fn join_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
-    // SAFETY: open, write and close with valid pointers and lengths.
-    unsafe {
-        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-        let error = std::io::Error::last_os_error();
-        libc::close(fd);
-        if written != 1 {
-            return Err(error);
-        }
-    }
-    Ok(())
 }

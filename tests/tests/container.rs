@@ -52,7 +52,7 @@ impl Pod {
     /// Starts the pod; `before_start` runs on the node first (a handler the agent needs).
     fn start(test: &str, deployment: Deployment, node: Node, variant: &Variant) -> Pod {
         let image = Image::build(&node, &agent_bin());
-        let cgroup = format!("/plugin-agent-container-test/{test}");
+        let cgroup = container::cgroup_path(test);
         let spec = container::runtime_spec(&deployment, &node, &image, variant, &cgroup);
         let mut container = Container::run(&container::runtime(), &node, test, &spec);
         let (addr, path) = deployment.probe("readinessProbe");
@@ -340,7 +340,7 @@ async fn measure(test: &str, node: Node, variant: &Variant) -> Vec<String> {
         "Unconfined"
     };
     let image = Image::build(&node, &agent_bin());
-    let cgroup = format!("/plugin-agent-container-test/{test}");
+    let cgroup = container::cgroup_path(test);
     let spec = container::runtime_spec(&deployment, &node, &image, variant, &cgroup);
     let mut pod = Container::run(&container::runtime(), &node, test, &spec);
     let (addr, path) = deployment.probe("readinessProbe");

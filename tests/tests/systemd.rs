@@ -367,17 +367,7 @@ impl Namespace {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The cgroup namespace's root is the cgroup `unshare` is in.
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                let error = std::io::Error::last_os_error();
-                libc::close(fd);
-                if written != 1 {
-                    return Err(error);
-                }
-                Ok(())
+                plugin_agent_tests::cgroup::join_cgroup(&procs)
             });
         }
         let mut unshare = match command.spawn() {
