@@ -49,7 +49,7 @@ impl Pod {
             .unwrap_or_else(|| panic!("{}: the configuration names no {key}", deployment.name))
     }
 
-    /// Starts the pod; `before_start` runs on the node first (a handler the agent needs).
+    /// Starts the pod on `node` and waits until its readiness probe passes.
     fn start(test: &str, deployment: Deployment, node: Node, variant: &Variant) -> Pod {
         let image = Image::build(&node, &agent_bin());
         let cgroup = container::cgroup_path(test);
