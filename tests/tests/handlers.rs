@@ -769,8 +769,12 @@ async fn a_registration_the_agent_cannot_record_fails_before_its_handler_hears_a
     let pid = s.agent.pid().expect("the agent runs");
     limit_file_size(pid, 0);
 
+    let watch = Watch::start(&s.admin).await;
     let plugin = dra_plugin(&s.dir, "gpu.sock", "gpu");
     let refused = plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    // The plugin hears the refusal before the agent has recorded its backoff; the admin API's
+    // event says the failure is recorded (list reads the same state).
+    watch.wait_for("registration_failed", plugin.socket()).await;
     let error = refused.field("error").unwrap_or_default();
     assert!(
         error.contains("cannot record the registration") && error.contains("File too large"),

@@ -778,11 +778,6 @@ impl OperationExecutor {
             error,
             RegisterFailure::Plugin(PluginCallError::SocketGone(_))
         );
-        if !vanished {
-            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
-            event.error = Some(error.to_string());
-            self.notifications.publish(event);
-        }
         // A slow new plugin's quick retries say so where operators look (`list`'s last error).
         let reason = if kind == FailureKind::SlowNewPlugin {
             let failed_before = self
@@ -803,6 +798,13 @@ impl OperationExecutor {
         let backoff = self
             .backoff
             .fail(path, desired.socket, reason, kind, Instant::now());
+        // Published once the failure is recorded, so a watcher that reacts by asking `list`
+        // reads the error the event carries.
+        if !vanished {
+            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
+            event.error = Some(error.to_string());
+            self.notifications.publish(event);
+        }
         self.telemetry.metrics.backoff(backoff.delay);
         if vanished {
             debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");
