@@ -12,6 +12,7 @@
 //! `liveness`'s pidfd fallbacks, `event_source::open`'s fallback to fanotify). This module only
 //! finds out and says so, once, the same way everywhere (docs/kernels.md has the matrix).
 
+use caps::Capability;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -382,43 +383,45 @@ mod tests {
     }
 }
 
-/// A capability by name and bit number (`include/uapi/linux/capability.h`).
-pub type Cap = (&'static str, u32);
-pub const CAP_SYS_ADMIN: Cap = ("CAP_SYS_ADMIN", 21);
-pub const CAP_PERFMON: Cap = ("CAP_PERFMON", 38);
-pub const CAP_BPF: Cap = ("CAP_BPF", 39);
-
 /// Why `call` was refused with EPERM, in the operator's terms: the capabilities of `needed`
 /// the agent lacks (none lacking when it holds `instead`), or, when it holds them, what else
 /// refuses a privileged call: a seccomp filter (a container runtime's default profile allows
 /// bpf(2), perf_event_open(2) and fanotify_init(2) only with CAP_SYS_ADMIN), or a kernel policy.
-pub fn permission_refusal(call: &str, needed: &[Cap], instead: Option<Cap>) -> String {
+pub fn permission_refusal(
+    call: &str,
+    needed: &[Capability],
+    instead: Option<Capability>,
+) -> String {
+    let effective = caps::read(None, caps::CapSet::Effective).unwrap_or_default();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    refusal_from_status(&status, call, needed, instead)
+    let seccomp = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Seccomp:"))
+        .is_some_and(|mode| mode.trim() == "2");
+    refusal(&effective, seccomp, call, needed, instead)
 }
 
-fn refusal_from_status(status: &str, call: &str, needed: &[Cap], instead: Option<Cap>) -> String {
-    let field = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .map(str::trim)
-    };
-    let effective = field("CapEff:")
-        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-        .unwrap_or(0);
-    let holds = |(_, bit): &Cap| effective & (1u64 << bit) != 0;
-    let names = |caps: &[Cap]| {
+fn refusal(
+    effective: &caps::CapsHashSet,
+    seccomp: bool,
+    call: &str,
+    needed: &[Capability],
+    instead: Option<Capability>,
+) -> String {
+    let names = |caps: &[Capability]| {
         caps.iter()
-            .map(|(n, _)| *n)
+            .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(" and ")
     };
-    let missing: Vec<Cap> = match instead {
-        Some(cap) if holds(&cap) => Vec::new(),
-        _ => needed.iter().copied().filter(|c| !holds(c)).collect(),
+    let missing: Vec<Capability> = match instead {
+        Some(cap) if effective.contains(&cap) => Vec::new(),
+        _ => needed
+            .iter()
+            .copied()
+            .filter(|c| !effective.contains(c))
+            .collect(),
     };
-    let seccomp = field("Seccomp:") == Some("2");
     match (missing.is_empty(), seccomp) {
         (false, false) => format!("{call} refused without {}", names(&missing)),
         (false, true) => format!(
@@ -443,26 +446,25 @@ fn refusal_from_status(status: &str, call: &str, needed: &[Cap], instead: Option
 #[cfg(test)]
 mod refusal_tests {
     use super::*;
-
-    const BPF_PERFMON: &str = "CapEff:\t000000c000000002\n";
+    use caps::Capability::{CAP_BPF, CAP_DAC_OVERRIDE, CAP_PERFMON, CAP_SYS_ADMIN};
 
     #[test]
     fn a_refusal_names_the_missing_capability_or_the_filter_that_refused() {
         let needed = [CAP_BPF, CAP_PERFMON];
-        let lacking = "CapEff:\t0000000000000002\nSeccomp:\t0\n";
-        let said = refusal_from_status(lacking, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
+        let set = |caps: &[Capability]| caps.iter().copied().collect::<caps::CapsHashSet>();
+        let lacking = set(&[CAP_DAC_OVERRIDE]);
+        let said = refusal(&lacking, false, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
         assert!(said.ends_with("without CAP_BPF and CAP_PERFMON"), "{said}");
-        let filtered = format!("{BPF_PERFMON}Seccomp:\t2\n");
-        let said = refusal_from_status(&filtered, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
+        let holding = set(&[CAP_BPF, CAP_PERFMON, CAP_DAC_OVERRIDE]);
+        let said = refusal(&holding, true, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
         assert!(
             said.contains("seccomp filter although the agent holds CAP_BPF"),
             "{said}"
         );
-        let unfiltered = format!("{BPF_PERFMON}Seccomp:\t0\n");
-        let said = refusal_from_status(&unfiltered, "bpf(2)", &needed, None);
+        let said = refusal(&holding, false, "bpf(2)", &needed, None);
         assert!(said.contains("kernel policy"), "{said}");
-        let admin = "CapEff:\t0000000000200000\nSeccomp:\t2\n";
-        let said = refusal_from_status(admin, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
+        let admin = set(&[CAP_SYS_ADMIN]);
+        let said = refusal(&admin, true, "bpf(2)", &needed, Some(CAP_SYS_ADMIN));
         assert!(said.contains("seccomp filter"), "{said}");
     }
 }

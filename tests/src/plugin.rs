@@ -286,6 +286,13 @@ impl PluginProcess {
         self.events.matching_since(mark, |l| l.event() == event)
     }
 
+    /// Whether the plugin was called (GetInfo or Notify) after `mark`: an unchanged plugin must
+    /// not be, across an agent's restart.
+    pub fn called_since(&self, mark: Mark) -> bool {
+        !self.events_since(mark, "get_info").is_empty()
+            || !self.events_since(mark, "notify").is_empty()
+    }
+
     /// All `notify` events so far.
     pub fn notifications(&self) -> Vec<Line> {
         self.events_since(Mark(0), "notify")

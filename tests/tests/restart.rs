@@ -201,8 +201,7 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
         "{test}: host plugins notified"
     );
     assert!(
-        kept.events_since(kept_mark, "get_info").is_empty()
-            && kept.events_since(kept_mark, "notify").is_empty(),
+        !kept.called_since(kept_mark),
         "{test}: the unchanged plugin was called"
     );
     drop(second);

@@ -194,7 +194,8 @@ fn init_error(errno: Errno) -> anyhow::Error {
     let refusal;
     let hint = match errno {
         Errno::EPERM => {
-            use crate::kernel::{CAP_SYS_ADMIN, permission_refusal};
+            use crate::kernel::permission_refusal;
+            use caps::Capability::CAP_SYS_ADMIN;
             refusal = format!(
                 "; {} (Linux >= 5.13 also allows an unprivileged fanotify group)",
                 permission_refusal("fanotify_init(2)", &[CAP_SYS_ADMIN], None)

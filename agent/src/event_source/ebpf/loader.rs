@@ -707,7 +707,8 @@ fn with_hint(err: anyhow::Error, what: &str) -> anyhow::Error {
         .and_then(io::Error::raw_os_error);
     match errno {
         Some(libc::EPERM) | Some(libc::EACCES) => {
-            use crate::kernel::{CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, permission_refusal};
+            use crate::kernel::permission_refusal;
+            use caps::Capability::{CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN};
             let why = permission_refusal("bpf(2)", &[CAP_BPF, CAP_PERFMON], Some(CAP_SYS_ADMIN));
             err.context(format!("{what}: {why}"))
         }
