@@ -187,13 +187,6 @@ impl Options {
     }
 }
 
-/// Debian packages every guest needs: x86_64's emulator and busybox (the host's serves it), and
-/// the tools that fetch kernels of other releases.
-pub const APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "curl", "xz-utils"];
-
-/// And for arm64 guests: their emulator (the binaries are cross-built, see `cross_test`).
-pub const ARM64_APT_PACKAGES: &[&str] = &["qemu-system-arm"];
-
 /// Runs the chosen rows, prints the table, and fails unless every row passed.
 pub fn kernels(options: &Options) -> anyhow::Result<()> {
     let dir = shell::workspace_root().join("target/kernels");
@@ -213,10 +206,10 @@ pub fn kernels(options: &Options) -> anyhow::Result<()> {
         bail!("--suite {unknown}: no such suite (ebpf_source, discovery)");
     }
     deps::install_missing()?;
-    deps::install_apt_packages(APT_PACKAGES)?;
+    deps::install_apt_packages(deps::KERNELS_APT_PACKAGES)?;
     if rows.iter().any(|row| row.arch == Arch::Arm64) {
-        deps::install_apt_packages(ARM64_APT_PACKAGES)?;
-        deps::install_apt_packages(cross_test::APT_PACKAGES)?;
+        deps::install_apt_packages(deps::KERNELS_ARM64_APT_PACKAGES)?;
+        deps::install_apt_packages(deps::CROSS_TEST_APT_PACKAGES)?;
     }
     fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let mirror = debian_mirror();
