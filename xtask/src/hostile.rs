@@ -317,51 +317,8 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
                 std::fs::create_dir(dirs.join(format!("d{i}")))?;
             }
         }
-        Case::Flood => {
-            let flood = registry.join("flood");
-            std::fs::create_dir(&flood)?;
-            for t in 0..2 {
-                let stop = attack.stop.clone();
-                let base = flood.join(format!("f{t}"));
-                attack.threads.push(std::thread::spawn(move || {
-                    let mut made = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let path = base.with_extension(format!("{}.sock", made % 64));
-                        let _ = std::fs::remove_file(&path);
-                        drop(std::os::unix::net::UnixListener::bind(&path));
-                        let _ = std::fs::remove_file(&path);
-                        made += 1;
-                    }
-                }));
-            }
-            // The canary starts 5 s into a flood of 30 s, as in the report.
-            attack.until = Some(Instant::now() + Duration::from_secs(30));
-            std::thread::sleep(Duration::from_secs(5));
-        }
-        Case::Stale => {
-            let stale = registry.join("stale");
-            std::fs::create_dir(&stale)?;
-            for i in 0..1000 {
-                drop(std::os::unix::net::UnixListener::bind(
-                    stale.join(format!("s{i}.sock")),
-                )?);
-            }
-            for i in 0..300 {
-                let listener =
-                    std::os::unix::net::UnixListener::bind(stale.join(format!("h{i}.sock")))?;
-                let accepting = listener.try_clone()?;
-                attack.listeners.push(listener);
-                let stop = attack.stop.clone();
-                attack.threads.push(std::thread::spawn(move || {
-                    while let Ok((stream, _)) = accepting.accept() {
-                        drop(stream);
-                        if stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                }));
-            }
-        }
+        Case::Flood => flood(registry, &mut attack)?,
+        Case::Stale => stale(registry, &mut attack)?,
         Case::Metrics => {
             // From uid 65534 (the case runs as root): an unprivileged process on the node.
             let mut flood = setup.start_flood(1000, Stdio::piped())?;
@@ -413,6 +370,57 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
         }
     }
     Ok(attack)
+}
+
+/// [`Case::Flood`]: two threads binding and removing sockets as fast as they can, for 30 s; the
+/// canary starts 5 s into it.
+fn flood(registry: &Path, attack: &mut Attack) -> anyhow::Result<()> {
+    let flood = registry.join("flood");
+    std::fs::create_dir(&flood)?;
+    for t in 0..2 {
+        let stop = attack.stop.clone();
+        let base = flood.join(format!("f{t}"));
+        attack.threads.push(std::thread::spawn(move || {
+            let mut made = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let path = base.with_extension(format!("{}.sock", made % 64));
+                let _ = std::fs::remove_file(&path);
+                drop(std::os::unix::net::UnixListener::bind(&path));
+                let _ = std::fs::remove_file(&path);
+                made += 1;
+            }
+        }));
+    }
+    // The canary starts 5 s into a flood of 30 s, as in the report.
+    attack.until = Some(Instant::now() + Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(5));
+    Ok(())
+}
+
+/// [`Case::Stale`]: 1,000 sockets nobody listens on and 300 whose listener accepts and closes.
+fn stale(registry: &Path, attack: &mut Attack) -> anyhow::Result<()> {
+    let stale = registry.join("stale");
+    std::fs::create_dir(&stale)?;
+    for i in 0..1000 {
+        drop(std::os::unix::net::UnixListener::bind(
+            stale.join(format!("s{i}.sock")),
+        )?);
+    }
+    for i in 0..300 {
+        let listener = std::os::unix::net::UnixListener::bind(stale.join(format!("h{i}.sock")))?;
+        let accepting = listener.try_clone()?;
+        attack.listeners.push(listener);
+        let stop = attack.stop.clone();
+        attack.threads.push(std::thread::spawn(move || {
+            while let Ok((stream, _)) = accepting.accept() {
+                drop(stream);
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+        }));
+    }
+    Ok(())
 }
 
 /// A chain of `depth` directories under `top`, made relative to the last one (its full path
