@@ -17,7 +17,7 @@
 
 mod cases;
 
-use crate::soak::{Guard, Run, rss_kib, target_dir};
+use crate::processes::{Guard, Run, rss_kib, target_dir};
 use crate::{build, build_ebpf, shell};
 use anyhow::{Context, bail};
 use cases::Case;

@@ -17,6 +17,7 @@ mod hostile;
 mod kernels;
 mod lint;
 mod manifests;
+mod processes;
 mod run;
 mod shell;
 mod soak;
