@@ -14,19 +14,12 @@ use anyhow::Context;
 
 use crate::{build, build_ebpf, deps, shell};
 
-/// Debian packages: the cross linker and C library, and qemu-user to run the tests.
-pub const APT_PACKAGES: &[&str] = &[
-    "gcc-aarch64-linux-gnu",
-    "libc6-dev-arm64-cross",
-    "qemu-user",
-];
-
 pub const TARGET: &str = "aarch64-unknown-linux-gnu";
 
 /// Builds for arm64 and runs the agent's unit tests under qemu-user.
 pub fn cross_test() -> anyhow::Result<()> {
     deps::install_missing()?;
-    deps::install_apt_packages(APT_PACKAGES)?;
+    deps::install_apt_packages(deps::CROSS_TEST_APT_PACKAGES)?;
     add_rust_target()?;
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     let mut command = shell::cargo();

@@ -10,7 +10,7 @@
 //! Each step checks first and prints either what it installs or that it is already there.
 
 use crate::apt_plan::{self, Installed, Origin};
-use crate::{cross_test, kernels, shell, vm_test};
+use crate::shell;
 use anyhow::{Context, bail};
 use std::fs;
 use std::path::PathBuf;
@@ -29,6 +29,26 @@ pub const APT_PACKAGES: &[&str] = &[
     "runc",
     "golang-github-containers-common",
 ];
+
+/// `cargo xtask cross-test`'s: the cross linker and C library, and qemu-user to run the tests.
+/// The stages' package sets are kept here, beside the installer, so that `deps --all` needs
+/// none of the stages (each stage installs its own set through [`install_apt_packages`]).
+pub const CROSS_TEST_APT_PACKAGES: &[&str] = &[
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "qemu-user",
+];
+
+/// `cargo xtask vm-test`'s guest: the emulator, and busybox for the initramfs.
+pub const VM_TEST_APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static"];
+
+/// Every guest of `cargo xtask kernels`: x86_64's emulator and busybox (the host's serves it),
+/// and the tools that fetch kernels of other releases.
+pub const KERNELS_APT_PACKAGES: &[&str] =
+    &["qemu-system-x86", "busybox-static", "curl", "xz-utils"];
+
+/// And for its arm64 guests: their emulator (the binaries are cross-built, see `cross_test`).
+pub const KERNELS_ARM64_APT_PACKAGES: &[&str] = &["qemu-system-arm"];
 
 /// bpf-linker version known to work with rustc-web 1.96 / LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -49,9 +69,9 @@ pub fn deps(options: &Options) -> anyhow::Result<()> {
     let mut sets = vec![APT_PACKAGES];
     if options.all {
         sets.extend([
-            cross_test::APT_PACKAGES,
-            vm_test::APT_PACKAGES,
-            kernels::APT_PACKAGES,
+            CROSS_TEST_APT_PACKAGES,
+            VM_TEST_APT_PACKAGES,
+            KERNELS_APT_PACKAGES,
         ]);
     }
     for set in sets {

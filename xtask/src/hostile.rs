@@ -15,9 +15,12 @@
 //! that misses one says so; the command fails if any does. The soak (`cargo xtask soak`) mixes
 //! the same faults into churn for minutes; this runs each alone so its figure is its own.
 
-use crate::soak::{Guard, Run, rss_kib, target_dir};
+mod cases;
+
+use crate::processes::{Guard, Run, rss_kib, target_dir};
 use crate::{build, build_ebpf, shell};
 use anyhow::{Context, bail};
+use cases::Case;
 use std::io::{BufRead, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -37,90 +40,6 @@ pub struct Options {
     /// pins, names.
     #[arg(long, value_delimiter = ',')]
     pub cases: Vec<String>,
-}
-
-/// One of issue 22's cases.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Case {
-    /// Item 1: 1,000 directories made by absolute path.
-    Dirs,
-    /// Item 2 (and 6): two threads binding and unlinking sockets while the canary starts.
-    Flood,
-    /// Item 3: 1,000 stale sockets and 300 servers that accept and hang up.
-    Stale,
-    /// Item 4: 1,000 slow connections to the metrics port from uid 65534.
-    Metrics,
-    /// Item 6: a tree 2,039 directories deep, walked by a safety pass every second.
-    Deep,
-    /// Item 10: a file system mounted over a sub-directory; the canary lives in it.
-    Mount,
-    /// Issue 44, item 1: another instance's `cleanup --all --force` while the agent runs.
-    Pins,
-    /// Issue 44, item 7: more socket names in the tree than the eBPF name table's room.
-    Names,
-}
-
-impl Case {
-    const ALL: [Case; 8] = [
-        Case::Dirs,
-        Case::Flood,
-        Case::Stale,
-        Case::Metrics,
-        Case::Deep,
-        Case::Mount,
-        Case::Pins,
-        Case::Names,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Case::Dirs => "dirs",
-            Case::Flood => "flood",
-            Case::Stale => "stale",
-            Case::Metrics => "metrics",
-            Case::Deep => "deep",
-            Case::Mount => "mount",
-            Case::Pins => "pins",
-            Case::Names => "names",
-        }
-    }
-
-    fn describe(self) -> &'static str {
-        match self {
-            Case::Dirs => "1,000 directories made by absolute path",
-            Case::Flood => "2 threads binding/unlinking sockets for 30 s; canary 5 s in",
-            Case::Stale => "1,000 stale sockets + 300 servers that accept and hang up",
-            Case::Metrics => "1,000 slow metrics connections from uid 65534",
-            Case::Deep => "a tree 2,039 directories deep, safety pass every 1 s, for 20 s",
-            Case::Mount => "tmpfs mounted over a sub-directory, canary inside it",
-            Case::Pins => "`cleanup --all --force` by another instance while the agent runs",
-            Case::Names => {
-                "17,000 bind-only sockets (beyond the eBPF name table's room), 30 s quiet"
-            }
-        }
-    }
-
-    /// What the issue measured before (its figures).
-    fn before(self) -> &'static str {
-        match self {
-            Case::Dirs => "eBPF 53 s (1,000 dirs; 600: 10.9 s); others 5-11 ms",
-            Case::Flood => "eBPF 31.4 s, after the flood; others 6.1-6.3 s; RSS 134-167 MB",
-            Case::Stale => "28.5 s (1,000 stale); 22 s (3,000 hang-ups); every source",
-            Case::Metrics => "dials fail (EMFILE), RSS ~400 MB, 3 live plugins deregistered",
-            Case::Deep => "RSS 40 -> 139 MB over 6 minutes",
-            Case::Mount => "missed until the 30 s safety pass",
-            Case::Pins => "eBPF blind: 29.2-29.8 s (the safety pass), /readyz 200",
-            Case::Names => "eBPF rescans for ever: 30.4 CPU s per 30 s; canary 35-125 ms",
-        }
-    }
-
-    /// Agent flags the case needs beyond the defaults.
-    fn agent_flags(self) -> &'static [&'static str] {
-        match self {
-            Case::Deep => &["--safety-period", "1s"],
-            _ => &[],
-        }
-    }
 }
 
 /// Where one case's processes and files are.
@@ -317,51 +236,8 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
                 std::fs::create_dir(dirs.join(format!("d{i}")))?;
             }
         }
-        Case::Flood => {
-            let flood = registry.join("flood");
-            std::fs::create_dir(&flood)?;
-            for t in 0..2 {
-                let stop = attack.stop.clone();
-                let base = flood.join(format!("f{t}"));
-                attack.threads.push(std::thread::spawn(move || {
-                    let mut made = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let path = base.with_extension(format!("{}.sock", made % 64));
-                        let _ = std::fs::remove_file(&path);
-                        drop(std::os::unix::net::UnixListener::bind(&path));
-                        let _ = std::fs::remove_file(&path);
-                        made += 1;
-                    }
-                }));
-            }
-            // The canary starts 5 s into a flood of 30 s, as in the issue's report.
-            attack.until = Some(Instant::now() + Duration::from_secs(30));
-            std::thread::sleep(Duration::from_secs(5));
-        }
-        Case::Stale => {
-            let stale = registry.join("stale");
-            std::fs::create_dir(&stale)?;
-            for i in 0..1000 {
-                drop(std::os::unix::net::UnixListener::bind(
-                    stale.join(format!("s{i}.sock")),
-                )?);
-            }
-            for i in 0..300 {
-                let listener =
-                    std::os::unix::net::UnixListener::bind(stale.join(format!("h{i}.sock")))?;
-                let accepting = listener.try_clone()?;
-                attack.listeners.push(listener);
-                let stop = attack.stop.clone();
-                attack.threads.push(std::thread::spawn(move || {
-                    while let Ok((stream, _)) = accepting.accept() {
-                        drop(stream);
-                        if stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                }));
-            }
-        }
+        Case::Flood => flood(registry, &mut attack)?,
+        Case::Stale => stale(registry, &mut attack)?,
         Case::Metrics => {
             // From uid 65534 (the case runs as root): an unprivileged process on the node.
             let mut flood = setup.start_flood(1000, Stdio::piped())?;
@@ -413,6 +289,57 @@ fn attack(case: Case, setup: &Setup) -> anyhow::Result<Attack> {
         }
     }
     Ok(attack)
+}
+
+/// [`Case::Flood`]: two threads binding and removing sockets as fast as they can, for 30 s; the
+/// canary starts 5 s into it.
+fn flood(registry: &Path, attack: &mut Attack) -> anyhow::Result<()> {
+    let flood = registry.join("flood");
+    std::fs::create_dir(&flood)?;
+    for t in 0..2 {
+        let stop = attack.stop.clone();
+        let base = flood.join(format!("f{t}"));
+        attack.threads.push(std::thread::spawn(move || {
+            let mut made = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let path = base.with_extension(format!("{}.sock", made % 64));
+                let _ = std::fs::remove_file(&path);
+                drop(std::os::unix::net::UnixListener::bind(&path));
+                let _ = std::fs::remove_file(&path);
+                made += 1;
+            }
+        }));
+    }
+    // The canary starts 5 s into a flood of 30 s, as in the issue's report.
+    attack.until = Some(Instant::now() + Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(5));
+    Ok(())
+}
+
+/// [`Case::Stale`]: 1,000 sockets nobody listens on and 300 whose listener accepts and closes.
+fn stale(registry: &Path, attack: &mut Attack) -> anyhow::Result<()> {
+    let stale = registry.join("stale");
+    std::fs::create_dir(&stale)?;
+    for i in 0..1000 {
+        drop(std::os::unix::net::UnixListener::bind(
+            stale.join(format!("s{i}.sock")),
+        )?);
+    }
+    for i in 0..300 {
+        let listener = std::os::unix::net::UnixListener::bind(stale.join(format!("h{i}.sock")))?;
+        let accepting = listener.try_clone()?;
+        attack.listeners.push(listener);
+        let stop = attack.stop.clone();
+        attack.threads.push(std::thread::spawn(move || {
+            while let Ok((stream, _)) = accepting.accept() {
+                drop(stream);
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+        }));
+    }
+    Ok(())
 }
 
 /// A chain of `depth` directories under `top`, made relative to the last one (its full path

@@ -15,7 +15,6 @@
 //! The packages come from the same Debian mirror apt uses, fetched by URL: no suite is added to
 //! the machine's apt sources to get a kernel of another release.
 
-use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,119 +22,13 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, bail};
 
+mod matrix;
+mod results;
+
 use crate::vm::{self, Arch};
 use crate::{build, build_ebpf, cross_test, deps, shell};
-
-/// One kernel of the matrix.
-#[derive(Clone, Copy)]
-pub struct Row {
-    /// The kernel series as people name it.
-    pub series: &'static str,
-    pub arch: Arch,
-    /// The Debian suite whose current kernel of that series is booted.
-    pub suite: &'static str,
-    /// `linux-image-<abi>-<flavour>`'s `<abi>` starts with this.
-    pub abi_prefix: &'static str,
-    /// Which nodes run this series.
-    pub nodes: &'static str,
-}
-
-/// The matrix. 5.15 and 6.8 (Ubuntu 22.04 and 24.04) are not in Debian's archive; 5.10 and 6.1
-/// bound them on each side for the features the agent uses (docs/kernels.md).
-pub const MATRIX: &[Row] = &[
-    Row {
-        series: "5.10",
-        arch: Arch::X86_64,
-        suite: "bullseye",
-        abi_prefix: "5.10.0-",
-        nodes: "Debian 11, Amazon Linux 2",
-    },
-    Row {
-        series: "6.1",
-        arch: Arch::X86_64,
-        suite: "bookworm",
-        abi_prefix: "6.1.0-",
-        nodes: "Debian 12, Amazon Linux 2023",
-    },
-    Row {
-        series: "6.12",
-        arch: Arch::X86_64,
-        suite: "trixie",
-        abi_prefix: "6.12.",
-        nodes: "Debian 13",
-    },
-    Row {
-        series: "5.10",
-        arch: Arch::Arm64,
-        suite: "bullseye",
-        abi_prefix: "5.10.0-",
-        nodes: "Debian 11, Amazon Linux 2 (Graviton)",
-    },
-    Row {
-        series: "6.12",
-        arch: Arch::Arm64,
-        suite: "trixie",
-        abi_prefix: "6.12.",
-        nodes: "Debian 13 (Graviton, Ampere)",
-    },
-];
-
-impl Row {
-    fn label(&self) -> String {
-        format!("{}-{}", self.series, self.arch.debian())
-    }
-}
-
-/// A test suite run in each guest.
-struct Suite {
-    label: &'static str,
-    package: &'static str,
-    test: &'static str,
-    /// Test name filter.
-    filter: &'static str,
-    /// Tests left out under emulation (see `vm_test::RUNS`): they time the agent's 1 s `GetInfo`
-    /// deadline against ten plugins starting at once.
-    skip: &'static [&'static str],
-    /// Run once per loadable hook family (the kernel suite), or once with the agent choosing.
-    /// In CI, a per-family suite runs on the family the agent would pick (the probe loads both).
-    per_family: bool,
-    /// Part of the CI subset.
-    ci: bool,
-    /// Tests run at once in the guest: the kernel suite's tests are independent (each loads its
-    /// own programs, which is most of its time under emulation); the agent's end-to-end tests
-    /// time plugins and run one at a time.
-    threads: u32,
-}
-
-/// The kernel suite on every family (the liveness hints among its programs' reports), then the
-/// agent end to end (real agent, plugins, handler) with the family the agent picks itself. The
-/// agent's liveness end to end runs in `vm-test` (6.1) and on the host: what it adds over the
-/// kernel suite's release and listen reports is not kernel-specific.
-const SUITES: &[Suite] = &[
-    Suite {
-        label: "ebpf_source",
-        package: "plugin-agent",
-        test: "ebpf_source",
-        filter: "",
-        skip: &[],
-        per_family: true,
-        ci: true,
-        threads: 2,
-    },
-    Suite {
-        label: "discovery",
-        package: "plugin-agent-tests",
-        test: "discovery",
-        filter: "ebpf::",
-        skip: &["registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves"],
-        per_family: false,
-        ci: false,
-        threads: 1,
-    },
-];
-
-/// The hook families, as `PLUGIN_AGENT_EBPF_HOOKS` and the probe name them.
-const FAMILIES: &[&str] = &["fentry", "tracepoints"];
+use matrix::{FAMILIES, MATRIX, Row, SUITES, Suite, in_run};
+use results::{RowResult, table};
 
 /// Options for `cargo xtask kernels`.
 #[derive(clap::Args, Clone)]
@@ -187,13 +80,6 @@ impl Options {
     }
 }
 
-/// Debian packages every guest needs: x86_64's emulator and busybox (the host's serves it), and
-/// the tools that fetch kernels of other releases.
-pub const APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "curl", "xz-utils"];
-
-/// And for arm64 guests: their emulator (the binaries are cross-built, see `cross_test`).
-pub const ARM64_APT_PACKAGES: &[&str] = &["qemu-system-arm"];
-
 /// Runs the chosen rows, prints the table, and fails unless every row passed.
 pub fn kernels(options: &Options) -> anyhow::Result<()> {
     let dir = shell::workspace_root().join("target/kernels");
@@ -213,10 +99,10 @@ pub fn kernels(options: &Options) -> anyhow::Result<()> {
         bail!("--suite {unknown}: no such suite (ebpf_source, discovery)");
     }
     deps::install_missing()?;
-    deps::install_apt_packages(APT_PACKAGES)?;
+    deps::install_apt_packages(deps::KERNELS_APT_PACKAGES)?;
     if rows.iter().any(|row| row.arch == Arch::Arm64) {
-        deps::install_apt_packages(ARM64_APT_PACKAGES)?;
-        deps::install_apt_packages(cross_test::APT_PACKAGES)?;
+        deps::install_apt_packages(deps::KERNELS_ARM64_APT_PACKAGES)?;
+        deps::install_apt_packages(deps::CROSS_TEST_APT_PACKAGES)?;
     }
     fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let mirror = debian_mirror();
@@ -354,12 +240,6 @@ fn run_row(
     ))
 }
 
-/// Whether `suite` is in the run (CI's share, or everything). Every suite runs on both
-/// architectures.
-fn in_run(suite: &Suite, ci: bool) -> bool {
-    !ci || suite.ci
-}
-
 /// The agent, plugin and handler binaries the tests start, and each suite's test binary.
 struct Binaries {
     agent: PathBuf,
@@ -451,324 +331,6 @@ fn guest_script(work: &Path, binaries: &Binaries, ci: bool) -> String {
         }
     }
     script
-}
-
-/// What one row's guest recorded.
-struct RowResult {
-    row: Row,
-    package: String,
-    /// The probe's report, when the guest got that far.
-    probe: Option<serde_json::Value>,
-    /// (run label, exit code or None when it never ran, tests passed, tests failed)
-    runs: Vec<SuiteRun>,
-    /// Set when the row could not even boot.
-    broken: Option<String>,
-    /// CI's share was run (see [`Options::ci`]).
-    ci: bool,
-    took: Duration,
-}
-
-struct SuiteRun {
-    label: String,
-    family: String,
-    status: Option<String>,
-    passed: usize,
-    failed: usize,
-}
-
-impl RowResult {
-    fn broken(row: &Row, why: String, took: Duration) -> Self {
-        RowResult {
-            row: *row,
-            package: String::new(),
-            probe: None,
-            runs: Vec::new(),
-            broken: Some(why),
-            ci: false,
-            took,
-        }
-    }
-
-    /// A row's last recorded run, if it has one.
-    fn recorded(row: &Row, dir: &Path) -> Self {
-        let work = dir.join(row.label());
-        let record = fs::read_to_string(work.join("row.json"))
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
-        match record {
-            Some(record) => RowResult::read(
-                row,
-                record["package"].as_str().unwrap_or_default(),
-                &work,
-                (
-                    record["ci"] == true,
-                    &serde_json::from_value::<Vec<String>>(record["suites"].clone())
-                        .unwrap_or_default(),
-                    record["probe_only"] == true,
-                ),
-                Duration::from_secs(record["took_secs"].as_u64().unwrap_or_default()),
-            ),
-            None => RowResult::broken(row, "not run yet".into(), Duration::ZERO),
-        }
-    }
-
-    /// The row's results in `work`. `run`: whether CI's share was run, the suites chosen (none:
-    /// all; a suite not chosen counts only when an earlier run left its results), and whether the
-    /// probe alone ran.
-    fn read(
-        row: &Row,
-        package: &str,
-        work: &Path,
-        run: (bool, &[String], bool),
-        took: Duration,
-    ) -> Self {
-        let (ci, chosen, probe_only) = run;
-        let probe = fs::read_to_string(work.join("probe.json"))
-            .ok()
-            .and_then(|text| serde_json::from_str(&text).ok());
-        let mut runs = Vec::new();
-        for suite in SUITES
-            .iter()
-            .filter(|suite| in_run(suite, ci) && !probe_only)
-        {
-            let families: &[&str] = if suite.per_family {
-                FAMILIES
-            } else {
-                &["auto"]
-            };
-            let chosen = chosen.is_empty() || chosen.iter().any(|name| name == suite.label);
-            let left = families
-                .iter()
-                .any(|family| vm::status(work, &format!("{}-{family}", suite.label)).is_some());
-            if !chosen && !left {
-                continue;
-            }
-            for family in families {
-                let label = format!("{}-{family}", suite.label);
-                let log = fs::read_to_string(work.join(format!("{label}.log"))).unwrap_or_default();
-                let (passed, failed) = test_counts(&log);
-                runs.push(SuiteRun {
-                    status: vm::status(work, &label),
-                    label,
-                    family: (*family).to_owned(),
-                    passed,
-                    failed,
-                });
-            }
-        }
-        RowResult {
-            row: *row,
-            package: package.to_owned(),
-            probe,
-            runs,
-            broken: None,
-            ci,
-            took,
-        }
-    }
-
-    /// The probe's report of one family.
-    fn family(&self, family: &str) -> Option<&serde_json::Value> {
-        self.probe.as_ref()?["families"]
-            .as_array()?
-            .iter()
-            .find(|f| f["family"] == family)
-    }
-
-    fn loaded(&self, family: &str) -> bool {
-        self.family(family).is_some_and(|f| f["loaded"] == true)
-    }
-
-    /// A row passes when the probe ran, at least one family loaded, and every run that should
-    /// have run (each loadable family's, and the agent's own) ran and passed.
-    fn passed(&self) -> bool {
-        self.broken.is_none()
-            && self.probe.is_some()
-            && FAMILIES.iter().any(|f| self.loaded(f))
-            && self
-                .runs
-                .iter()
-                .all(|run| !self.expected(run) || run.status.as_deref() == Some("0"))
-    }
-
-    /// Whether `run` should have run: the agent's own choice always; a family's run where the
-    /// family loads (in CI, only the family the agent picks).
-    fn expected(&self, run: &SuiteRun) -> bool {
-        run.family == "auto"
-            || (self.loaded(&run.family)
-                && (!self.ci || self.chosen() == Some(run.family.as_str())))
-    }
-
-    fn failure(&self) -> String {
-        if let Some(why) = &self.broken {
-            return why.clone();
-        }
-        if self.probe.is_none() {
-            return "the probe reported nothing (see probe.stderr)".into();
-        }
-        if !FAMILIES.iter().any(|f| self.loaded(f)) {
-            return "no hook family loaded".into();
-        }
-        self.runs
-            .iter()
-            .filter(|run| self.expected(run) && run.status.as_deref() != Some("0"))
-            .map(|run| match &run.status {
-                Some(code) => format!("{} exited {code}", run.label),
-                None => format!("{} never finished", run.label),
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
-/// `test result: ok. 28 passed; 0 failed; ...` lines, summed.
-fn test_counts(log: &str) -> (usize, usize) {
-    let mut passed = 0;
-    let mut failed = 0;
-    for line in log.lines() {
-        let Some(rest) = line.trim().strip_prefix("test result: ") else {
-            continue;
-        };
-        for part in rest.split(['.', ';']) {
-            let mut words = part.split_whitespace();
-            match (words.next().map(str::parse::<usize>), words.next()) {
-                (Some(Ok(n)), Some("passed")) => passed += n,
-                (Some(Ok(n)), Some("failed")) => failed += n,
-                _ => {}
-            }
-        }
-    }
-    (passed, failed)
-}
-
-/// The matrix as one Markdown table: one line per kernel and hook family.
-fn table(results: &[RowResult]) -> String {
-    let mut out = String::from(
-        "| kernel | arch | hook family | programs loaded | verifier (insns, load) | suites passed/failed | what fell back |\n\
-         |---|---|---|---|---|---|---|\n",
-    );
-    for result in results {
-        let kernel = result
-            .probe
-            .as_ref()
-            .and_then(|p| p["kernel"].as_str())
-            .map_or_else(|| result.package.clone(), str::to_owned);
-        if let Some(why) = &result.broken {
-            let _ = writeln!(
-                out,
-                "| {} | {} | - | - | - | did not boot | {} |",
-                result.row.series,
-                result.row.arch.uname(),
-                why.replace('|', "/").replace('\n', " ")
-            );
-            continue;
-        }
-        for family in FAMILIES {
-            let report = result.family(family);
-            let programs = report
-                .and_then(|f| f["programs"].as_array())
-                .map(|p| p.len())
-                .unwrap_or(0);
-            let insns: u64 = report
-                .and_then(|f| f["programs"].as_array())
-                .map(|p| p.iter().filter_map(|p| p["verified_insns"].as_u64()).sum())
-                .unwrap_or(0);
-            let load_ms = report.and_then(|f| f["load_ms"].as_f64()).unwrap_or(0.0);
-            let verifier = if !result.loaded(family) {
-                "-".to_owned()
-            } else if insns > 0 {
-                format!("{insns}, {load_ms:.0} ms")
-            } else {
-                format!("not reported (< 5.16), {load_ms:.0} ms")
-            };
-            let suites: Vec<String> = result
-                .runs
-                .iter()
-                .filter(|run| {
-                    run.family == *family
-                        || (run.family == "auto" && result.chosen() == Some(*family))
-                })
-                .map(|run| match &run.status {
-                    Some(code) if code == "0" => format!("{} {}/0", run.label, run.passed),
-                    Some(_) => format!("{} {}/{} FAILED", run.label, run.passed, run.failed),
-                    None if result.expected(run) => {
-                        format!("{} never finished", run.label)
-                    }
-                    None => format!("{} not run", run.label),
-                })
-                .collect();
-            let fell_back = if result.loaded(family) {
-                result.degraded()
-            } else {
-                let why = report
-                    .and_then(|f| f["error"].as_str())
-                    .unwrap_or("no report");
-                format!("{family} unavailable: {}", why.replace('|', "/"))
-            };
-            let _ = writeln!(
-                out,
-                "| {kernel} | {} | {family} | {} | {verifier} | {} | {fell_back} |",
-                result.row.arch.uname(),
-                if result.loaded(family) {
-                    programs.to_string()
-                } else {
-                    "0".into()
-                },
-                if suites.is_empty() {
-                    "-".to_owned()
-                } else {
-                    suites.join("; ")
-                },
-            );
-        }
-    }
-    out.push('\n');
-    for result in results {
-        let _ = writeln!(
-            out,
-            "- {} {}: {} as on {}; boot and suites {} s under emulation.",
-            result.row.series,
-            result.row.arch.uname(),
-            if result.package.is_empty() {
-                "no package"
-            } else {
-                &result.package
-            },
-            result.row.nodes,
-            result.took.as_secs()
-        );
-    }
-    out
-}
-
-impl RowResult {
-    /// The family the agent picks on its own (`auto`).
-    fn chosen(&self) -> Option<&'static str> {
-        FAMILIES.iter().copied().find(|f| self.loaded(f))
-    }
-
-    /// The kernel features other than fentry the probe found missing.
-    fn degraded(&self) -> String {
-        let missing: Vec<String> = self
-            .probe
-            .as_ref()
-            .and_then(|p| p["features"].as_array())
-            .map(|features| {
-                // fentry has its own row; the others by name (docs/operations.md says what
-                // each costs).
-                features
-                    .iter()
-                    .filter(|f| f["available"] == "false" && f["feature"] != "fentry")
-                    .map(|f| format!("no {}", f["feature"].as_str().unwrap_or("?")))
-                    .collect()
-            })
-            .unwrap_or_default();
-        if missing.is_empty() {
-            "nothing".into()
-        } else {
-            missing.join("; ")
-        }
-    }
 }
 
 fn write_docs(table: &str, options: &Options) -> anyhow::Result<()> {
@@ -965,13 +527,6 @@ fn arm64_busybox(cache: &Path, mirror: &str) -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn counts_every_test_result_line() {
-        let log = "test result: ok. 28 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out\n\
-                   test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 5 filtered out\n";
-        assert_eq!(test_counts(log), (31, 1));
-    }
 
     #[test]
     fn picks_the_newest_generic_kernel_of_the_series() {

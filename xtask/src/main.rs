@@ -6,6 +6,7 @@
 //! and install what a fresh machine lacks. See ../shared/ebpf-toolchain.md for why.
 
 mod apt_plan;
+mod architecture;
 mod bench;
 mod bench_sources;
 mod build;
@@ -16,7 +17,7 @@ mod hostile;
 mod kernels;
 mod lint;
 mod manifests;
-mod modules;
+mod processes;
 mod run;
 mod shell;
 mod soak;
@@ -50,11 +51,14 @@ enum Command {
     Run(run::Options),
     /// Install what is missing, build everything, check formatting and lints, run every test.
     Test(test::Options),
-    /// `cargo fmt --check`, `cargo clippy -D warnings` over the workspace, and no import cycle
-    /// among the agent's modules.
+    /// `cargo fmt --check`, `cargo clippy -D warnings` over the workspace, and the architecture
+    /// checks (`cargo xtask architecture`); lists every failure, stopping at none.
     Lint,
-    /// The agent's module graph (room -> rooms it imports); fails on an import cycle.
-    Modules,
+    /// The agent's rooms against xtask/src/architecture/rooms.rs, import cycles at every level of
+    /// the agent's and xtask's modules, size limits, and docs/architecture.md's generated section:
+    /// prints the rooms and the longest functions, then every finding.
+    #[command(alias = "modules")]
+    Architecture(architecture::Options),
     /// Every Kubernetes manifest in deploy/ (raw, and each kustomization rendered by kustomize)
     /// against the API schemas of Kubernetes 1.30 to the newest kubernetes-validate ships,
     /// strict; installs kubernetes-validate and kustomize when missing.
@@ -86,7 +90,7 @@ fn main() -> anyhow::Result<()> {
         Command::Run(options) => run::run(options),
         Command::Test(options) => test::test(&options),
         Command::Lint => lint::lint(),
-        Command::Modules => modules::modules(),
+        Command::Architecture(options) => architecture::architecture(&options),
         Command::Manifests => manifests::manifests(),
         Command::Bench(options) => bench::bench(&options),
         Command::BenchSources(options) => bench_sources::bench_sources(&options),

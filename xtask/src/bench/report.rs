@@ -268,6 +268,12 @@ fn against_fanotify(results: &[Value], out: &mut String) {
     if pairs.is_empty() {
         return;
     }
+    comparison(&pairs, out);
+    issue_16_targets(&pairs, out);
+}
+
+/// eBPF against fanotify (same scenario, same run): which is behind on what.
+fn comparison(pairs: &[(&str, &Value, &Value)], out: &mut String) {
     out.push_str(
         "\n### eBPF against fanotify (eBPF / fanotify; RSS less the eBPF ring's 2 MiB; **behind**: \
          worse by more than 1 ms, 0.1 s of CPU, 0.5 MiB or 0.5 wake-ups/s)\n\n| scenario |",
@@ -278,7 +284,7 @@ fn against_fanotify(results: &[Value], out: &mut String) {
     out.push_str(" eBPF behind on |\n|---|");
     out.push_str(&"---|".repeat(AGAINST_FANOTIFY.len() + 1));
     out.push('\n');
-    for (scenario, ebpf, fanotify) in &pairs {
+    for (scenario, ebpf, fanotify) in pairs {
         let _ = write!(out, "| {scenario} |");
         let mut behind = Vec::new();
         for (path, column, margin) in AGAINST_FANOTIFY {
@@ -316,9 +322,13 @@ fn against_fanotify(results: &[Value], out: &mut String) {
             }
         );
     }
+}
+
+/// Issue 16's targets that compare eBPF with fanotify.
+fn issue_16_targets(pairs: &[(&str, &Value, &Value)], out: &mut String) {
     out.push_str("\n### Issue 16's targets (eBPF, against fanotify in the same run)\n\n| target | measured | met |\n|---|---|---|\n");
     let p99 = |r: &Value| field(r, &["totals", "registration", "p99_us"]).unwrap_or(f64::MAX);
-    for (scenario, ebpf, fanotify) in &pairs {
+    for (scenario, ebpf, fanotify) in pairs {
         let mut target = |name: String, measured: String, met: bool| {
             let _ = writeln!(
                 out,
@@ -449,28 +459,32 @@ fn targets(r: &Value) -> Vec<(&'static str, String, bool)> {
             ),
             t["registered"] == t["plugins"] && n(&t["early_deregistrations"]) == 0,
         )),
-        "restart" | "restart-kill" => {
-            let restart = &t["restart"];
-            out.push((
-                "restart: every plugin registered, none lost",
-                format!("{}/{}, lost {}", t["registered"], t["plugins"], t["lost"]),
-                t["registered"] == t["plugins"] && n(&t["lost"]) == 0,
-            ));
-            let calls = n(&restart["survivor_plugin_calls"])
-                .saturating_add(n(&restart["survivor_handler_calls"]));
-            out.push((
-                "restart: zero plugin and handler calls for unchanged plugins",
-                format!("{calls} calls for {} survivors", restart["survivors"]),
-                calls == 0,
-            ));
-            let start = restart["start_ms"].as_f64().unwrap_or(f64::MAX);
-            out.push((
-                "restart: agent start to discovery running <= 50 ms",
-                format!("{start:.1} ms"),
-                start <= 50.0,
-            ));
-        }
+        "restart" | "restart-kill" => restart_targets(t, &mut out),
         _ => {}
     }
     out
+}
+
+/// A restart's targets: everything registered, nothing called again, a quick start.
+fn restart_targets(t: &Value, out: &mut Vec<(&'static str, String, bool)>) {
+    let n = |v: &Value| v.as_u64().unwrap_or(u64::MAX);
+    let restart = &t["restart"];
+    out.push((
+        "restart: every plugin registered, none lost",
+        format!("{}/{}, lost {}", t["registered"], t["plugins"], t["lost"]),
+        t["registered"] == t["plugins"] && n(&t["lost"]) == 0,
+    ));
+    let calls =
+        n(&restart["survivor_plugin_calls"]).saturating_add(n(&restart["survivor_handler_calls"]));
+    out.push((
+        "restart: zero plugin and handler calls for unchanged plugins",
+        format!("{calls} calls for {} survivors", restart["survivors"]),
+        calls == 0,
+    ));
+    let start = restart["start_ms"].as_f64().unwrap_or(f64::MAX);
+    out.push((
+        "restart: agent start to discovery running <= 50 ms",
+        format!("{start:.1} ms"),
+        start <= 50.0,
+    ));
 }
