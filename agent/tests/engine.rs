@@ -9,12 +9,8 @@ use plugin_agent::event_source::{SourceChoice, SourceKind};
 use plugin_agent::executor::{ExecutorConfig, Start};
 use plugin_agent::handler::{HandlerError, HandlerRegistry, Plugin, PluginHandler};
 use plugin_agent_proto::pluginagent::v1::PluginState;
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
+use plugin_agent_tests::fake_plugin::serve::Served;
+use plugin_agent_tests::fake_plugin::{FakePlugin, Faults, Heard, RegistrationStatus};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -95,63 +91,26 @@ impl PluginHandler for RecordingHandler {
     }
 }
 
-/// A kubelet-compatible plugin served in-process.
+/// A kubelet-compatible plugin served in-process, and the notifications it received.
 struct TestPlugin {
     notifications: mpsc::UnboundedReceiver<RegistrationStatus>,
-    stop: CancellationToken,
+    served: Served,
     socket: PathBuf,
-}
-
-#[derive(Clone)]
-struct PluginService {
-    info: PluginInfo,
-    notifications: mpsc::UnboundedSender<RegistrationStatus>,
-}
-
-#[tonic::async_trait]
-impl Registration for PluginService {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.info.clone()))
-    }
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let _ = self.notifications.send(request.into_inner());
-        Ok(tonic::Response::new(RegistrationStatusResponse {}))
-    }
 }
 
 impl TestPlugin {
     fn serve(socket: &Path, plugin_type: &str, name: &str) -> TestPlugin {
         let listener = tokio::net::UnixListener::bind(socket).expect("bind plugin socket");
         let (tx, rx) = mpsc::unbounded_channel();
-        let service = PluginService {
-            info: PluginInfo {
-                r#type: plugin_type.into(),
-                name: name.into(),
-                endpoint: String::new(),
-                supported_versions: vec!["1.0.0".into()],
-            },
-            notifications: tx,
-        };
-        let stop = CancellationToken::new();
-        let stopped = stop.clone();
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(RegistrationServer::new(service))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(listener),
-                    stopped.cancelled_owned(),
-                )
-                .await;
+        let info = FakePlugin::info(plugin_type, name, &["1.0.0".into()]);
+        let plugin = FakePlugin::new(info).on_call(move |heard| {
+            if let Heard::Notify { status, .. } = heard {
+                let _ = tx.send(status);
+            }
         });
         TestPlugin {
             notifications: rx,
-            stop,
+            served: Served::spawn(listener, plugin),
             socket: socket.to_path_buf(),
         }
     }
@@ -165,7 +124,7 @@ impl TestPlugin {
 
     /// Stops serving and removes the socket, as a plugin does on exit.
     fn remove(self) {
-        self.stop.cancel();
+        self.served.stop();
         let _ = std::fs::remove_file(&self.socket);
     }
 }
@@ -393,15 +352,21 @@ async fn same_socket_runs_one_operation_at_a_time() {
 #[tokio::test]
 async fn different_sockets_register_concurrently() {
     let h = start_agent(&["CSIPlugin"]).await;
-    // A stale socket occupies its operation for the whole dial timeout...
-    let stale = h.dir.path().join("stale.sock");
-    drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+    // A plugin that never answers GetInfo holds its operation for the GetInfo deadlines (a
+    // socket nothing listens on no longer does: its wait is handed back after a few quick
+    // retries, so under load it was over before the healthy plugin below registered)...
+    let hung = h.dir.path().join("hung.sock");
+    let info = FakePlugin::info("CSIPlugin", "hung", &["1.0.0".into()]);
+    let _hung = Served::spawn(
+        tokio::net::UnixListener::bind(&hung).expect("bind"),
+        FakePlugin::new(info).get_info(Faults::hang()),
+    );
     // ...and a healthy plugin next to it registers regardless.
     let mut plugin = TestPlugin::serve(&h.dir.path().join("ok.sock"), "CSIPlugin", "ok");
     assert!(plugin.next_notification().await.plugin_registered);
     assert!(
-        h.agent.executor.is_running(&stale),
-        "the stale socket should still be dialling"
+        h.agent.executor.is_running(&hung),
+        "the hung plugin's registration should still be waiting for its answer"
     );
 }
 

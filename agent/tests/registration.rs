@@ -5,87 +5,25 @@ use plugin_agent::registration::{
     OnInvalid, Pause, PluginCallError, PluginConnection, Sleep, StepTimer, Timeouts,
 };
 use plugin_agent::state::{EntryKind, SocketId};
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
+use plugin_agent_tests::fake_plugin::serve::Served;
+use plugin_agent_tests::fake_plugin::{FakePlugin, Faults, PluginInfo};
 use std::path::Path;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
-#[derive(Clone, Default)]
-struct Plugin {
-    name: String,
-    notify_error: Option<String>,
-    hang_get_info: bool,
-    /// Answers GetInfo only once this is notified.
-    answer_when: Option<std::sync::Arc<tokio::sync::Notify>>,
-    versions: usize,
+/// A CSI plugin called `name` announcing `versions` supported versions.
+fn info(name: &str, versions: usize) -> PluginInfo {
+    let versions: Vec<String> = (0..versions).map(|i| format!("1.{i}.0")).collect();
+    FakePlugin::info("CSIPlugin", name, &versions)
 }
 
-#[tonic::async_trait]
-impl Registration for Plugin {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        if self.hang_get_info {
-            std::future::pending::<()>().await;
-        }
-        if let Some(answer) = &self.answer_when {
-            answer.notified().await;
-        }
-        Ok(tonic::Response::new(PluginInfo {
-            r#type: "CSIPlugin".into(),
-            name: self.name.clone(),
-            endpoint: String::new(),
-            supported_versions: (0..self.versions.max(1))
-                .map(|i| format!("1.{i}.0"))
-                .collect(),
-        }))
-    }
-    async fn notify_registration_status(
-        &self,
-        _: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        match &self.notify_error {
-            Some(message) => Err(tonic::Status::internal(message.clone())),
-            None => Ok(tonic::Response::new(RegistrationStatusResponse {})),
-        }
-    }
+/// A well-behaved CSI plugin called `name`.
+fn plugin(name: &str) -> FakePlugin {
+    FakePlugin::new(info(name, 1))
 }
 
-fn serve(listener: tokio::net::UnixListener, plugin: Plugin) -> CancellationToken {
-    let stop = CancellationToken::new();
-    let stopped = stop.clone();
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(plugin))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                stopped.cancelled_owned(),
-            )
-            .await;
-    });
-    stop
-}
-
-/// Serves `plugin` on one connection already accepted.
-fn serve_one(connection: tokio::net::UnixStream, plugin: Plugin) -> CancellationToken {
-    use tokio_stream::StreamExt as _;
-    let stop = CancellationToken::new();
-    let stopped = stop.clone();
-    let incoming =
-        tokio_stream::once(Ok::<_, std::io::Error>(connection)).chain(tokio_stream::pending());
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(plugin))
-            .serve_with_incoming_shutdown(incoming, stopped.cancelled_owned())
-            .await;
-    });
-    stop
+/// Serves `plugin` on `listener` until the handle is dropped.
+fn serve(listener: tokio::net::UnixListener, plugin: FakePlugin) -> Served {
+    Served::spawn(listener, plugin)
 }
 
 fn identity(path: &Path) -> SocketId {
@@ -110,10 +48,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
     let ok = dir.path().join("ok.sock");
     let _stop = serve(
         tokio::net::UnixListener::bind(&ok).expect("bind"),
-        Plugin {
-            name: "ok".into(),
-            ..Plugin::default()
-        },
+        plugin("ok"),
     );
     let (mut connection, info) = PluginConnection::get_info(
         &ok,
@@ -130,11 +65,7 @@ async fn notify_registered_true_is_ok_and_plugin_error_is_reported() {
     connection.notify(true, "").await.expect("notify true");
 
     let failing = dir.path().join("failing.sock");
-    let plugin = Plugin {
-        name: "f".into(),
-        notify_error: Some("disk full".into()),
-        ..Plugin::default()
-    };
+    let plugin = plugin("f").notify(Faults::error("disk full"));
     let _stop2 = serve(
         tokio::net::UnixListener::bind(&failing).expect("bind"),
         plugin,
@@ -164,10 +95,7 @@ async fn notify_transport_error_is_wrapped() {
     let path = dir.path().join("p.sock");
     let stop = serve(
         tokio::net::UnixListener::bind(&path).expect("bind"),
-        Plugin {
-            name: "p".into(),
-            ..Plugin::default()
-        },
+        plugin("p"),
     );
     let (mut connection, _) = PluginConnection::get_info(
         &path,
@@ -180,7 +108,7 @@ async fn notify_transport_error_is_wrapped() {
     )
     .await
     .expect("GetInfo");
-    stop.cancel();
+    stop.stop();
     // Wait for the server to close the connection; then Notify has no transport.
     let mut result = connection.notify(true, "").await;
     for _ in 0..50 {
@@ -236,13 +164,7 @@ async fn plugin_bound_before_listening_is_reached_once_it_listens() {
     listen(&fd, Backlog::new(16).expect("backlog")).expect("listen");
     let listener = tokio::net::UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
         .expect("listener");
-    let _stop = serve(
-        listener,
-        Plugin {
-            name: "late".into(),
-            ..Plugin::default()
-        },
-    );
+    let _stop = serve(listener, plugin("late"));
     let (_, info) = attempt.await.expect("join").expect("GetInfo after listen");
     assert_eq!(info.name, "late");
 }
@@ -310,13 +232,7 @@ async fn a_connection_already_made_is_the_one_asked() {
     // Serves the first connection in its queue (the look's), and no other: the listener closes.
     let (accepted, _) = listener.accept().await.expect("accept");
     drop(listener);
-    let _stop = serve_one(
-        accepted,
-        Plugin {
-            name: "once".into(),
-            ..Plugin::default()
-        },
-    );
+    let _stop = Served::spawn_on_connection(accepted, plugin("once"));
     let (_, info) = PluginConnection::get_info(
         &path,
         identity(&path),
@@ -337,10 +253,7 @@ async fn the_connection_names_the_process_that_serves_the_socket() {
     let path = dir.path().join("served.sock");
     let _stop = serve(
         tokio::net::UnixListener::bind(&path).expect("bind"),
-        Plugin {
-            name: "served".into(),
-            ..Plugin::default()
-        },
+        plugin("served"),
     );
     let (mut connection, _) = PluginConnection::get_info(
         &path,
@@ -382,13 +295,7 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
     });
     // Serve only after more than one GetInfo deadline (300 ms) has passed.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let _stop = serve(
-        listener,
-        Plugin {
-            name: "slow".into(),
-            ..Plugin::default()
-        },
-    );
+    let _stop = serve(listener, plugin("slow"));
     let (_, info) = attempt.await.expect("join").expect("GetInfo once serving");
     assert_eq!(info.name, "slow");
 }
@@ -397,11 +304,7 @@ async fn plugin_listening_but_not_yet_serving_is_answered_when_it_serves() {
 async fn hung_get_info_fails_after_its_deadline() {
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("hung.sock");
-    let plugin = Plugin {
-        name: "hung".into(),
-        hang_get_info: true,
-        ..Plugin::default()
-    };
+    let plugin = plugin("hung").get_info(Faults::hang());
     let _stop = serve(tokio::net::UnixListener::bind(&path).expect("bind"), plugin);
     let started = tokio::time::Instant::now();
     let result = PluginConnection::get_info(
@@ -429,10 +332,7 @@ async fn hung_get_info_fails_after_its_deadline() {
 async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     let dir = tempfile::tempdir().expect("dir");
     let huge = dir.path().join("huge.sock");
-    let plugin = Plugin {
-        name: "x".repeat(100 * 1024),
-        ..Plugin::default()
-    };
+    let plugin = FakePlugin::new(info(&"x".repeat(100 * 1024), 1));
     let _stop = serve(tokio::net::UnixListener::bind(&huge).expect("bind"), plugin);
     let result = PluginConnection::get_info(
         &huge,
@@ -451,11 +351,7 @@ async fn oversized_or_unreasonable_plugin_info_is_rejected() {
     );
 
     let many = dir.path().join("many.sock");
-    let plugin = Plugin {
-        name: "many".into(),
-        versions: 1000,
-        ..Plugin::default()
-    };
+    let plugin = FakePlugin::new(info("many", 1000));
     let _stop2 = serve(tokio::net::UnixListener::bind(&many).expect("bind"), plugin);
     let result = PluginConnection::get_info(
         &many,
@@ -498,10 +394,7 @@ async fn socket_replaced_while_dialling_ends_the_attempt() {
     std::fs::remove_file(&path).expect("unlink stale");
     let _stop = serve(
         tokio::net::UnixListener::bind(&path).expect("bind fresh"),
-        Plugin {
-            name: "fresh".into(),
-            ..Plugin::default()
-        },
+        plugin("fresh"),
     );
     let result = attempt.await.expect("join");
     assert!(
@@ -534,11 +427,7 @@ async fn get_info_tells_its_pause_when_the_answer_is_slow() {
     let answer = std::sync::Arc::new(tokio::sync::Notify::new());
     let _stop = serve(
         tokio::net::UnixListener::bind(&socket).expect("bind"),
-        Plugin {
-            name: "slow".into(),
-            answer_when: Some(answer.clone()),
-            ..Plugin::default()
-        },
+        plugin("slow").get_info(Faults::gate(answer.clone())),
     );
     let (told_tx, mut told) = tokio::sync::mpsc::unbounded_channel();
     let timeouts = Timeouts {

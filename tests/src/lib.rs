@@ -27,6 +27,7 @@ pub mod cgroup;
 pub mod container;
 pub mod env;
 pub mod events;
+pub mod fake_plugin;
 pub mod handler;
 pub mod host;
 pub mod http;

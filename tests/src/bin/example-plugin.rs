@@ -2,8 +2,10 @@
 //!
 //! It serves `pluginregistration.Registration` on a Unix socket exactly as CSI node-driver-registrar,
 //! device plugins and DRA drivers do, so the end-to-end tests drive the real `plugin-agent` binary
-//! against a real plugin. Flags make it fail, hang, bind before it serves, or speak no gRPC at all,
-//! which is how the tests reach the agent's error paths.
+//! against a real plugin. Flags make it fail, hang, crash, bind before it serves, or speak no gRPC
+//! at all, which is how the tests reach the agent's error paths. The plugin itself is
+//! `plugin_agent_tests::fake_plugin` (shared with the in-process fakes); this file is its command
+//! line, its event lines and its signals.
 //!
 //! It prints one JSON object per event on stdout (flushed at once), which the test harness reads:
 //! `{"event":"bound"}`, `{"event":"listening","socket":..,"ino":..}`, `{"event":"serving"}`,
@@ -25,26 +27,16 @@
 //! a plugin that replaced it keeps its own) and exits 0, as real plugins do.
 
 use clap::{Parser, ValueEnum};
-use nix::sys::socket::{
-    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
-};
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
+use plugin_agent_tests::fake_plugin::serve::{self, IdleLimited};
+use plugin_agent_tests::fake_plugin::{FakePlugin, Faults, Heard, PluginInfo, socket};
 use serde_json::json;
 use std::io::Write;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::{Path, PathBuf};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Mutex;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
-use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt as _;
 
 /// What the plugin does with connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -55,6 +47,13 @@ enum Mode {
     NonGrpc,
     /// Accept connections and never read or write.
     AcceptSilent,
+}
+
+/// A call of the registration API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Call {
+    GetInfo,
+    Notify,
 }
 
 /// Command line of the example plugin.
@@ -100,6 +99,10 @@ struct Args {
     /// Fail only the first N NotifyRegistrationStatus calls (with `--notify-error`).
     #[arg(long)]
     notify_error_times: Option<u32>,
+    /// Abort when this call arrives (after printing it): a plugin crashing mid-registration, its
+    /// socket left behind.
+    #[arg(long, value_enum)]
+    crash_on: Option<Call>,
     /// Keep the socket bound but not listening this long (connections are refused meanwhile).
     #[arg(long, value_parser = humantime::parse_duration)]
     listen_delay: Option<Duration>,
@@ -162,170 +165,90 @@ fn emit(mut event: serde_json::Value) {
     let _ = out.flush();
 }
 
-/// Counts down the failures a flag asked for: `None` means "always fail".
-#[derive(Debug)]
-struct FailBudget(Mutex<Option<u32>>);
-
-impl FailBudget {
-    /// True if this call should fail.
-    fn take(&self) -> bool {
-        let mut left = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match left.as_mut() {
-            None => true,
-            Some(0) => false,
-            Some(n) => {
-                *n -= 1;
-                true
-            }
-        }
-    }
-}
-
-/// The registration service with its configured behaviour.
-struct ExamplePlugin {
-    info: PluginInfo,
-    get_info_error: Option<(String, FailBudget)>,
-    get_info_hang: bool,
-    get_info_delay: Option<(Duration, FailBudget)>,
-    notify_error: Option<(String, FailBudget)>,
-}
-
-#[tonic::async_trait]
-impl Registration for ExamplePlugin {
-    async fn get_info(
-        &self,
-        request: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        emit(json!({"event": "get_info", "peer_pid": peer_pid(&request)}));
-        if self.get_info_hang {
-            std::future::pending::<()>().await;
-        }
-        if let Some((delay, budget)) = &self.get_info_delay
-            && budget.take()
-        {
-            tokio::time::sleep(*delay).await;
-        }
-        if let Some((message, budget)) = &self.get_info_error
-            && budget.take()
-        {
-            emit(json!({"event": "get_info_failed", "error": message}));
-            return Err(tonic::Status::unknown(message.clone()));
-        }
-        Ok(tonic::Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let peer = peer_pid(&request);
-        let status = request.into_inner();
-        let refuse = self
-            .notify_error
-            .as_ref()
-            .filter(|(_, budget)| budget.take());
-        emit(json!({
+/// The event line of a call the plugin heard.
+fn emit_heard(heard: Heard) {
+    emit(match heard {
+        Heard::GetInfo { peer_pid } => json!({"event": "get_info", "peer_pid": peer_pid}),
+        Heard::GetInfoFailed { error } => json!({"event": "get_info_failed", "error": error}),
+        Heard::Notify {
+            status,
+            refused,
+            peer_pid,
+        } => json!({
             "event": "notify",
             "registered": status.plugin_registered,
             "error": status.error,
-            "refused": refuse.is_some(),
-            "peer_pid": peer,
-        }));
-        match refuse {
-            Some((message, _)) => Err(tonic::Status::unknown(message.clone())),
-            None => Ok(tonic::Response::new(RegistrationStatusResponse {})),
-        }
-    }
+            "refused": refused,
+            "peer_pid": peer_pid,
+        }),
+    });
 }
 
-impl ExamplePlugin {
-    fn from_args(args: &Args) -> Self {
-        let name = match args.huge_name_bytes {
-            Some(bytes) => "n".repeat(bytes),
-            None => args.name.clone(),
-        };
-        let supported_versions = match args.versions_count {
-            Some(count) => (0..count).map(|i| format!("v{i}")).collect(),
-            None => args.versions.clone(),
-        };
-        let budget = |times: Option<u32>| FailBudget(Mutex::new(times));
-        ExamplePlugin {
-            info: PluginInfo {
-                r#type: args.plugin_type.clone(),
-                name,
-                endpoint: args.endpoint.clone(),
-                supported_versions,
-            },
-            get_info_error: args
-                .get_info_error
-                .clone()
-                .map(|m| (m, budget(args.get_info_error_times))),
-            get_info_hang: args.get_info_hang,
-            get_info_delay: args
-                .get_info_delay
-                .map(|d| (d, budget(args.get_info_delay_times))),
-            notify_error: args
-                .notify_error
-                .clone()
-                .map(|m| (m, budget(args.notify_error_times))),
-        }
-    }
-}
-
-/// Binds the socket (replacing an old socket at the path, as real plugins do) without listening.
-fn bind_socket(path: &Path) -> anyhow::Result<std::os::fd::OwnedFd> {
-    use anyhow::Context;
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).with_context(|| format!("create {}", parent.display()))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
-            .with_context(|| format!("remove old socket {}", path.display()))?,
-        Ok(_) => anyhow::bail!("{} exists and is not a socket", path.display()),
-        Err(_) => {}
-    }
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .context("socket")?;
-    let addr = UnixAddr::new(path).with_context(|| format!("socket address {}", path.display()))?;
-    bind(fd.as_raw_fd(), &addr).with_context(|| format!("bind {}", path.display()))?;
-    Ok(fd)
+/// The plugin the flags describe.
+fn plugin(args: &Args) -> FakePlugin {
+    let name = match args.huge_name_bytes {
+        Some(bytes) => "n".repeat(bytes),
+        None => args.name.clone(),
+    };
+    let supported_versions = match args.versions_count {
+        Some(count) => (0..count).map(|i| format!("v{i}")).collect(),
+        None => args.versions.clone(),
+    };
+    let info = PluginInfo {
+        r#type: args.plugin_type.clone(),
+        name,
+        endpoint: args.endpoint.clone(),
+        supported_versions,
+    };
+    FakePlugin::new(info)
+        .get_info(Faults {
+            crash: args.crash_on == Some(Call::GetInfo),
+            hang: args.get_info_hang,
+            delay: args.get_info_delay,
+            delay_times: args.get_info_delay_times,
+            error: args.get_info_error.clone(),
+            error_times: args.get_info_error_times,
+            ..Faults::default()
+        })
+        .notify(Faults {
+            crash: args.crash_on == Some(Call::Notify),
+            error: args.notify_error.clone(),
+            error_times: args.notify_error_times,
+            ..Faults::default()
+        })
+        .on_call(emit_heard)
 }
 
 /// Listens on the bound socket after `--listen-delay`, then serves after `--serve-delay`.
-async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<()> {
+async fn run(args: Args, fd: OwnedFd, ino: u64) -> anyhow::Result<()> {
     use anyhow::Context;
+    use tokio::signal::unix::{SignalKind, signal};
     if let Some(delay) = args.listen_delay {
         tokio::time::sleep(delay).await;
     }
     if args.listen_on_sigusr2 {
-        let mut usr2 =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
+        let mut usr2 = signal(SignalKind::user_defined2())?;
         emit(json!({"event": "waiting_for_sigusr2"}));
         usr2.recv().await;
     }
     if args.listen_in_child {
-        let inheritable = nix::unistd::dup(&fd).context("dup the bound socket")?;
-        start_copy(inheritable, "--listen-in-child", &["--listen-inherited"]);
+        let bound = fd.try_clone().context("copy the bound socket")?;
+        hand_off(bound, "--listen-in-child", &["--listen-inherited"]);
     }
     // An inherited listener is served as it is: listen() again would make this process the one
     // the socket's credentials name.
     if args.serve_fd.is_none() || args.listen_inherited {
-        let backlog = Backlog::new(128).context("backlog")?;
-        listen(&fd, backlog).context("listen")?;
+        socket::listen(&fd, 128).context("listen")?;
     }
     if args.hand_off {
-        let inheritable = nix::unistd::dup(&fd).context("dup the listener")?;
-        let handed = hand_off_on_sigusr1(inheritable)?;
-        tokio::spawn(handed);
+        let listening = fd.try_clone().context("copy the listener")?;
+        let mut usr1 = signal(SignalKind::user_defined1())?;
+        tokio::spawn(async move {
+            usr1.recv().await;
+            hand_off(listening, "--hand-off", &[]);
+        });
     }
-    let listener = std::os::unix::net::UnixListener::from(fd);
-    listener.set_nonblocking(true).context("set_nonblocking")?;
-    let listener = UnixListener::from_std(listener).context("register listener")?;
+    let listener = socket::listener(fd).context("register listener")?;
     emit(json!({"event": "listening", "socket": args.socket.to_string_lossy(), "ino": ino}));
     if let Some(delay) = args.serve_delay {
         tokio::time::sleep(delay).await;
@@ -333,25 +256,27 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
     emit(
         json!({"event": "serving", "mode": format!("{:?}", args.mode), "pid": std::process::id()}),
     );
+    let accepted = || emit(json!({"event": "accepted"}));
     match args.mode {
         Mode::Grpc => {
-            use tokio_stream::StreamExt as _;
-            let service = RegistrationServer::new(ExamplePlugin::from_args(&args));
-            let idle = args.max_connection_idle;
             let incoming: std::pin::Pin<
                 Box<
                     dyn tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>> + Send,
                 >,
             > = if args.serve_once {
-                Box::pin(one_connection(listener))
+                Box::pin(serve::one_connection(listener, || {
+                    emit(json!({"event": "listener_closed"}))
+                }))
             } else {
-                Box::pin(UnixListenerStream::new(listener))
+                Box::pin(tokio_stream::wrappers::UnixListenerStream::new(listener))
             };
-            let incoming =
-                incoming.map(move |stream| stream.map(|stream| IdleLimited::new(stream, idle)));
+            let idle = args.max_connection_idle;
+            let idle_closed = || emit(json!({"event": "idle_close"}));
+            let incoming = incoming.map(move |stream| {
+                stream.map(|stream| IdleLimited::new(stream, idle, idle_closed))
+            });
+            let mut usr2 = signal(SignalKind::user_defined2())?;
             let closing = args.close_listener_on_sigusr2;
-            let mut usr2 =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
             let close = async move {
                 if closing {
                     usr2.recv().await;
@@ -359,138 +284,34 @@ async fn run(args: Args, fd: std::os::fd::OwnedFd, ino: u64) -> anyhow::Result<(
                     std::future::pending::<()>().await;
                 }
             };
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, close)
+            serve::grpc(incoming, plugin(&args), close)
                 .await
                 .context("gRPC server")?;
             // The listener is closed; the process lives on.
             emit(json!({"event": "listener_closed"}));
             std::future::pending::<()>().await;
         }
-        Mode::NonGrpc => loop {
-            let (mut stream, _) = listener.accept().await.context("accept")?;
-            emit(json!({"event": "accepted"}));
-            let _ = stream
-                .write_all(b"HELLO this is not HTTP/2\r\n\r\n\x00\x01garbage")
-                .await;
-            let _ = stream.shutdown().await;
-        },
-        Mode::AcceptSilent => {
-            let mut held = Vec::new();
-            loop {
-                let (stream, _) = listener.accept().await.context("accept")?;
-                emit(json!({"event": "accepted"}));
-                held.push(stream);
-            }
-        }
+        Mode::NonGrpc => serve::garbage(listener, accepted).await.context("accept")?,
+        Mode::AcceptSilent => serve::silent(listener, accepted).await.context("accept")?,
     }
     Ok(())
 }
 
-/// The first connection accepted on `listener`, which is then closed (`listener_closed`); the
-/// stream stays open, so the server goes on serving that connection until its client is done.
-fn one_connection(
-    listener: UnixListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>> {
-    futures::stream::unfold(Some(listener), |listener| async move {
-        let Some(listener) = listener else {
-            return std::future::pending().await;
-        };
-        let accepted = listener.accept().await.map(|(stream, _)| stream);
-        drop(listener);
-        emit(json!({"event": "listener_closed"}));
-        Some((accepted, None))
-    })
-}
-
-/// A served connection that ends (reads end-of-file, so the server closes it) after its limit
-/// without a byte from the client; no limit: the plain stream.
-struct IdleLimited {
-    inner: tokio::net::UnixStream,
-    limit: Option<(Duration, std::pin::Pin<Box<tokio::time::Sleep>>)>,
-}
-
-impl IdleLimited {
-    fn new(inner: tokio::net::UnixStream, limit: Option<Duration>) -> IdleLimited {
-        let limit = limit.map(|d| (d, Box::pin(tokio::time::sleep(d))));
-        IdleLimited { inner, limit }
-    }
-}
-
-impl tokio::io::AsyncRead for IdleLimited {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        use std::future::Future as _;
-        let this = &mut *self;
-        if let Some((_, deadline)) = this.limit.as_mut()
-            && deadline.as_mut().poll(cx).is_ready()
-        {
-            emit(json!({"event": "idle_close"}));
-            this.limit = None;
-            let _ = nix::sys::socket::shutdown(
-                this.inner.as_raw_fd(),
-                nix::sys::socket::Shutdown::Both,
-            );
-            return std::task::Poll::Ready(Ok(()));
+/// Hands `socket` to a copy of this plugin (its flags without `drop_flag`, with `extra`), says
+/// so, and exits this process without removing the socket.
+fn hand_off(socket: OwnedFd, drop_flag: &str, extra: &[&str]) {
+    let args = std::env::args()
+        .skip(1)
+        .filter(|a| a != drop_flag)
+        .chain(extra.iter().map(|a| a.to_string()))
+        .collect::<Vec<_>>();
+    match socket::hand_off(socket, &args) {
+        Ok(child) => {
+            emit(json!({"event": "handed_off", "child": child}));
+            std::process::exit(0);
         }
-        let before = buf.filled().len();
-        let read = std::pin::Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let (std::task::Poll::Ready(Ok(())), Some((limit, deadline))) =
-            (&read, this.limit.as_mut())
-            && buf.filled().len() > before
-        {
-            deadline
-                .as_mut()
-                .reset(tokio::time::Instant::now() + *limit);
-        }
-        read
+        Err(e) => eprintln!("example-plugin: cannot start the child to hand off to: {e}"),
     }
-}
-
-impl tokio::io::AsyncWrite for IdleLimited {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-impl tonic::transport::server::Connected for IdleLimited {
-    type ConnectInfo = tonic::transport::server::UdsConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
-    }
-}
-
-/// The pid of the process on the other end of `request`'s connection (`SO_PEERCRED`), so a test
-/// with two agents on one directory can tell whose call it was.
-fn peer_pid<T>(request: &tonic::Request<T>) -> Option<i32> {
-    request
-        .extensions()
-        .get::<tonic::transport::server::UdsConnectInfo>()
-        .and_then(|info| info.peer_cred)
-        .and_then(|cred| cred.pid())
 }
 
 /// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
@@ -506,54 +327,6 @@ fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static s
     })
 }
 
-/// Installs the SIGUSR1 handler now; returns the task that, on SIGUSR1, starts a copy of this
-/// plugin serving `listener` (a descriptor without close-on-exec) and exits this process
-/// without removing the socket.
-fn hand_off_on_sigusr1(
-    listener: std::os::fd::OwnedFd,
-) -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut usr1 = signal(SignalKind::user_defined1())?;
-    Ok(async move {
-        usr1.recv().await;
-        start_copy(listener, "--hand-off", &[]);
-    })
-}
-
-/// Starts a copy of this plugin (without `drop_flag`, with `extra`) serving `socket` (a
-/// descriptor without close-on-exec), says so, and exits this process without removing the
-/// socket.
-fn start_copy(socket: std::os::fd::OwnedFd, drop_flag: &str, extra: &[&str]) {
-    let exe = std::env::current_exe().unwrap_or_else(|_| "example-plugin".into());
-    let args = std::env::args()
-        .skip(1)
-        .filter(|a| a != drop_flag)
-        .collect::<Vec<_>>();
-    let child = std::process::Command::new(exe)
-        .args(args)
-        .args(extra)
-        .arg("--serve-fd")
-        .arg(socket.as_raw_fd().to_string())
-        .spawn();
-    match child {
-        Ok(child) => {
-            emit(json!({"event": "handed_off", "child": child.id()}));
-            std::process::exit(0);
-        }
-        Err(e) => eprintln!("example-plugin: cannot start the child to hand off to: {e}"),
-    }
-}
-
-/// Removes the socket if the path still holds the one this process bound.
-fn remove_own_socket(path: &Path, ino: u64) {
-    if let Ok(meta) = std::fs::symlink_metadata(path)
-        && meta.file_type().is_socket()
-        && meta.ino() == ino
-    {
-        let _ = std::fs::remove_file(path);
-    }
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -566,7 +339,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let socket = args.socket.clone();
+    let path = args.socket.clone();
     runtime.block_on(async move {
         // Signal handlers first, so a SIGTERM sent right after start is not fatal.
         let stop = match stop_signal() {
@@ -578,23 +351,19 @@ fn main() -> ExitCode {
         };
         let bound = match args.serve_fd {
             // SAFETY: the parent handed this descriptor over for this process to own.
-            Some(fd) => {
-                Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
-            }
-            None => bind_socket(&socket),
+            Some(fd) => Ok(unsafe { socket::inherited(fd) }),
+            None => socket::bind(&path),
         };
         let fd = match bound {
             Ok(fd) => fd,
             Err(e) => {
-                eprintln!("example-plugin: {e:#}");
+                eprintln!("example-plugin: bind {}: {e}", path.display());
                 return ExitCode::FAILURE;
             }
         };
-        let ino = std::fs::symlink_metadata(&socket)
-            .map(|m| m.ino())
-            .unwrap_or(0);
+        let ino = std::fs::symlink_metadata(&path).map_or(0, |m| m.ino());
         if args.serve_fd.is_none() {
-            emit(json!({"event": "bound", "socket": socket.to_string_lossy(), "ino": ino}));
+            emit(json!({"event": "bound", "socket": path.to_string_lossy(), "ino": ino}));
         }
         let code = tokio::select! {
             signal = stop => {
@@ -609,7 +378,7 @@ fn main() -> ExitCode {
                 }
             },
         };
-        remove_own_socket(&socket, ino);
+        socket::remove_own(&path, ino);
         code
     })
 }

@@ -14,20 +14,14 @@
 //! go wrong is the agent's (or the misbehaving plugins it runs next to these).
 
 use clap::Parser;
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
+use plugin_agent_tests::fake_plugin::serve::Served;
+use plugin_agent_tests::fake_plugin::{FakePlugin, Heard, socket};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::AsyncBufReadExt;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
 #[command(about = "Hosts many kubelet registration plugins in one process")]
@@ -56,91 +50,50 @@ fn emit(event: serde_json::Value) {
     let _ = out.flush();
 }
 
-/// The registration service of one hosted plugin.
-#[derive(Clone)]
-struct Plugin {
-    info: PluginInfo,
-    socket: String,
+/// One hosted plugin: its server, and its socket, removed when it stops.
+struct Hosted {
+    served: Served,
+    socket: PathBuf,
 }
 
-#[tonic::async_trait]
-impl Registration for Plugin {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let status = request.into_inner();
-        emit(json!({
-            "event": "notify", "socket": self.socket, "name": self.info.name,
-            "registered": status.plugin_registered, "error": status.error,
-        }));
-        Ok(tonic::Response::new(RegistrationStatusResponse {}))
-    }
-}
-
-/// One plugin being served; [`Served::stop`] ends it and removes its socket.
-struct Served {
-    stop: CancellationToken,
-    task: JoinHandle<()>,
-}
-
-impl Served {
+impl Hosted {
     /// Binds `socket` (replacing what is there) and serves `plugin` on it.
-    fn start(socket: &Path, plugin: Plugin) -> std::io::Result<Served> {
-        if let Some(parent) = socket.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
-        let _ = std::fs::remove_file(socket);
-        let listener = tokio::net::UnixListener::bind(socket)?;
-        let stop = CancellationToken::new();
-        let stopped = stop.clone();
-        let path = socket.to_path_buf();
-        let task = tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(RegistrationServer::new(plugin))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(listener),
-                    stopped.cancelled_owned(),
-                )
-                .await;
-            let _ = std::fs::remove_file(&path);
-        });
-        Ok(Served { stop, task })
+    fn start(socket: &Path, plugin: FakePlugin) -> std::io::Result<Hosted> {
+        let listener = socket::bind_listening(socket, 4096)?;
+        Ok(Hosted {
+            served: Served::spawn(listener, plugin),
+            socket: socket.to_path_buf(),
+        })
     }
 
     async fn stop(self) {
-        self.stop.cancel();
-        let _ = self.task.await;
+        self.served.stopped().await;
+        let _ = std::fs::remove_file(&self.socket);
     }
 }
 
 /// Every plugin this process serves, by socket path.
 struct Host {
     args: Args,
-    served: BTreeMap<PathBuf, Served>,
+    served: BTreeMap<PathBuf, Hosted>,
     next: usize,
 }
 
 impl Host {
     /// Starts plugin number `index` at `socket`.
     fn start(&mut self, index: usize, socket: PathBuf) -> anyhow::Result<()> {
-        let plugin = Plugin {
-            info: PluginInfo {
-                r#type: self.args.plugin_type.clone(),
-                name: format!("{}-{index}", self.args.name_prefix),
-                endpoint: String::new(),
-                supported_versions: self.args.versions.clone(),
-            },
-            socket: socket.display().to_string(),
-        };
-        let served = Served::start(&socket, plugin)
+        let name = format!("{}-{index}", self.args.name_prefix);
+        let info = FakePlugin::info(&self.args.plugin_type, &name, &self.args.versions);
+        let path = socket.display().to_string();
+        let plugin = FakePlugin::new(info).on_call(move |heard| {
+            if let Heard::Notify { status, .. } = heard {
+                emit(json!({
+                    "event": "notify", "socket": path, "name": name,
+                    "registered": status.plugin_registered, "error": status.error,
+                }));
+            }
+        });
+        let served = Hosted::start(&socket, plugin)
             .map_err(|e| anyhow::anyhow!("cannot serve {}: {e}", socket.display()))?;
         self.served.insert(socket, served);
         Ok(())

@@ -1,20 +1,15 @@
 //! Plugins hosted in this process: each one a real `pluginregistration` gRPC server on its own
-//! Unix socket, as a CSI node-driver-registrar or a DRA kubelet plugin serves it.
+//! Unix socket, as a CSI node-driver-registrar or a DRA kubelet plugin serves it (the tests'
+//! `fake_plugin`, well-behaved).
 //!
 //! A worker process holds thousands of these; the coordinator tells it which to start and stop
 //! (see `workers`). What happens to each plugin is reported as a [`Report`] with wall-clock
 //! timestamps, so that reports from several processes and the agent's own admin events (which
 //! carry Unix-epoch times) line up on one clock.
 
-use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
-use plugin_agent_proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use plugin_agent_proto::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
+use plugin_agent_tests::fake_plugin::serve;
+use plugin_agent_tests::fake_plugin::{FakePlugin, Heard, socket};
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
@@ -115,36 +110,6 @@ impl Report {
     }
 }
 
-#[derive(Clone)]
-struct Plugin {
-    id: u64,
-    info: PluginInfo,
-    reports: mpsc::UnboundedSender<Report>,
-}
-
-#[tonic::async_trait]
-impl Registration for Plugin {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let at_ns = now_ns();
-        let _ = self.reports.send(Report::Notified {
-            id: self.id,
-            registered: request.into_inner().plugin_registered,
-            at_ns,
-        });
-        Ok(tonic::Response::new(RegistrationStatusResponse {}))
-    }
-}
-
 /// The plugins of this process, by id.
 pub struct PluginHost {
     dir: PathBuf,
@@ -169,7 +134,7 @@ impl PluginHost {
     /// before its gRPC server is ready.
     pub fn start(&mut self, id: u64, serve_delay: Duration) {
         let path = self.dir.join(socket_name(id));
-        let fd = match bind(&path) {
+        let fd = match socket::bind(&path) {
             Ok(fd) => fd,
             Err(e) => {
                 let _ = self.reports.send(Report::Failed {
@@ -182,16 +147,21 @@ impl PluginHost {
         let bound_ns = now_ns();
         let stop = CancellationToken::new();
         self.running.insert(id, stop.clone());
-        let plugin = Plugin {
-            id,
-            info: PluginInfo {
-                r#type: self.announce.plugin_type.clone(),
-                name: format!("loadgen-{id}"),
-                endpoint: String::new(),
-                supported_versions: self.announce.versions.clone(),
-            },
-            reports: self.reports.clone(),
-        };
+        let info = FakePlugin::info(
+            &self.announce.plugin_type,
+            &format!("loadgen-{id}"),
+            &self.announce.versions,
+        );
+        let reports = self.reports.clone();
+        let plugin = FakePlugin::new(info).on_call(move |heard| {
+            if let Heard::Notify { status, .. } = heard {
+                let _ = reports.send(Report::Notified {
+                    id,
+                    registered: status.plugin_registered,
+                    at_ns: now_ns(),
+                });
+            }
+        });
         let reports = self.reports.clone();
         tokio::spawn(async move {
             if !serve_delay.is_zero() {
@@ -200,7 +170,7 @@ impl PluginHost {
                     _ = tokio::time::sleep(serve_delay) => {}
                 }
             }
-            let listener = match listen(fd) {
+            let listener = match socket::listen(&fd, 1024).and_then(|()| socket::listener(fd)) {
                 Ok(listener) => listener,
                 Err(e) => {
                     let _ = reports.send(Report::Failed {
@@ -215,13 +185,8 @@ impl PluginHost {
                 bound_ns,
                 serving_ns: now_ns(),
             });
-            let _ = tonic::transport::Server::builder()
-                .add_service(RegistrationServer::new(plugin))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
-                .await;
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let _ = serve::grpc(incoming, plugin, stop.cancelled_owned()).await;
         });
     }
 
@@ -245,25 +210,6 @@ impl PluginHost {
             self.stop(id);
         }
     }
-}
-
-/// `socket` + `bind`, without `listen`: connecting is refused until [`listen`].
-fn bind(path: &Path) -> nix::Result<OwnedFd> {
-    let _ = std::fs::remove_file(path);
-    let fd = nix::sys::socket::socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
-    nix::sys::socket::bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(path)?)?;
-    Ok(fd)
-}
-
-/// `listen` on a bound socket and hands it to tokio.
-fn listen(fd: OwnedFd) -> std::io::Result<tokio::net::UnixListener> {
-    nix::sys::socket::listen(&fd, Backlog::new(1024).unwrap_or(Backlog::MAXCONN))?;
-    tokio::net::UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
 }
 
 #[cfg(test)]
