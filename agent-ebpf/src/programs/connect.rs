@@ -10,7 +10,7 @@ use aya_ebpf::programs::TracePointContext;
 
 use super::kernel::{bound_dentry, fd_unix_sock, kptr, kread, offset};
 use super::report::{is_agent, report_dentry, watched_parent};
-use super::syscall::{arg_u64, parked_fd_if_succeeded, unix_path_address};
+use super::syscall::{parked_fd_if_succeeded, unix_path_socket_fd};
 
 const BPF_NOEXIST: u64 = 1;
 
@@ -49,10 +49,7 @@ fn try_connect_enter(ctx: &TracePointContext) -> Option<()> {
     if is_agent() {
         return None;
     }
-    let fd = arg_u64(ctx, 0)?;
-    if !unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?) {
-        return None;
-    }
+    let fd = unix_path_socket_fd(ctx)?;
     // A full table loses a contact, which describes a plugin and is not tree state: no
     // rescan.
     PENDING_CONNECTS

@@ -23,7 +23,7 @@ use super::report::{
     count_loss, dentry_event, is_agent, park, report_below_watched, report_dentry, report_parked,
     watched_parent,
 };
-use super::syscall::{arg_u64, parked_fd_if_succeeded, returned_zero, unix_path_address};
+use super::syscall::{arg_u64, parked_fd_if_succeeded, returned_zero, unix_path_socket_fd};
 
 /// `bind` arguments between entry and exit, keyed by `pid_tgid` (the thread); `listen`'s too.
 #[map]
@@ -54,10 +54,7 @@ fn try_bind_enter(ctx: &TracePointContext) -> Option<()> {
     if is_agent() {
         return None;
     }
-    let fd = arg_u64(ctx, 0)?;
-    if !unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?) {
-        return None;
-    }
+    let fd = unix_path_socket_fd(ctx)?;
     park_fd(fd);
     Some(())
 }

@@ -74,10 +74,18 @@ pub(super) fn parked_fd_if_succeeded(
     (unsafe { ctx.read_at::<i64>(RET) }.ok()? == 0).then_some(fd)
 }
 
+/// The descriptor a `bind` or `connect` entry names (argument 0), if its address (arguments 1
+/// and 2) is a filesystem `AF_UNIX` one.
+#[inline(always)]
+pub(super) fn unix_path_socket_fd(ctx: &TracePointContext) -> Option<u64> {
+    let fd = arg_u64(ctx, 0)?;
+    unix_path_address(arg_u64(ctx, 1)?, arg_u64(ctx, 2)?).then_some(fd)
+}
+
 /// Whether the `struct sockaddr *` of a `bind` or `connect` (user memory, `addrlen` bytes)
 /// names a filesystem `AF_UNIX` address.
 #[inline(always)]
-pub(super) fn unix_path_address(addr: u64, addrlen: u64) -> bool {
+fn unix_path_address(addr: u64, addrlen: u64) -> bool {
     // sa_family (2 bytes) and at least the first byte of sun_path.
     if addrlen < 3 {
         return false;
