@@ -2,7 +2,7 @@
 //! kernel struct offsets that userspace resolves from BTF at load time.
 //!
 //! ```text
-//! agent (userspace)                               kernel programs (main.rs)
+//! agent (userspace)                               kernel programs (programs/)
 //!   resolve KernelOffsets from BTF  --CONFIG-->   read task/file/dentry fields at those offsets
 //!   WATCHED[DirKey] / NAMES[NameKey] --maps-->    filter by parent identity, or by entry name
 //!   reader  <--EVENTS ring buffer-- Event <--     successful bind / unlink under a watched dir

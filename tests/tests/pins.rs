@@ -158,8 +158,8 @@ fn upgraded_agent(dir: &PluginDir, object_hash: &str) -> PathBuf {
     assert!(
         replace(
             &mut bytes,
-            b"agent-ebpf/src/main.rs",
-            b"agent-ebpf/src/mai2.rs"
+            b"agent-ebpf/src/programs/kernel.rs",
+            b"agent-ebpf/src/programs/kerne2.rs"
         ) > 0,
         "the kernel object's source path is in the agent binary"
     );

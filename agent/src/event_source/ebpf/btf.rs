@@ -222,7 +222,8 @@ struct Needed {
     size: u32,
 }
 
-/// Everything the kernel programs read, in one table: a reviewer checks main.rs against this.
+/// Everything the kernel programs read, in one table: a reviewer checks agent-ebpf's
+/// `programs/` against this.
 const NEEDED: &[Needed] = &[
     Needed {
         field: |o| &mut o.task_files,
