@@ -1,25 +1,31 @@
-//! Assembles the data flow of DESIGN.md from a configuration and runs it.
+//! Assembles the data flow of `docs/architecture.md` from a configuration and runs it; and, in
+//! [`run`], the process around it (handlers, admin API, capabilities, signals).
 //!
 //! ```text
-//! event source -> watcher -> desired state -> reconciler -> executor -> handlers
-//!                                                   actual state <-/
+//! event source -> watcher -> desired state -> reconciler -> executor -> operations -> handlers
+//!                                                              actual state <-/
 //! ```
 
+mod process;
+mod stages;
+
+use stages::Stages;
+
+pub use process::{RunSettings, run};
+
 use crate::config::PolicySource;
-use crate::event_source::{self, EventSource, SourceChoice, SourceKind, SourceOptions};
-use crate::executor::{ExecutorConfig, OperationExecutor, PolicyReload};
+use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
+use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
+use crate::operations::{PolicyReload, Runner};
 use crate::policy::Policy;
-use crate::provenance::Resolver;
-use crate::reconciler::{ReconcileMode, Reconciler};
+use crate::reconciler::ReconcileMode;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
-use crate::state::queue::ReconcileQueue;
 use crate::state::view::StateView;
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::StateCollector;
-use crate::watcher::Watcher;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -131,8 +137,10 @@ pub struct RunningAgent {
     pub actual: Arc<ActualState>,
     /// Handlers by type; may be changed while running.
     pub handlers: Arc<HandlerRegistry>,
-    /// The operation executor.
+    /// The operation executor (scheduling).
     pub executor: Arc<OperationExecutor>,
+    /// The operations it runs (admission, journal, policy reloads).
+    runner: Arc<Runner>,
     /// The event source in use.
     pub source: SourceKind,
     /// What the source attached, for operators.
@@ -205,9 +213,9 @@ impl RunningAgent {
             info!(rules = policy.len(), "policy in force");
         }
         stages
-            .executor
+            .runner
             .with_admission(stages.provenance.clone(), policy);
-        stages.executor.watch_contacts(stages.desired.clone());
+        stages.runner.watch_contacts(stages.desired.clone());
 
         let (ready_tx, ready) = watch::channel(false);
 
@@ -259,6 +267,7 @@ impl RunningAgent {
             actual: stages.actual,
             handlers,
             executor: stages.executor,
+            runner: stages.runner,
             source: source_kind,
             source_description,
             kernel,
@@ -276,7 +285,34 @@ impl RunningAgent {
 
     /// The tables a plugin's state is derived from, for the admin API and tests.
     pub fn state_view(&self) -> StateView {
-        state_view(&self.desired, &self.actual, &self.executor)
+        StateView {
+            desired: self.desired.clone(),
+            actual: self.actual.clone(),
+            backoff: self.executor.backoffs(),
+        }
+    }
+
+    /// What the admin API serves of this agent.
+    pub fn served(&self) -> crate::admin::server::Served {
+        let mode = self.config.executor.mode;
+        crate::admin::server::Served {
+            state: self.state_view(),
+            handlers: self.handlers.clone(),
+            notifications: self.notifications.clone(),
+            stats: self.telemetry.watcher.clone(),
+            status: crate::admin::server::AgentStatus {
+                source: self.source.to_string(),
+                sees_contacts: self.source.reports_contacts(),
+                source_description: self.source_description.clone(),
+                plugin_dir: self.config.plugin_dir.display().to_string(),
+                reconcile_mode: format!("{:?}", self.config.reconcile_mode).to_lowercase(),
+                mode: mode.to_string(),
+                started_at: self.started_at,
+                kernel: self.kernel.clone(),
+            },
+            observes: mode.observes(),
+            policy: Arc::new(self.policy_reloader()),
+        }
     }
 
     /// Waits for the first full scan of the plugin directory.
@@ -356,15 +392,15 @@ fn carry_on(
         );
     }
     let journal = Arc::new(journal);
-    stages.executor.keep_journal(journal.clone());
+    stages.runner.keep_journal(journal.clone());
     // Restored registrations have no registration connection to learn their servers from: the
     // servers the previous agent recorded are found again by pid (else one connect each learns
     // them), after the first walk, which decides what changed while no agent ran. A server that
     // exited meanwhile is found then (its pidfd is readable at once, or the connect refused).
-    let executor = stages.executor.clone();
+    let runner = stages.runner.clone();
     tokio::spawn(async move {
         if walked.wait_for(|walked| *walked).await.is_ok() {
-            executor.watch_restored();
+            runner.watch_restored();
         }
     });
     journal
@@ -401,91 +437,12 @@ async fn serve_metrics(
     Ok(Some(bound))
 }
 
-/// The data flow's stages, wired together but not yet running.
-struct Stages {
-    desired: Arc<DesiredState>,
-    actual: Arc<ActualState>,
-    notifications: NotificationBus,
-    telemetry: Arc<Telemetry>,
-    executor: Arc<OperationExecutor>,
-    watcher: Watcher,
-    reconciler: Reconciler,
-    provenance: Arc<Resolver>,
-}
-
-impl Stages {
-    /// The tables a plugin's state is derived from, for metrics.
-    fn state_view(&self) -> StateView {
-        state_view(&self.desired, &self.actual, &self.executor)
-    }
-
-    /// Creates the caches, the reconcile queue, the notification bus and telemetry, and the
-    /// executor, watcher and reconciler over them, as the data flow of `docs/architecture.md`.
-    fn assemble(
-        config: &AgentConfig,
-        handlers: &Arc<HandlerRegistry>,
-        source: Arc<dyn EventSource>,
-        cancel: &CancellationToken,
-    ) -> Stages {
-        let desired = Arc::new(DesiredState::default());
-        let actual = Arc::new(ActualState::default());
-        let queue = Arc::new(ReconcileQueue::default());
-        let notifications = NotificationBus::default();
-        let telemetry = Telemetry::new(source.kind());
-        let executor = OperationExecutor::new(
-            actual.clone(),
-            handlers.clone(),
-            queue.clone(),
-            ExecutorConfig {
-                listens_reported: source.kind().reports_listens(),
-                ..config.executor
-            },
-            notifications.clone(),
-            telemetry.clone(),
-            cancel.child_token(),
-        );
-        let provenance = Arc::new(if config.provenance {
-            Resolver::default()
-        } else {
-            Resolver::kernel_only()
-        });
-        let watcher = Watcher::new(
-            config.plugin_dir.clone(),
-            source,
-            desired.clone(),
-            queue.clone(),
-            notifications.clone(),
-            telemetry.clone(),
-        )
-        .with_liveness(executor.liveness());
-        let reconciler = Reconciler::new(
-            desired.clone(),
-            actual.clone(),
-            executor.clone(),
-            queue.clone(),
-            config.reconcile_mode,
-            config.safety_period,
-            watcher.safety_pass(),
-        );
-        Stages {
-            desired,
-            actual,
-            notifications,
-            telemetry,
-            executor,
-            watcher,
-            reconciler,
-            provenance,
-        }
-    }
-}
-
 impl RunningAgent {
     /// What reads the policy again and applies it (`plugin-agent policy reload`, SIGHUP).
     pub fn policy_reloader(&self) -> PolicyReloader {
         PolicyReloader {
             source: self.config.policy.clone(),
-            executor: self.executor.clone(),
+            runner: self.runner.clone(),
         }
     }
 }
@@ -494,7 +451,7 @@ impl RunningAgent {
 #[derive(Clone)]
 pub struct PolicyReloader {
     source: PolicySource,
-    executor: Arc<OperationExecutor>,
+    runner: Arc<Runner>,
 }
 
 impl PolicyReloader {
@@ -506,7 +463,7 @@ impl PolicyReloader {
             .rules()
             .and_then(|rules| Policy::compile(rules.as_slice()));
         match policy {
-            Ok(policy) => Ok(self.executor.reload_policy(policy)),
+            Ok(policy) => Ok(self.runner.reload_policy(policy)),
             Err(e) => {
                 warn!(
                     error = format!("{e:#}"),
@@ -518,15 +475,8 @@ impl PolicyReloader {
     }
 }
 
-/// The view over desired state, actual state and the executor's backoff table.
-fn state_view(
-    desired: &Arc<DesiredState>,
-    actual: &Arc<ActualState>,
-    executor: &OperationExecutor,
-) -> StateView {
-    StateView {
-        desired: desired.clone(),
-        actual: actual.clone(),
-        backoff: executor.backoffs(),
+impl crate::admin::server::PolicyReloading for PolicyReloader {
+    fn reload(&self) -> anyhow::Result<PolicyReload> {
+        PolicyReloader::reload(self)
     }
 }

@@ -12,17 +12,20 @@
 //! the next seconds (a fixed period from start-up walked wherever in the quiet the phase put it),
 //! and an idle node is walked every period as before.
 //!
-//! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, is
-//! desired with a different generation (socket re-created), or is no longer served (`liveness`),
-//! is deregistered; the registration
-//! of the new socket follows when that operation has finished (the executor allows one operation
-//! per path, and marks the path again when it ends).
+//! Per path, what to do is `state::view::next`'s, the rule the views' states are derived from
+//! too: unregistrations come first (a registered plugin whose socket is no longer desired, is
+//! desired with a different generation (socket re-created), or is no longer served
+//! (`liveness`) or refused (`policy`), is deregistered); the registration of the new socket
+//! follows when that operation has finished (the executor allows one operation per path, and
+//! marks the path again when it ends). Operations are asked of a [`Scheduler`]: the executor,
+//! or in tests a fake that records what it was asked.
 
-use crate::executor::OperationExecutor;
+use crate::executor::Scheduler;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
 use crate::state::queue::{ReconcileQueue, Work};
 use crate::state::safety_pass::SafetyPass;
+use crate::state::view::Next;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,19 +47,19 @@ pub enum ReconcileMode {
 pub const KUBELET_LOOP_PERIOD: Duration = Duration::from_secs(1);
 
 /// See the module docs.
-pub struct Reconciler {
+pub struct Reconciler<S: Scheduler> {
     desired: Arc<DesiredState>,
     actual: Arc<ActualState>,
-    executor: Arc<OperationExecutor>,
+    scheduler: Arc<S>,
     queue: Arc<ReconcileQueue>,
     mode: ReconcileMode,
     safety_period: Duration,
     safety: Arc<SafetyPass>,
 }
 
-impl Reconciler {
+impl<S: Scheduler> Reconciler<S> {
     /// - `desired`, `actual`: the caches compared;
-    /// - `executor`: runs the operations (one per path, with backoff);
+    /// - `scheduler`: runs the operations (one per path, with backoff);
     /// - `queue`: the marked paths, and the wake-up;
     /// - `mode`, `safety_period`: event-driven with a full pass every `safety_period`, or kubelet's
     ///   1 s polling loop;
@@ -65,7 +68,7 @@ impl Reconciler {
     pub fn new(
         desired: Arc<DesiredState>,
         actual: Arc<ActualState>,
-        executor: Arc<OperationExecutor>,
+        scheduler: Arc<S>,
         queue: Arc<ReconcileQueue>,
         mode: ReconcileMode,
         safety_period: Duration,
@@ -74,7 +77,7 @@ impl Reconciler {
         Reconciler {
             desired,
             actual,
-            executor,
+            scheduler,
             queue,
             mode,
             safety_period,
@@ -104,7 +107,7 @@ impl Reconciler {
                     schedule.passed(now, self.safety.spacing(self.safety_period));
                     pass.set(tokio::time::sleep_until(schedule.due()));
                     self.queue.mark_all();
-                    self.executor.recheck_unserved(&self.safety);
+                    self.scheduler.recheck_unserved(&self.safety);
                     self.safety.request();
                 }
             }
@@ -156,40 +159,45 @@ impl Reconciler {
         };
         trace!(paths = paths.len(), "reconciling");
         for path in paths {
-            let registered = self.actual.get(&path);
-            // Held (unserved, refused by policy) and not registered: nothing to do until the
-            // socket changes, decided without copying its entry (most of a tree of dead sockets).
-            if registered.is_none()
-                && self
-                    .desired
-                    .socket_of(&path)
-                    .is_some_and(|socket| self.executor.is_held(&path, socket))
-            {
-                continue;
-            }
-            let desired = self.desired.get(&path);
-            if let Some(registered) = registered {
-                let superseded =
-                    desired.as_ref().map(|d| d.generation) != Some(registered.generation);
-                if superseded || self.executor.is_held(&path, registered.socket) {
-                    let outcome = self.executor.deregister(&path, registered);
+            self.reconcile_path(&path);
+        }
+        self.scheduler.after_pass();
+    }
+
+    /// Asks for what `path` needs next (see `state::view::next`).
+    fn reconcile_path(&self, path: &Path) {
+        let registered = self.actual.get(path);
+        let socket = match &registered {
+            Some(registered) => Some(registered.socket),
+            None => self.desired.socket_of(path),
+        };
+        let held = socket.is_some_and(|socket| self.scheduler.is_held(path, socket));
+        // Held and not registered: nothing to do until the socket changes, decided without
+        // copying its entry (most of a tree of dead sockets).
+        let desired = match registered.is_none() && held {
+            true => None,
+            false => self.desired.get(path),
+        };
+        match crate::state::view::next(
+            desired.as_ref().map(|d| d.generation),
+            registered.as_ref(),
+            held,
+        ) {
+            Next::Keep | Next::Hold => {}
+            Next::Deregister => {
+                if let Some(registered) = registered {
+                    let outcome = self.scheduler.deregister(path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
-                    continue;
-                }
-                // A registration the previous agent began and did not finish is run again.
-                if !registered.interrupted {
-                    continue;
                 }
             }
-            match desired {
-                Some(desired) => {
-                    let outcome = self.executor.register(&path, desired);
+            Next::Register => {
+                if let Some(desired) = desired {
+                    let outcome = self.scheduler.register(path, desired);
                     debug!(socket_path = %path.display(), ?outcome, "register");
                 }
-                None => self.executor.forget(&path),
             }
+            Next::Forget => self.scheduler.forget(path),
         }
-        self.executor.after_pass();
     }
 }
 
