@@ -178,27 +178,9 @@ impl RunningAgent {
         let cancel = CancellationToken::new();
         let source_opening = Instant::now();
         let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
-        let event_source::Opened {
-            source,
-            passed_over,
-        } = event_source::open(
-            config.source,
-            hints_tx,
-            cancel.child_token(),
-            &config.source_options,
-        )
-        .await?;
+        let (source, source_description) = open_source(&config, hints_tx, &cancel).await?;
         let source_open = Instant::now();
         let source_kind = source.kind();
-        let source_description = match passed_over.is_empty() {
-            true => source.describe(),
-            false => format!(
-                "{}; passed over {}",
-                source.describe(),
-                passed_over.join("; ")
-            ),
-        };
-        info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
         let kernel = Arc::new(crate::kernel::probe(source.fentry()));
         kernel.log();
 
@@ -209,31 +191,16 @@ impl RunningAgent {
         source.report_problems_to(Box::new(move |problem| {
             watcher_stats.health.condition("event source", problem);
         }));
-        if !policy.is_empty() {
-            info!(rules = policy.len(), "policy in force");
-        }
-        stages
-            .runner
-            .with_admission(stages.provenance.clone(), policy);
-        stages.runner.watch_contacts(stages.desired.clone());
+        stages.admit_with(policy);
 
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();
         let metrics_addr = match config.metrics_addr {
             Some(addr) => {
-                let collector = StateCollector {
-                    state: stages.state_view(),
-                    handlers: handlers.clone(),
-                    watcher: stages.telemetry.watcher.clone(),
-                    source,
-                    kernel: kernel.clone(),
-                };
-                let metrics = &stages.telemetry.metrics;
-                let registry = (metrics.registry(collector), metrics.renders());
-                let watcher = stages.telemetry.watcher.clone();
-                let served = (registry, ready.clone(), watcher, cancel.clone());
-                serve_metrics(addr, served, &mut tasks).await?
+                let collector = stages.collector(&handlers, source, kernel.clone());
+                let served = (&*stages.telemetry, ready.clone(), cancel.clone());
+                serve_metrics(addr, collector, served, &mut tasks).await?
             }
             None => None,
         };
@@ -253,15 +220,12 @@ impl RunningAgent {
             reconciler.run(reconciler_cancel).await;
             Ok(())
         });
+        let walked = move || {
+            phases.report(Instant::now(), source_kind);
+            let _ = ready_tx.send(true);
+        };
         let watcher_cancel = cancel.clone();
-        tasks.spawn(async move {
-            watcher
-                .run(hints_rx, watcher_cancel, move || {
-                    phases.report(Instant::now(), source_kind);
-                    let _ = ready_tx.send(true);
-                })
-                .await
-        });
+        tasks.spawn(async move { watcher.run(hints_rx, watcher_cancel, walked).await });
         Ok(RunningAgent {
             desired: stages.desired,
             actual: stages.actual,
@@ -352,6 +316,35 @@ impl RunningAgent {
     }
 }
 
+/// Opens `config`'s event source, sending its hints to `hints`; the source and what it
+/// attached (with the sources `--source auto` passed over, and why), for operators.
+async fn open_source(
+    config: &AgentConfig,
+    hints: mpsc::Sender<crate::event_source::FsEvent>,
+    cancel: &CancellationToken,
+) -> anyhow::Result<(Arc<dyn crate::event_source::EventSource>, String)> {
+    let event_source::Opened {
+        source,
+        passed_over,
+    } = event_source::open(
+        config.source,
+        hints,
+        cancel.child_token(),
+        &config.source_options,
+    )
+    .await?;
+    let description = match passed_over.is_empty() {
+        true => source.describe(),
+        false => format!(
+            "{}; passed over {}",
+            source.describe(),
+            passed_over.join("; ")
+        ),
+    };
+    info!(source = %source.kind(), attached = %description, plugin_dir = %config.plugin_dir.display(), "event source open");
+    Ok((source, description))
+}
+
 /// Puts back what the previous agent registered (unless told not to) and hands the executor the
 /// journal that records what finishes from now on.
 fn carry_on(
@@ -411,17 +404,13 @@ fn carry_on(
 /// plugins: an address that cannot be bound is reported and the agent runs without them.
 async fn serve_metrics(
     addr: SocketAddr,
-    (registry, ready, watcher, cancel): (
-        (
-            prometheus_client::registry::Registry,
-            prometheus_client::metrics::counter::Counter,
-        ),
-        watch::Receiver<bool>,
-        Arc<crate::telemetry::WatcherStats>,
-        CancellationToken,
-    ),
+    collector: StateCollector,
+    (telemetry, ready, cancel): (&Telemetry, watch::Receiver<bool>, CancellationToken),
     tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
 ) -> anyhow::Result<Option<SocketAddr>> {
+    let metrics = &telemetry.metrics;
+    let registry = (metrics.registry(collector), metrics.renders());
+    let watcher = telemetry.watcher.clone();
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(listener) => listener,
         Err(e) => {

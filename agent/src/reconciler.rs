@@ -334,3 +334,259 @@ mod tests {
         assert_eq!(moves, 10, "timer moves in 10 s of changes");
     }
 }
+
+#[cfg(test)]
+mod against_a_fake_scheduler {
+    use super::*;
+    use crate::executor::Start;
+    use crate::handler::Plugin;
+    use crate::handler::accept_all::AcceptAll;
+    use crate::state::SocketId;
+    use crate::state::actual::RegisteredPlugin;
+    use crate::state::desired::DesiredPlugin;
+    use std::collections::HashSet;
+    use std::path::PathBuf;
+    use std::sync::Mutex;
+    use tokio::sync::mpsc;
+    use uuid::Uuid;
+
+    /// What the reconciler asked.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Asked {
+        Register(PathBuf, Uuid),
+        Deregister(PathBuf, Uuid),
+        Forget(PathBuf),
+        AfterPass,
+        RecheckUnserved,
+    }
+
+    /// Records what it is asked, says a socket is held when its path is in `held`, and starts
+    /// nothing.
+    struct FakeScheduler {
+        asked: mpsc::UnboundedSender<Asked>,
+        held: Mutex<HashSet<PathBuf>>,
+    }
+
+    impl Scheduler for FakeScheduler {
+        fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
+            let asked = Asked::Register(path.to_path_buf(), desired.generation);
+            self.asked.send(asked).expect("test alive");
+            Start::Started
+        }
+
+        fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
+            let asked = Asked::Deregister(path.to_path_buf(), registered.generation);
+            self.asked.send(asked).expect("test alive");
+            Start::Started
+        }
+
+        fn is_held(&self, path: &Path, _socket: SocketId) -> bool {
+            self.held.lock().expect("held").contains(path)
+        }
+
+        fn forget(&self, path: &Path) {
+            let asked = Asked::Forget(path.to_path_buf());
+            self.asked.send(asked).expect("test alive");
+        }
+
+        fn after_pass(&self) {
+            self.asked.send(Asked::AfterPass).expect("test alive");
+        }
+
+        fn recheck_unserved(self: &Arc<Self>, _safety: &Arc<SafetyPass>) {
+            self.asked.send(Asked::RecheckUnserved).expect("test alive");
+        }
+    }
+
+    struct Harness {
+        desired: Arc<DesiredState>,
+        actual: Arc<ActualState>,
+        queue: Arc<ReconcileQueue>,
+        scheduler: Arc<FakeScheduler>,
+        asked: mpsc::UnboundedReceiver<Asked>,
+        safety_period: Duration,
+    }
+
+    impl Harness {
+        fn new(safety_period: Duration) -> Self {
+            let (tx, asked) = mpsc::unbounded_channel();
+            Harness {
+                desired: Arc::default(),
+                actual: Arc::default(),
+                queue: Arc::default(),
+                scheduler: Arc::new(FakeScheduler {
+                    asked: tx,
+                    held: Mutex::default(),
+                }),
+                asked,
+                safety_period,
+            }
+        }
+
+        fn reconciler(&self) -> Reconciler<FakeScheduler> {
+            Reconciler::new(
+                self.desired.clone(),
+                self.actual.clone(),
+                self.scheduler.clone(),
+                self.queue.clone(),
+                ReconcileMode::Event,
+                self.safety_period,
+                Arc::default(),
+            )
+        }
+
+        /// A socket desired at `name`; its generation.
+        fn desire(&self, name: &str, ino: u64) -> Uuid {
+            let path = path(name);
+            let socket = SocketId {
+                dev: 1,
+                ino,
+                birth_ns: None,
+                handle: None,
+            };
+            self.desired
+                .add_or_update(&path, socket, None)
+                .expect("desired");
+            self.desired.get(&path).expect("desired").generation
+        }
+
+        /// Registered at `name` from the socket desired there now (or, if none, a gone one).
+        fn register(&self, name: &str, interrupted: bool) -> Uuid {
+            let path = path(name);
+            let desired = self.desired.get(&path);
+            let plugin = Plugin {
+                plugin_type: "CSIPlugin".into(),
+                name: name.into(),
+                endpoint: String::new(),
+                supported_versions: Vec::new(),
+                socket_path: path.display().to_string(),
+            };
+            let mut entry = self.actual.add(
+                Arc::from(path.as_path()),
+                desired.as_ref().map_or_else(Uuid::new_v4, |d| d.generation),
+                desired.map_or(
+                    SocketId {
+                        dev: 1,
+                        ino: 999,
+                        birth_ns: None,
+                        handle: None,
+                    },
+                    |d| d.socket,
+                ),
+                plugin,
+                Arc::new(AcceptAll),
+                crate::provenance::Provenance::default(),
+            );
+            entry.interrupted = interrupted;
+            self.actual
+                .restore(Arc::from(path.as_path()), entry)
+                .generation
+        }
+
+        fn asked(&mut self) -> Vec<Asked> {
+            let mut asked = Vec::new();
+            while let Ok(one) = self.asked.try_recv() {
+                asked.push(one);
+            }
+            asked
+        }
+    }
+
+    fn path(name: &str) -> PathBuf {
+        PathBuf::from(format!("/plugins/{name}.sock"))
+    }
+
+    /// Every row of `state::view::next`, as the reconciler acts on it, in one pass: re-created,
+    /// gone and held registrations are deregistered, new and interrupted ones registered, and a
+    /// current registration, a held unregistered socket and an unknown path ask for nothing
+    /// but their forgetting.
+    #[test]
+    fn a_pass_asks_for_what_each_path_needs_and_nothing_else() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let new = h.desire("new", 1);
+        let current = h.desire("current", 2);
+        h.register("current", false);
+        let old = h.register("recreated", false);
+        let recreated = h.desire("recreated", 3);
+        assert_ne!(old, recreated);
+        let gone = h.register("gone", false);
+        let interrupted = h.desire("interrupted", 4);
+        h.register("interrupted", true);
+        h.desire("dead", 5);
+        let unserved = h.desire("unserved", 6);
+        h.register("unserved", false);
+        for held in ["dead", "unserved"] {
+            h.scheduler.held.lock().expect("held").insert(path(held));
+        }
+        let paths = [
+            "new",
+            "current",
+            "recreated",
+            "gone",
+            "interrupted",
+            "dead",
+            "unserved",
+            "unknown",
+        ];
+        let work = Work::Paths(paths.iter().map(|name| path(name)).collect());
+        h.reconciler().reconcile(work);
+        assert_eq!(
+            h.asked(),
+            [
+                Asked::Register(path("new"), new),
+                Asked::Deregister(path("recreated"), old),
+                Asked::Deregister(path("gone"), gone),
+                Asked::Register(path("interrupted"), interrupted),
+                Asked::Deregister(path("unserved"), unserved),
+                Asked::Forget(path("unknown")),
+                Asked::AfterPass,
+            ]
+        );
+        let _ = current;
+    }
+
+    /// A pass over everything takes desired sockets in the order they were found, then the
+    /// registrations no longer desired.
+    #[test]
+    fn a_pass_over_everything_goes_in_discovery_order() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let gone = h.register("z-gone", false);
+        let first = h.desire("b-first", 1);
+        let second = h.desire("a-second", 2);
+        h.reconciler().reconcile(Work::Everything);
+        assert_eq!(
+            h.asked(),
+            [
+                Asked::Register(path("b-first"), first),
+                Asked::Register(path("a-second"), second),
+                Asked::Deregister(path("z-gone"), gone),
+                Asked::AfterPass,
+            ]
+        );
+    }
+
+    /// The running reconciler wakes on a marked path (no polling), and the safety pass asks
+    /// for the unserved sockets' look and for everything.
+    #[tokio::test(start_paused = true)]
+    async fn a_marked_path_wakes_it_and_the_safety_pass_looks_at_everything() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(h.reconciler().run(cancel.clone()));
+        let generation = h.desire("new", 1);
+        h.queue.mark(path("new"));
+        assert_eq!(
+            h.asked.recv().await,
+            Some(Asked::Register(path("new"), generation))
+        );
+        assert_eq!(h.asked.recv().await, Some(Asked::AfterPass));
+        // Quiet for the safety period: the pass runs (the paused clock jumps to it).
+        assert_eq!(h.asked.recv().await, Some(Asked::RecheckUnserved));
+        assert_eq!(
+            h.asked.recv().await,
+            Some(Asked::Register(path("new"), generation)),
+            "the pass looks at every desired socket"
+        );
+        cancel.cancel();
+        running.await.expect("reconciler");
+    }
+}

@@ -3,9 +3,9 @@
 //! come from the broadcast bus).
 
 use super::MAX_MESSAGE_BYTES;
+pub use super::served::{AgentStatus, PolicyReloading, Served};
 use crate::handler::{self, HandlerRegistry, Plugin};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::operations::PolicyReload;
 use crate::provenance::{Actor, Contact, Creator, Process, Provenance};
 use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus, StateView};
@@ -27,31 +27,6 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
-/// Reads the policy again and applies it to every socket (`ReloadPolicy`); the agent gives it.
-pub trait PolicyReloading: Send + Sync + 'static {
-    /// What changed, or why the policy did not load (the policy in force stays).
-    fn reload(&self) -> anyhow::Result<PolicyReload>;
-}
-
-/// What the admin API serves, handed over by the agent that assembles it (the admin room
-/// imports no agent: it is given what it views).
-pub struct Served {
-    /// The tables a plugin's state is derived from.
-    pub state: StateView,
-    /// Handlers by type; `AddHandler` and `RemoveHandler` change them.
-    pub handlers: Arc<HandlerRegistry>,
-    /// The events `WatchEvents` streams.
-    pub notifications: NotificationBus,
-    /// The watcher's counters and health, for status.
-    pub stats: Arc<WatcherStats>,
-    /// What does not change while the agent runs, for status.
-    pub status: AgentStatus,
-    /// Observe mode uses no handler: adding one is refused rather than silently ignored.
-    pub observes: bool,
-    /// Reads the policy again.
-    pub policy: Arc<dyn PolicyReloading>,
-}
-
 /// The service; cheap to clone.
 #[derive(Clone)]
 pub struct AdminService {
@@ -68,28 +43,6 @@ pub struct AdminService {
     /// Ends the event streams when the server stops: a graceful shutdown waits for every open
     /// response, and a `watch` stream would otherwise never end.
     shutdown: CancellationToken,
-}
-
-/// What status says of the agent that does not change while it runs.
-#[derive(Clone)]
-pub struct AgentStatus {
-    /// The event source in use.
-    pub source: String,
-    /// Whether the event source reports connections (eBPF): what `list` says of an unknown
-    /// first contact.
-    pub sees_contacts: bool,
-    /// What the source attached.
-    pub source_description: String,
-    /// The watched tree.
-    pub plugin_dir: String,
-    /// `event` or `polling`.
-    pub reconcile_mode: String,
-    /// Register or observe.
-    pub mode: String,
-    /// When the agent started.
-    pub started_at: SystemTime,
-    /// What the kernel gives the agent.
-    pub kernel: Arc<crate::kernel::KernelFeatures>,
 }
 
 impl AdminService {

@@ -54,6 +54,33 @@ impl Stages {
         }
     }
 
+    /// What the metrics read at scrape time: the plugins' states, the handlers, the watcher's
+    /// counters, the source and the kernel's features.
+    pub(super) fn collector(
+        &self,
+        handlers: &Arc<HandlerRegistry>,
+        source: Arc<dyn EventSource>,
+        kernel: Arc<crate::kernel::KernelFeatures>,
+    ) -> crate::telemetry::metrics::StateCollector {
+        crate::telemetry::metrics::StateCollector {
+            state: self.state_view(),
+            handlers: handlers.clone(),
+            watcher: self.telemetry.watcher.clone(),
+            source,
+            kernel,
+        }
+    }
+
+    /// Puts `policy` in force for the operations, with the agent's provenance resolver, and
+    /// lets them read kubelet's first contacts.
+    pub(super) fn admit_with(&self, policy: crate::policy::Policy) {
+        if !policy.is_empty() {
+            tracing::info!(rules = policy.len(), "policy in force");
+        }
+        self.runner.with_admission(self.provenance.clone(), policy);
+        self.runner.watch_contacts(self.desired.clone());
+    }
+
     /// Creates the caches and the stages over them (see the module docs).
     pub(super) fn assemble(
         config: &AgentConfig,

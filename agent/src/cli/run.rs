@@ -16,6 +16,7 @@ use crate::registration::Timeouts;
 use crate::telemetry;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -185,6 +186,7 @@ impl RunArgs {
         let policy = self.policy_source(self.flag_rule())?;
         let plugin_dir = self
             .plugin_dir
+            .clone()
             .or(file.plugin_dir)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_PLUGIN_DIR));
         let mut agent = AgentConfig::new(plugin_dir);
@@ -219,63 +221,20 @@ impl RunArgs {
         let metrics_addr = self.metrics_addr.or(file.metrics_addr);
         agent.metrics_addr =
             (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
-        let mode_choice = match (self.mode, file.mode.as_deref()) {
-            (Some(mode), _) => Some(mode),
-            (None, Some(text)) => Some(
-                ModeChoice::from_str(text, true)
-                    .map_err(anyhow::Error::msg)
-                    .context("config: mode")?,
-            ),
-            (None, None) => None,
-        };
-        let contact = self
-            .observe_contact
-            .or(file.observe_contact)
-            .unwrap_or_default();
         let mut handlers = file.handlers;
         for (plugin_type, target) in &handlers {
             parse_handler(&format!("{plugin_type}={target}"))
                 .map_err(anyhow::Error::msg)
                 .context("config: handlers")?;
         }
-        handlers.extend(self.handlers);
-        agent.executor.mode = match mode_choice {
-            Some(ModeChoice::Register) => Mode::Register,
-            Some(ModeChoice::Observe) => Mode::Observe { contact },
-            // Nothing to register plugins with: telling every plugin "no handler" would fail
-            // them on a node where kubelet registers them.
-            None if handlers.is_empty() => Mode::Observe { contact },
-            None => Mode::Register,
-        };
+        handlers.extend(self.handlers.iter().cloned());
+        agent.executor.mode = self.mode(file.mode.as_deref(), file.observe_contact, &handlers)?;
         let admin_socket = (!self.no_admin).then(|| {
             admin_socket
                 .or(file.admin_socket)
                 .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
         });
-        // The state file lives in the runtime directory, which the admin socket's lock makes
-        // this agent's own (see `runtime_dir`); without one, nothing is carried across restarts.
-        let runtime_dir = admin_socket
-            .as_deref()
-            .and_then(Path::parent)
-            .map(|dir| {
-                if dir.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    dir
-                }
-            })
-            .and_then(|dir| std::path::absolute(dir).ok());
-        agent.state_file = runtime_dir
-            .as_deref()
-            .map(|dir| dir.join(crate::persist::FILE_NAME));
-        // Pins belong to an instance, named by the runtime directory it holds the lock of
-        // (see `ebpf::pins`): without one, nothing is pinned.
-        agent.source_options.ebpf_pins = runtime_dir.filter(|_| pins).and_then(|runtime_dir| {
-            Some(crate::event_source::ebpf::PinOwner {
-                tree: std::path::absolute(&agent.plugin_dir).ok()?,
-                runtime_dir,
-            })
-        });
+        in_runtime_dir(&mut agent, admin_socket.as_deref(), pins);
         agent.reregister_on_restart =
             self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
         agent.provenance = self.provenance.or(file.provenance).unwrap_or(true);
@@ -285,6 +244,34 @@ impl RunArgs {
             handlers,
             admin_socket,
             keep_capabilities: self.keep_capabilities,
+        })
+    }
+
+    /// `--mode` over the file's `mode` (with `--observe-contact` over the file's): without
+    /// either, observe when no handler is configured.
+    fn mode(
+        &self,
+        file_mode: Option<&str>,
+        file_contact: Option<Contact>,
+        handlers: &BTreeMap<String, String>,
+    ) -> anyhow::Result<Mode> {
+        let mode_choice = match (self.mode, file_mode) {
+            (Some(mode), _) => Some(mode),
+            (None, Some(text)) => Some(
+                ModeChoice::from_str(text, true)
+                    .map_err(anyhow::Error::msg)
+                    .context("config: mode")?,
+            ),
+            (None, None) => None,
+        };
+        let contact = self.observe_contact.or(file_contact).unwrap_or_default();
+        Ok(match mode_choice {
+            Some(ModeChoice::Register) => Mode::Register,
+            Some(ModeChoice::Observe) => Mode::Observe { contact },
+            // Nothing to register plugins with: telling every plugin "no handler" would fail
+            // them on a node where kubelet registers them.
+            None if handlers.is_empty() => Mode::Observe { contact },
+            None => Mode::Register,
         })
     }
 
@@ -356,6 +343,32 @@ impl RunArgs {
             listens_reported: false,
         }
     }
+}
+
+/// The state file and the eBPF pins of `agent`, in the runtime directory: the admin socket's,
+/// which its lock makes this agent's own (see `runtime_dir`); without one, nothing is carried
+/// across restarts and nothing is pinned (pins belong to an instance, named by the runtime
+/// directory it holds the lock of: see `ebpf::pins`).
+fn in_runtime_dir(agent: &mut AgentConfig, admin_socket: Option<&Path>, pins: bool) {
+    let runtime_dir = admin_socket
+        .and_then(Path::parent)
+        .map(|dir| {
+            if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            }
+        })
+        .and_then(|dir| std::path::absolute(dir).ok());
+    agent.state_file = runtime_dir
+        .as_deref()
+        .map(|dir| dir.join(crate::persist::FILE_NAME));
+    agent.source_options.ebpf_pins = runtime_dir.filter(|_| pins).and_then(|runtime_dir| {
+        Some(crate::event_source::ebpf::PinOwner {
+            tree: std::path::absolute(&agent.plugin_dir).ok()?,
+            runtime_dir,
+        })
+    });
 }
 
 /// `plugin-agent run`: hands the settings to the agent, which runs until SIGINT or SIGTERM.

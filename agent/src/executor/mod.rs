@@ -436,3 +436,6 @@ impl Scheduler for OperationExecutor {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
