@@ -49,10 +49,19 @@ impl FakeRunner {
 
 impl OperationRunner for FakeRunner {
     fn register(self: Arc<Self>, registration: Registration) -> Operation<Ended> {
+        // A socket named `waiting*` does not listen yet: its dial pauses (an hour, unless the
+        // kernel reports its listen) before the operation goes on.
+        let waits = registration
+            .path
+            .file_name()
+            .is_some_and(|name| name.to_string_lossy().starts_with("waiting"));
         let operation = self.operation(registration.path, OperationKind::Register);
         // The slot is held for as long as the operation runs.
-        let slot = registration.slot;
+        let mut slot = registration.slot;
         Box::pin(async move {
+            if waits {
+                crate::registration::Pause::pause(&mut slot, Duration::from_secs(3600)).await;
+            }
             let ended = operation.await;
             drop(slot);
             ended
@@ -76,6 +85,7 @@ impl OperationRunner for FakeRunner {
 
 struct Harness {
     executor: Arc<OperationExecutor>,
+    liveness: Arc<Liveness>,
     runner: Arc<FakeRunner>,
     started: mpsc::UnboundedReceiver<Running>,
     desired: Arc<DesiredState>,
@@ -102,10 +112,11 @@ impl Harness {
             NotificationBus::default(),
             telemetry.clone(),
         );
+        let liveness = Arc::new(Liveness::default());
         let parts = ExecutorParts {
             backoff: Arc::clone(&backoff),
             queue: Arc::clone(&queue),
-            liveness: Arc::default(),
+            liveness: liveness.clone(),
             unserved,
             handlers: Arc::default(),
             telemetry,
@@ -119,6 +130,7 @@ impl Harness {
         let executor = OperationExecutor::new(runner.clone(), parts, &config, cancel.clone());
         Harness {
             executor,
+            liveness,
             runner,
             started,
             desired: Arc::default(),
@@ -370,4 +382,30 @@ async fn shutdown_starts_no_waiting_operation_and_drain_waits_for_running_ones()
         h.started.try_recv().is_err(),
         "an operation started after shutdown"
     );
+}
+
+/// A `listen` the kernel reports (liveness's hint) ends the pause of the registration that
+/// holds the path, and only that one.
+#[tokio::test]
+async fn a_listen_the_kernel_reports_ends_the_pause_of_the_registration_of_its_path() {
+    let mut h = Harness::new(2);
+    for name in ["waiting-a", "waiting-b"] {
+        let desired = h.desired(name, true);
+        assert_eq!(h.executor.register(&path(name), desired), Start::Started);
+    }
+    settle().await;
+    h.liveness.kernel_hint(&path("elsewhere"), true);
+    h.liveness.kernel_hint(&path("waiting-b"), true);
+    let running = h.next().await;
+    assert_eq!(
+        running.path,
+        path("waiting-b"),
+        "the listen woke another operation"
+    );
+    settle().await;
+    assert!(
+        h.started.try_recv().is_err(),
+        "a pause ended without its listen"
+    );
+    running.end.send(Ended::Done).expect("running");
 }

@@ -11,7 +11,7 @@
 //!             this socket's endpoint)
 //! ```
 //!
-//! Files, each importing only those listed before it (no cycle):
+//! Files, each importing only those listed before it (no cycle, also in what calls what):
 //! - `failure`: why a registration failed ([`RegisterFailure`]) and its bounded outcome class;
 //! - `report`: what an operation reports to telemetry (outcome counters, latency, span fields);
 //! - `handler_calls`: handler calls with deadlines, one at a time per plugin (type, name);
@@ -19,9 +19,12 @@
 //! - `admission`: who serves a described plugin, and whether the policy lets it register;
 //! - `failed`: what a failure means for the socket's backoff (held, waiting, retried), recorded
 //!   before it is reported;
-//! - `runner`: the [`Runner`], what it is built over, and the executor's seam (span, steps,
-//!   outcome); a policy reload and the restored registrations' servers;
-//! - `register`, `observe_mode`, `deregister`: the steps, as methods of the [`Runner`].
+//! - `runner`: the [`Runner`] and what it is built over; what the agent asks of it (admission and
+//!   journal at start, a policy reload, the restored registrations' servers) and the report of
+//!   a success;
+//! - `register`, `observe_mode`, `deregister`: the steps, as methods of the [`Runner`];
+//! - `seam`: [`crate::executor::OperationRunner`] for the [`Runner`]: an operation's span, its
+//!   steps, what its outcome changes.
 
 mod admission;
 mod deregister;
@@ -33,6 +36,7 @@ mod records;
 mod register;
 mod report;
 mod runner;
+mod seam;
 
 pub use admission::PolicyReload;
 pub use failure::RegisterFailure;
