@@ -115,7 +115,7 @@ impl Waits {
             self.queue.mark(path.to_path_buf());
             return;
         }
-        debug!(next_look_in = ?backoff.retry_at.saturating_duration_since(now), until_unserved_in = ?until.saturating_duration_since(now), "socket not listening yet: waiting for its listen");
+        debug!(socket_path = %path.display(), next_look_in = ?backoff.retry_at.saturating_duration_since(now), until_unserved_in = ?until.saturating_duration_since(now), "socket not listening yet: waiting for its listen");
         if self.listens_reported {
             self.look_again_at(path, backoff.retry_at);
         } else {
