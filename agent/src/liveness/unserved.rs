@@ -159,3 +159,103 @@ impl Unserved {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event_source::SourceKind;
+    use crate::state::EntryKind;
+    use crate::state::queue::Work;
+
+    struct Harness {
+        unserved: Arc<Unserved>,
+        backoff: Arc<BackoffTable>,
+        queue: Arc<ReconcileQueue>,
+        events: tokio::sync::broadcast::Receiver<Arc<AgentEvent>>,
+    }
+
+    fn harness() -> Harness {
+        let (backoff, queue) = (
+            Arc::<BackoffTable>::default(),
+            Arc::<ReconcileQueue>::default(),
+        );
+        let notifications = NotificationBus::default();
+        let events = notifications.subscribe();
+        let unserved = Unserved::new(
+            Arc::default(),
+            backoff.clone(),
+            queue.clone(),
+            notifications,
+            Telemetry::new(SourceKind::Inotify),
+        );
+        Harness {
+            unserved,
+            backoff,
+            queue,
+            events,
+        }
+    }
+
+    /// A socket bound at `path` (not listening), and its identity.
+    fn bound(path: &Path) -> (std::os::unix::net::UnixListener, SocketId) {
+        let listener = std::os::unix::net::UnixListener::bind(path).expect("bind");
+        let Ok(EntryKind::Socket(socket)) = EntryKind::of(path) else {
+            panic!("not a socket");
+        };
+        (listener, socket)
+    }
+
+    /// Marked: held (never retried by time), reported once; the safety pass's look finds it
+    /// accepting again, lifts the mark and hands the path to the reconciler.
+    #[tokio::test]
+    async fn a_marked_socket_is_held_until_the_safety_pass_finds_it_accepting() {
+        let mut h = harness();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("p.sock");
+        let (listener, socket) = bound(&path);
+        let since = Instant::now();
+        let reason = "refused".to_string();
+        h.unserved
+            .record(&path, socket, None, LearnedBy::ConnectProbe, since, reason);
+        assert!(h.backoff.is_held(&path, socket));
+        assert!(h.backoff.is_unserved(&path, socket));
+        let event = h.events.try_recv().expect("an event");
+        assert_eq!(event.kind, EventKind::Unserved);
+        assert_eq!(event.socket_path, path);
+
+        let safety = Arc::new(SafetyPass::default());
+        let look = h.unserved.recheck(&safety).expect("a look");
+        assert!(
+            h.unserved.recheck(&safety).is_none(),
+            "a second look at once"
+        );
+        // `listener` is bound and accepts connections: the look finds it served.
+        look.await;
+        assert!(!h.backoff.is_held(&path, socket), "the mark was not lifted");
+        match h.queue.take() {
+            Some(Work::Paths(paths)) => assert!(paths.contains(&path)),
+            other => panic!("marked {other:?}"),
+        }
+        assert!(
+            h.unserved.recheck(&safety).is_some(),
+            "the next pass looks again"
+        );
+        drop(listener);
+    }
+
+    /// A loss of a registration that is no longer the one at the path changes nothing.
+    #[test]
+    fn a_loss_of_another_registration_is_ignored() {
+        let h = harness();
+        let loss = Loss {
+            path: PathBuf::from("/plugins/gone.sock"),
+            generation: uuid::Uuid::new_v4(),
+            learned_by: LearnedBy::Pidfd,
+            reason: "exited".into(),
+            since: Instant::now(),
+        };
+        assert_eq!(h.unserved.lost(loss), None);
+        assert!(h.queue.take().is_none());
+        assert!(h.backoff.unserved_sockets().is_empty());
+    }
+}
