@@ -1,25 +1,31 @@
-//! Assembles the data flow of DESIGN.md from a configuration and runs it.
+//! Assembles the data flow of `docs/architecture.md` from a configuration and runs it; and, in
+//! [`run`], the process around it (handlers, admin API, capabilities, signals).
 //!
 //! ```text
-//! event source -> watcher -> desired state -> reconciler -> executor -> handlers
-//!                                                   actual state <-/
+//! event source -> watcher -> desired state -> reconciler -> executor -> operations -> handlers
+//!                                                              actual state <-/
 //! ```
 
+mod process;
+mod stages;
+
+use stages::Stages;
+
+pub use process::{RunSettings, run};
+
 use crate::config::PolicySource;
-use crate::event_source::{self, EventSource, SourceChoice, SourceKind, SourceOptions};
-use crate::executor::{ExecutorConfig, OperationExecutor, PolicyReload};
+use crate::event_source::{self, SourceChoice, SourceKind, SourceOptions};
+use crate::executor::{ExecutorConfig, OperationExecutor};
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
+use crate::operations::{PolicyReload, Runner};
 use crate::policy::Policy;
-use crate::provenance::Resolver;
-use crate::reconciler::{ReconcileMode, Reconciler};
+use crate::reconciler::ReconcileMode;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
-use crate::state::queue::ReconcileQueue;
 use crate::state::view::StateView;
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::StateCollector;
-use crate::watcher::Watcher;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -131,8 +137,10 @@ pub struct RunningAgent {
     pub actual: Arc<ActualState>,
     /// Handlers by type; may be changed while running.
     pub handlers: Arc<HandlerRegistry>,
-    /// The operation executor.
+    /// The operation executor (scheduling).
     pub executor: Arc<OperationExecutor>,
+    /// The operations it runs (admission, journal, policy reloads).
+    runner: Arc<Runner>,
     /// The event source in use.
     pub source: SourceKind,
     /// What the source attached, for operators.
@@ -170,27 +178,9 @@ impl RunningAgent {
         let cancel = CancellationToken::new();
         let source_opening = Instant::now();
         let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
-        let event_source::Opened {
-            source,
-            passed_over,
-        } = event_source::open(
-            config.source,
-            hints_tx,
-            cancel.child_token(),
-            &config.source_options,
-        )
-        .await?;
+        let (source, source_description) = open_source(&config, hints_tx, &cancel).await?;
         let source_open = Instant::now();
         let source_kind = source.kind();
-        let source_description = match passed_over.is_empty() {
-            true => source.describe(),
-            false => format!(
-                "{}; passed over {}",
-                source.describe(),
-                passed_over.join("; ")
-            ),
-        };
-        info!(source = %source_kind, attached = %source_description, plugin_dir = %config.plugin_dir.display(), "event source open");
         let kernel = Arc::new(crate::kernel::probe(source.fentry()));
         kernel.log();
 
@@ -201,31 +191,16 @@ impl RunningAgent {
         source.report_problems_to(Box::new(move |problem| {
             watcher_stats.health.condition("event source", problem);
         }));
-        if !policy.is_empty() {
-            info!(rules = policy.len(), "policy in force");
-        }
-        stages
-            .executor
-            .with_admission(stages.provenance.clone(), policy);
-        stages.executor.watch_contacts(stages.desired.clone());
+        stages.admit_with(policy);
 
         let (ready_tx, ready) = watch::channel(false);
 
         let mut tasks = tokio::task::JoinSet::new();
         let metrics_addr = match config.metrics_addr {
             Some(addr) => {
-                let collector = StateCollector {
-                    state: stages.state_view(),
-                    handlers: handlers.clone(),
-                    watcher: stages.telemetry.watcher.clone(),
-                    source,
-                    kernel: kernel.clone(),
-                };
-                let metrics = &stages.telemetry.metrics;
-                let registry = (metrics.registry(collector), metrics.renders());
-                let watcher = stages.telemetry.watcher.clone();
-                let served = (registry, ready.clone(), watcher, cancel.clone());
-                serve_metrics(addr, served, &mut tasks).await?
+                let collector = stages.collector(&handlers, source, kernel.clone());
+                let served = (&*stages.telemetry, ready.clone(), cancel.clone());
+                serve_metrics(addr, collector, served, &mut tasks).await?
             }
             None => None,
         };
@@ -245,20 +220,18 @@ impl RunningAgent {
             reconciler.run(reconciler_cancel).await;
             Ok(())
         });
+        let walked = move || {
+            phases.report(Instant::now(), source_kind);
+            let _ = ready_tx.send(true);
+        };
         let watcher_cancel = cancel.clone();
-        tasks.spawn(async move {
-            watcher
-                .run(hints_rx, watcher_cancel, move || {
-                    phases.report(Instant::now(), source_kind);
-                    let _ = ready_tx.send(true);
-                })
-                .await
-        });
+        tasks.spawn(async move { watcher.run(hints_rx, watcher_cancel, walked).await });
         Ok(RunningAgent {
             desired: stages.desired,
             actual: stages.actual,
             handlers,
             executor: stages.executor,
+            runner: stages.runner,
             source: source_kind,
             source_description,
             kernel,
@@ -276,7 +249,34 @@ impl RunningAgent {
 
     /// The tables a plugin's state is derived from, for the admin API and tests.
     pub fn state_view(&self) -> StateView {
-        state_view(&self.desired, &self.actual, &self.executor)
+        StateView {
+            desired: self.desired.clone(),
+            actual: self.actual.clone(),
+            backoff: self.executor.backoffs(),
+        }
+    }
+
+    /// What the admin API serves of this agent.
+    pub fn served(&self) -> crate::admin::server::Served {
+        let mode = self.config.executor.mode;
+        crate::admin::server::Served {
+            state: self.state_view(),
+            handlers: self.handlers.clone(),
+            notifications: self.notifications.clone(),
+            stats: self.telemetry.watcher.clone(),
+            status: crate::admin::server::AgentStatus {
+                source: self.source.to_string(),
+                sees_contacts: self.source.reports_contacts(),
+                source_description: self.source_description.clone(),
+                plugin_dir: self.config.plugin_dir.display().to_string(),
+                reconcile_mode: format!("{:?}", self.config.reconcile_mode).to_lowercase(),
+                mode: mode.to_string(),
+                started_at: self.started_at,
+                kernel: self.kernel.clone(),
+            },
+            observes: mode.observes(),
+            policy: Arc::new(self.policy_reloader()),
+        }
     }
 
     /// Waits for the first full scan of the plugin directory.
@@ -314,6 +314,35 @@ impl RunningAgent {
             journal.flush();
         }
     }
+}
+
+/// Opens `config`'s event source, sending its hints to `hints`; the source and what it
+/// attached (with the sources `--source auto` passed over, and why), for operators.
+async fn open_source(
+    config: &AgentConfig,
+    hints: mpsc::Sender<crate::event_source::FsEvent>,
+    cancel: &CancellationToken,
+) -> anyhow::Result<(Arc<dyn crate::event_source::EventSource>, String)> {
+    let event_source::Opened {
+        source,
+        passed_over,
+    } = event_source::open(
+        config.source,
+        hints,
+        cancel.child_token(),
+        &config.source_options,
+    )
+    .await?;
+    let description = match passed_over.is_empty() {
+        true => source.describe(),
+        false => format!(
+            "{}; passed over {}",
+            source.describe(),
+            passed_over.join("; ")
+        ),
+    };
+    info!(source = %source.kind(), attached = %description, plugin_dir = %config.plugin_dir.display(), "event source open");
+    Ok((source, description))
 }
 
 /// Puts back what the previous agent registered (unless told not to) and hands the executor the
@@ -356,15 +385,15 @@ fn carry_on(
         );
     }
     let journal = Arc::new(journal);
-    stages.executor.keep_journal(journal.clone());
+    stages.runner.keep_journal(journal.clone());
     // Restored registrations have no registration connection to learn their servers from: the
     // servers the previous agent recorded are found again by pid (else one connect each learns
     // them), after the first walk, which decides what changed while no agent ran. A server that
     // exited meanwhile is found then (its pidfd is readable at once, or the connect refused).
-    let executor = stages.executor.clone();
+    let runner = stages.runner.clone();
     tokio::spawn(async move {
         if walked.wait_for(|walked| *walked).await.is_ok() {
-            executor.watch_restored();
+            runner.watch_restored();
         }
     });
     journal
@@ -375,17 +404,13 @@ fn carry_on(
 /// plugins: an address that cannot be bound is reported and the agent runs without them.
 async fn serve_metrics(
     addr: SocketAddr,
-    (registry, ready, watcher, cancel): (
-        (
-            prometheus_client::registry::Registry,
-            prometheus_client::metrics::counter::Counter,
-        ),
-        watch::Receiver<bool>,
-        Arc<crate::telemetry::WatcherStats>,
-        CancellationToken,
-    ),
+    collector: StateCollector,
+    (telemetry, ready, cancel): (&Telemetry, watch::Receiver<bool>, CancellationToken),
     tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
 ) -> anyhow::Result<Option<SocketAddr>> {
+    let metrics = &telemetry.metrics;
+    let registry = (metrics.registry(collector), metrics.renders());
+    let watcher = telemetry.watcher.clone();
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(listener) => listener,
         Err(e) => {
@@ -401,91 +426,12 @@ async fn serve_metrics(
     Ok(Some(bound))
 }
 
-/// The data flow's stages, wired together but not yet running.
-struct Stages {
-    desired: Arc<DesiredState>,
-    actual: Arc<ActualState>,
-    notifications: NotificationBus,
-    telemetry: Arc<Telemetry>,
-    executor: Arc<OperationExecutor>,
-    watcher: Watcher,
-    reconciler: Reconciler,
-    provenance: Arc<Resolver>,
-}
-
-impl Stages {
-    /// The tables a plugin's state is derived from, for metrics.
-    fn state_view(&self) -> StateView {
-        state_view(&self.desired, &self.actual, &self.executor)
-    }
-
-    /// Creates the caches, the reconcile queue, the notification bus and telemetry, and the
-    /// executor, watcher and reconciler over them, as the data flow of `docs/architecture.md`.
-    fn assemble(
-        config: &AgentConfig,
-        handlers: &Arc<HandlerRegistry>,
-        source: Arc<dyn EventSource>,
-        cancel: &CancellationToken,
-    ) -> Stages {
-        let desired = Arc::new(DesiredState::default());
-        let actual = Arc::new(ActualState::default());
-        let queue = Arc::new(ReconcileQueue::default());
-        let notifications = NotificationBus::default();
-        let telemetry = Telemetry::new(source.kind());
-        let executor = OperationExecutor::new(
-            actual.clone(),
-            handlers.clone(),
-            queue.clone(),
-            ExecutorConfig {
-                listens_reported: source.kind().reports_listens(),
-                ..config.executor
-            },
-            notifications.clone(),
-            telemetry.clone(),
-            cancel.child_token(),
-        );
-        let provenance = Arc::new(if config.provenance {
-            Resolver::default()
-        } else {
-            Resolver::kernel_only()
-        });
-        let watcher = Watcher::new(
-            config.plugin_dir.clone(),
-            source,
-            desired.clone(),
-            queue.clone(),
-            notifications.clone(),
-            telemetry.clone(),
-        )
-        .with_liveness(executor.liveness());
-        let reconciler = Reconciler::new(
-            desired.clone(),
-            actual.clone(),
-            executor.clone(),
-            queue.clone(),
-            config.reconcile_mode,
-            config.safety_period,
-            watcher.safety_pass(),
-        );
-        Stages {
-            desired,
-            actual,
-            notifications,
-            telemetry,
-            executor,
-            watcher,
-            reconciler,
-            provenance,
-        }
-    }
-}
-
 impl RunningAgent {
     /// What reads the policy again and applies it (`plugin-agent policy reload`, SIGHUP).
     pub fn policy_reloader(&self) -> PolicyReloader {
         PolicyReloader {
             source: self.config.policy.clone(),
-            executor: self.executor.clone(),
+            runner: self.runner.clone(),
         }
     }
 }
@@ -494,7 +440,7 @@ impl RunningAgent {
 #[derive(Clone)]
 pub struct PolicyReloader {
     source: PolicySource,
-    executor: Arc<OperationExecutor>,
+    runner: Arc<Runner>,
 }
 
 impl PolicyReloader {
@@ -506,7 +452,7 @@ impl PolicyReloader {
             .rules()
             .and_then(|rules| Policy::compile(rules.as_slice()));
         match policy {
-            Ok(policy) => Ok(self.executor.reload_policy(policy)),
+            Ok(policy) => Ok(self.runner.reload_policy(policy)),
             Err(e) => {
                 warn!(
                     error = format!("{e:#}"),
@@ -518,15 +464,8 @@ impl PolicyReloader {
     }
 }
 
-/// The view over desired state, actual state and the executor's backoff table.
-fn state_view(
-    desired: &Arc<DesiredState>,
-    actual: &Arc<ActualState>,
-    executor: &OperationExecutor,
-) -> StateView {
-    StateView {
-        desired: desired.clone(),
-        actual: actual.clone(),
-        backoff: executor.backoffs(),
+impl crate::admin::server::PolicyReloading for PolicyReloader {
+    fn reload(&self) -> anyhow::Result<PolicyReload> {
+        PolicyReloader::reload(self)
     }
 }

@@ -26,6 +26,7 @@ pub mod memory;
 pub mod mode;
 pub mod mounts;
 pub mod notifications;
+pub mod operations;
 pub mod persist;
 pub mod policy;
 pub mod privileges;

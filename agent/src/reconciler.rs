@@ -12,17 +12,20 @@
 //! the next seconds (a fixed period from start-up walked wherever in the quiet the phase put it),
 //! and an idle node is walked every period as before.
 //!
-//! Per path, unregistrations come first: a registered plugin whose socket is no longer desired, is
-//! desired with a different generation (socket re-created), or is no longer served (`liveness`),
-//! is deregistered; the registration
-//! of the new socket follows when that operation has finished (the executor allows one operation
-//! per path, and marks the path again when it ends).
+//! Per path, what to do is `state::view::next`'s, the rule the views' states are derived from
+//! too: unregistrations come first (a registered plugin whose socket is no longer desired, is
+//! desired with a different generation (socket re-created), or is no longer served
+//! (`liveness`) or refused (`policy`), is deregistered); the registration of the new socket
+//! follows when that operation has finished (the executor allows one operation per path, and
+//! marks the path again when it ends). Operations are asked of a [`Scheduler`]: the executor,
+//! or in tests a fake that records what it was asked.
 
-use crate::executor::OperationExecutor;
+use crate::executor::Scheduler;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
 use crate::state::queue::{ReconcileQueue, Work};
 use crate::state::safety_pass::SafetyPass;
+use crate::state::view::Next;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,19 +47,19 @@ pub enum ReconcileMode {
 pub const KUBELET_LOOP_PERIOD: Duration = Duration::from_secs(1);
 
 /// See the module docs.
-pub struct Reconciler {
+pub struct Reconciler<S: Scheduler> {
     desired: Arc<DesiredState>,
     actual: Arc<ActualState>,
-    executor: Arc<OperationExecutor>,
+    scheduler: Arc<S>,
     queue: Arc<ReconcileQueue>,
     mode: ReconcileMode,
     safety_period: Duration,
     safety: Arc<SafetyPass>,
 }
 
-impl Reconciler {
+impl<S: Scheduler> Reconciler<S> {
     /// - `desired`, `actual`: the caches compared;
-    /// - `executor`: runs the operations (one per path, with backoff);
+    /// - `scheduler`: runs the operations (one per path, with backoff);
     /// - `queue`: the marked paths, and the wake-up;
     /// - `mode`, `safety_period`: event-driven with a full pass every `safety_period`, or kubelet's
     ///   1 s polling loop;
@@ -65,7 +68,7 @@ impl Reconciler {
     pub fn new(
         desired: Arc<DesiredState>,
         actual: Arc<ActualState>,
-        executor: Arc<OperationExecutor>,
+        scheduler: Arc<S>,
         queue: Arc<ReconcileQueue>,
         mode: ReconcileMode,
         safety_period: Duration,
@@ -74,7 +77,7 @@ impl Reconciler {
         Reconciler {
             desired,
             actual,
-            executor,
+            scheduler,
             queue,
             mode,
             safety_period,
@@ -104,7 +107,7 @@ impl Reconciler {
                     schedule.passed(now, self.safety.spacing(self.safety_period));
                     pass.set(tokio::time::sleep_until(schedule.due()));
                     self.queue.mark_all();
-                    self.executor.recheck_unserved(&self.safety);
+                    self.scheduler.recheck_unserved(&self.safety);
                     self.safety.request();
                 }
             }
@@ -156,40 +159,45 @@ impl Reconciler {
         };
         trace!(paths = paths.len(), "reconciling");
         for path in paths {
-            let registered = self.actual.get(&path);
-            // Held (unserved, refused by policy) and not registered: nothing to do until the
-            // socket changes, decided without copying its entry (most of a tree of dead sockets).
-            if registered.is_none()
-                && self
-                    .desired
-                    .socket_of(&path)
-                    .is_some_and(|socket| self.executor.is_held(&path, socket))
-            {
-                continue;
-            }
-            let desired = self.desired.get(&path);
-            if let Some(registered) = registered {
-                let superseded =
-                    desired.as_ref().map(|d| d.generation) != Some(registered.generation);
-                if superseded || self.executor.is_held(&path, registered.socket) {
-                    let outcome = self.executor.deregister(&path, registered);
+            self.reconcile_path(&path);
+        }
+        self.scheduler.after_pass();
+    }
+
+    /// Asks for what `path` needs next (see `state::view::next`).
+    fn reconcile_path(&self, path: &Path) {
+        let registered = self.actual.get(path);
+        let socket = match &registered {
+            Some(registered) => Some(registered.socket),
+            None => self.desired.socket_of(path),
+        };
+        let held = socket.is_some_and(|socket| self.scheduler.is_held(path, socket));
+        // Held and not registered: nothing to do until the socket changes, decided without
+        // copying its entry (most of a tree of dead sockets).
+        let desired = match registered.is_none() && held {
+            true => None,
+            false => self.desired.get(path),
+        };
+        match crate::state::view::next(
+            desired.as_ref().map(|d| d.generation),
+            registered.as_ref(),
+            held,
+        ) {
+            Next::Keep | Next::Hold => {}
+            Next::Deregister => {
+                if let Some(registered) = registered {
+                    let outcome = self.scheduler.deregister(path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
-                    continue;
-                }
-                // A registration the previous agent began and did not finish is run again.
-                if !registered.interrupted {
-                    continue;
                 }
             }
-            match desired {
-                Some(desired) => {
-                    let outcome = self.executor.register(&path, desired);
+            Next::Register => {
+                if let Some(desired) = desired {
+                    let outcome = self.scheduler.register(path, desired);
                     debug!(socket_path = %path.display(), ?outcome, "register");
                 }
-                None => self.executor.forget(&path),
             }
+            Next::Forget => self.scheduler.forget(path),
         }
-        self.executor.after_pass();
     }
 }
 
@@ -324,5 +332,261 @@ mod tests {
             .filter(|ms| schedule.changed(start + Duration::from_millis(*ms)))
             .count();
         assert_eq!(moves, 10, "timer moves in 10 s of changes");
+    }
+}
+
+#[cfg(test)]
+mod against_a_fake_scheduler {
+    use super::*;
+    use crate::executor::Start;
+    use crate::handler::Plugin;
+    use crate::handler::accept_all::AcceptAll;
+    use crate::state::SocketId;
+    use crate::state::actual::RegisteredPlugin;
+    use crate::state::desired::DesiredPlugin;
+    use std::collections::HashSet;
+    use std::path::PathBuf;
+    use std::sync::Mutex;
+    use tokio::sync::mpsc;
+    use uuid::Uuid;
+
+    /// What the reconciler asked.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Asked {
+        Register(PathBuf, Uuid),
+        Deregister(PathBuf, Uuid),
+        Forget(PathBuf),
+        AfterPass,
+        RecheckUnserved,
+    }
+
+    /// Records what it is asked, says a socket is held when its path is in `held`, and starts
+    /// nothing.
+    struct FakeScheduler {
+        asked: mpsc::UnboundedSender<Asked>,
+        held: Mutex<HashSet<PathBuf>>,
+    }
+
+    impl Scheduler for FakeScheduler {
+        fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
+            let asked = Asked::Register(path.to_path_buf(), desired.generation);
+            self.asked.send(asked).expect("test alive");
+            Start::Started
+        }
+
+        fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
+            let asked = Asked::Deregister(path.to_path_buf(), registered.generation);
+            self.asked.send(asked).expect("test alive");
+            Start::Started
+        }
+
+        fn is_held(&self, path: &Path, _socket: SocketId) -> bool {
+            self.held.lock().expect("held").contains(path)
+        }
+
+        fn forget(&self, path: &Path) {
+            let asked = Asked::Forget(path.to_path_buf());
+            self.asked.send(asked).expect("test alive");
+        }
+
+        fn after_pass(&self) {
+            self.asked.send(Asked::AfterPass).expect("test alive");
+        }
+
+        fn recheck_unserved(self: &Arc<Self>, _safety: &Arc<SafetyPass>) {
+            self.asked.send(Asked::RecheckUnserved).expect("test alive");
+        }
+    }
+
+    struct Harness {
+        desired: Arc<DesiredState>,
+        actual: Arc<ActualState>,
+        queue: Arc<ReconcileQueue>,
+        scheduler: Arc<FakeScheduler>,
+        asked: mpsc::UnboundedReceiver<Asked>,
+        safety_period: Duration,
+    }
+
+    impl Harness {
+        fn new(safety_period: Duration) -> Self {
+            let (tx, asked) = mpsc::unbounded_channel();
+            Harness {
+                desired: Arc::default(),
+                actual: Arc::default(),
+                queue: Arc::default(),
+                scheduler: Arc::new(FakeScheduler {
+                    asked: tx,
+                    held: Mutex::default(),
+                }),
+                asked,
+                safety_period,
+            }
+        }
+
+        fn reconciler(&self) -> Reconciler<FakeScheduler> {
+            Reconciler::new(
+                self.desired.clone(),
+                self.actual.clone(),
+                self.scheduler.clone(),
+                self.queue.clone(),
+                ReconcileMode::Event,
+                self.safety_period,
+                Arc::default(),
+            )
+        }
+
+        /// A socket desired at `name`; its generation.
+        fn desire(&self, name: &str, ino: u64) -> Uuid {
+            let path = path(name);
+            let socket = SocketId {
+                dev: 1,
+                ino,
+                birth_ns: None,
+                handle: None,
+            };
+            self.desired
+                .add_or_update(&path, socket, None)
+                .expect("desired");
+            self.desired.get(&path).expect("desired").generation
+        }
+
+        /// Registered at `name` from the socket desired there now (or, if none, a gone one).
+        fn register(&self, name: &str, interrupted: bool) -> Uuid {
+            let path = path(name);
+            let desired = self.desired.get(&path);
+            let plugin = Plugin {
+                plugin_type: "CSIPlugin".into(),
+                name: name.into(),
+                endpoint: String::new(),
+                supported_versions: Vec::new(),
+                socket_path: path.display().to_string(),
+            };
+            let mut entry = self.actual.add(
+                Arc::from(path.as_path()),
+                desired.as_ref().map_or_else(Uuid::new_v4, |d| d.generation),
+                desired.map_or(
+                    SocketId {
+                        dev: 1,
+                        ino: 999,
+                        birth_ns: None,
+                        handle: None,
+                    },
+                    |d| d.socket,
+                ),
+                plugin,
+                Arc::new(AcceptAll),
+                crate::provenance::Provenance::default(),
+            );
+            entry.interrupted = interrupted;
+            self.actual
+                .restore(Arc::from(path.as_path()), entry)
+                .generation
+        }
+
+        fn asked(&mut self) -> Vec<Asked> {
+            let mut asked = Vec::new();
+            while let Ok(one) = self.asked.try_recv() {
+                asked.push(one);
+            }
+            asked
+        }
+    }
+
+    fn path(name: &str) -> PathBuf {
+        PathBuf::from(format!("/plugins/{name}.sock"))
+    }
+
+    /// Every row of `state::view::next`, as the reconciler acts on it, in one pass: re-created,
+    /// gone and held registrations are deregistered, new and interrupted ones registered, and a
+    /// current registration, a held unregistered socket and an unknown path ask for nothing
+    /// but their forgetting.
+    #[test]
+    fn a_pass_asks_for_what_each_path_needs_and_nothing_else() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let new = h.desire("new", 1);
+        let current = h.desire("current", 2);
+        h.register("current", false);
+        let old = h.register("recreated", false);
+        let recreated = h.desire("recreated", 3);
+        assert_ne!(old, recreated);
+        let gone = h.register("gone", false);
+        let interrupted = h.desire("interrupted", 4);
+        h.register("interrupted", true);
+        h.desire("dead", 5);
+        let unserved = h.desire("unserved", 6);
+        h.register("unserved", false);
+        for held in ["dead", "unserved"] {
+            h.scheduler.held.lock().expect("held").insert(path(held));
+        }
+        let paths = [
+            "new",
+            "current",
+            "recreated",
+            "gone",
+            "interrupted",
+            "dead",
+            "unserved",
+            "unknown",
+        ];
+        let work = Work::Paths(paths.iter().map(|name| path(name)).collect());
+        h.reconciler().reconcile(work);
+        assert_eq!(
+            h.asked(),
+            [
+                Asked::Register(path("new"), new),
+                Asked::Deregister(path("recreated"), old),
+                Asked::Deregister(path("gone"), gone),
+                Asked::Register(path("interrupted"), interrupted),
+                Asked::Deregister(path("unserved"), unserved),
+                Asked::Forget(path("unknown")),
+                Asked::AfterPass,
+            ]
+        );
+        let _ = current;
+    }
+
+    /// A pass over everything takes desired sockets in the order they were found, then the
+    /// registrations no longer desired.
+    #[test]
+    fn a_pass_over_everything_goes_in_discovery_order() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let gone = h.register("z-gone", false);
+        let first = h.desire("b-first", 1);
+        let second = h.desire("a-second", 2);
+        h.reconciler().reconcile(Work::Everything);
+        assert_eq!(
+            h.asked(),
+            [
+                Asked::Register(path("b-first"), first),
+                Asked::Register(path("a-second"), second),
+                Asked::Deregister(path("z-gone"), gone),
+                Asked::AfterPass,
+            ]
+        );
+    }
+
+    /// The running reconciler wakes on a marked path (no polling), and the safety pass asks
+    /// for the unserved sockets' look and for everything.
+    #[tokio::test(start_paused = true)]
+    async fn a_marked_path_wakes_it_and_the_safety_pass_looks_at_everything() {
+        let mut h = Harness::new(Duration::from_secs(30));
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(h.reconciler().run(cancel.clone()));
+        let generation = h.desire("new", 1);
+        h.queue.mark(path("new"));
+        assert_eq!(
+            h.asked.recv().await,
+            Some(Asked::Register(path("new"), generation))
+        );
+        assert_eq!(h.asked.recv().await, Some(Asked::AfterPass));
+        // Quiet for the safety period: the pass runs (the paused clock jumps to it).
+        assert_eq!(h.asked.recv().await, Some(Asked::RecheckUnserved));
+        assert_eq!(
+            h.asked.recv().await,
+            Some(Asked::Register(path("new"), generation)),
+            "the pass looks at every desired socket"
+        );
+        cancel.cancel();
+        running.await.expect("reconciler");
     }
 }

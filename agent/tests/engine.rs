@@ -6,7 +6,7 @@
 use plugin_agent::admin::server::AdminService;
 use plugin_agent::agent::{AgentConfig, RunningAgent};
 use plugin_agent::event_source::{SourceChoice, SourceKind};
-use plugin_agent::executor::{ExecutorConfig, Start};
+use plugin_agent::executor::{ExecutorConfig, Scheduler, Start};
 use plugin_agent::handler::{HandlerError, HandlerRegistry, Plugin, PluginHandler};
 use plugin_agent_proto::pluginagent::v1::PluginState;
 use plugin_agent_tests::fake_plugin::serve::Served;
@@ -476,7 +476,7 @@ impl PluginHandler for RetryGate {
 
 /// The state the admin API lists for the only plugin.
 fn listed_state(agent: &RunningAgent) -> PluginState {
-    let (plugins, _) = AdminService::new(agent).list(None, usize::MAX);
+    let (plugins, _) = AdminService::new(agent.served()).list(None, usize::MAX);
     assert_eq!(plugins.len(), 1, "{plugins:?}");
     PluginState::try_from(plugins[0].state).expect("known state")
 }
@@ -634,7 +634,7 @@ async fn the_admin_socket_takes_connections_before_it_is_served_and_answers_them
     let cancel = CancellationToken::new();
     let server = tokio::spawn(plugin_agent::admin::server::serve(
         bound,
-        AdminService::new(&harness.agent),
+        AdminService::new(harness.agent.served()),
         cancel.clone(),
     ));
     let mut frame_header = [0u8; 9];

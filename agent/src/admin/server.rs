@@ -3,7 +3,7 @@
 //! come from the broadcast bus).
 
 use super::MAX_MESSAGE_BYTES;
-use crate::agent::{PolicyReloader, RunningAgent};
+pub use super::served::{AgentStatus, PolicyReloading, Served};
 use crate::handler::{self, HandlerRegistry, Plugin};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::provenance::{Actor, Contact, Creator, Process, Provenance};
@@ -34,52 +34,30 @@ pub struct AdminService {
     handlers: Arc<HandlerRegistry>,
     notifications: NotificationBus,
     stats: Arc<WatcherStats>,
-    status: StaticStatus,
+    status: AgentStatus,
     allowed_uid: u32,
     /// Observe mode uses no handler: adding one is refused rather than silently ignored.
     observes: bool,
     /// Reads the policy again (`ReloadPolicy`).
-    policy: PolicyReloader,
+    policy: Arc<dyn PolicyReloading>,
     /// Ends the event streams when the server stops: a graceful shutdown waits for every open
     /// response, and a `watch` stream would otherwise never end.
     shutdown: CancellationToken,
 }
 
-#[derive(Clone)]
-struct StaticStatus {
-    source: String,
-    /// Whether the event source reports connections (eBPF): what `list` says of an unknown
-    /// first contact.
-    sees_contacts: bool,
-    source_description: String,
-    plugin_dir: String,
-    reconcile_mode: String,
-    mode: String,
-    started_at: SystemTime,
-    kernel: Arc<crate::kernel::KernelFeatures>,
-}
-
 impl AdminService {
-    /// A view of `agent`. Callers other than root and the agent's own user are refused.
-    pub fn new(agent: &RunningAgent) -> Self {
+    /// A view of what `served` holds. Callers other than root and the agent's own user are
+    /// refused.
+    pub fn new(served: Served) -> Self {
         AdminService {
-            state: agent.state_view(),
-            handlers: agent.handlers.clone(),
-            notifications: agent.notifications.clone(),
-            stats: agent.telemetry.watcher.clone(),
-            status: StaticStatus {
-                source: agent.source.to_string(),
-                sees_contacts: agent.source.reports_contacts(),
-                source_description: agent.source_description.clone(),
-                plugin_dir: agent.config.plugin_dir.display().to_string(),
-                reconcile_mode: format!("{:?}", agent.config.reconcile_mode).to_lowercase(),
-                mode: agent.config.executor.mode.to_string(),
-                started_at: agent.started_at,
-                kernel: agent.kernel.clone(),
-            },
+            state: served.state,
+            handlers: served.handlers,
+            notifications: served.notifications,
+            stats: served.stats,
+            status: served.status,
             allowed_uid: nix::unistd::geteuid().as_raw(),
-            observes: agent.config.executor.mode.observes(),
-            policy: agent.policy_reloader(),
+            observes: served.observes,
+            policy: served.policy,
             shutdown: CancellationToken::new(),
         }
     }

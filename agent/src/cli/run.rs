@@ -1,13 +1,14 @@
 //! `plugin-agent run`: the settings from flags, the configuration file and defaults (flags win),
-//! and the agent's life from start to SIGINT/SIGTERM, with the admin API beside it.
+//! handed to the agent (`agent::run`), which assembles and runs the process.
 
 use super::DEFAULT_PLUGIN_DIR;
 use crate::admin;
-use crate::agent::{AgentConfig, RunningAgent};
+use crate::agent::AgentConfig;
+pub use crate::agent::RunSettings;
 use crate::config::{ConfigFile, PolicySource};
 use crate::event_source::{SourceChoice, SourceOptions};
 use crate::executor::{ExecutorConfig, HandlerTimeouts};
-use crate::handler::{self, HandlerRegistry};
+use crate::handler;
 use crate::mode::{Contact, Mode};
 use crate::policy::RuleFile;
 use crate::reconciler::ReconcileMode;
@@ -17,7 +18,6 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args, Debug, Default)]
@@ -166,19 +166,6 @@ fn parse_source(value: &str) -> Result<SourceChoice, String> {
     value.parse()
 }
 
-/// Everything `run` needs, after merging flags over the config file over defaults.
-#[derive(Debug)]
-pub struct RunSettings {
-    /// The agent's configuration.
-    pub agent: AgentConfig,
-    /// Handlers by type.
-    pub handlers: BTreeMap<String, String>,
-    /// Where to serve the admin API (None: not served).
-    pub admin_socket: Option<PathBuf>,
-    /// Keep every capability after start.
-    pub keep_capabilities: bool,
-}
-
 impl RunArgs {
     /// `--otlp-endpoint`, else the config file's `otlp_endpoint` (read early: tracing is set up
     /// before the agent starts). A config file that cannot be read is reported by `run` itself.
@@ -199,6 +186,7 @@ impl RunArgs {
         let policy = self.policy_source(self.flag_rule())?;
         let plugin_dir = self
             .plugin_dir
+            .clone()
             .or(file.plugin_dir)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_PLUGIN_DIR));
         let mut agent = AgentConfig::new(plugin_dir);
@@ -233,63 +221,20 @@ impl RunArgs {
         let metrics_addr = self.metrics_addr.or(file.metrics_addr);
         agent.metrics_addr =
             (!self.no_metrics).then(|| metrics_addr.unwrap_or(telemetry::http::DEFAULT_ADDR));
-        let mode_choice = match (self.mode, file.mode.as_deref()) {
-            (Some(mode), _) => Some(mode),
-            (None, Some(text)) => Some(
-                ModeChoice::from_str(text, true)
-                    .map_err(anyhow::Error::msg)
-                    .context("config: mode")?,
-            ),
-            (None, None) => None,
-        };
-        let contact = self
-            .observe_contact
-            .or(file.observe_contact)
-            .unwrap_or_default();
         let mut handlers = file.handlers;
         for (plugin_type, target) in &handlers {
             parse_handler(&format!("{plugin_type}={target}"))
                 .map_err(anyhow::Error::msg)
                 .context("config: handlers")?;
         }
-        handlers.extend(self.handlers);
-        agent.executor.mode = match mode_choice {
-            Some(ModeChoice::Register) => Mode::Register,
-            Some(ModeChoice::Observe) => Mode::Observe { contact },
-            // Nothing to register plugins with: telling every plugin "no handler" would fail
-            // them on a node where kubelet registers them.
-            None if handlers.is_empty() => Mode::Observe { contact },
-            None => Mode::Register,
-        };
+        handlers.extend(self.handlers.iter().cloned());
+        agent.executor.mode = self.mode(file.mode.as_deref(), file.observe_contact, &handlers)?;
         let admin_socket = (!self.no_admin).then(|| {
             admin_socket
                 .or(file.admin_socket)
                 .unwrap_or_else(|| PathBuf::from(admin::DEFAULT_SOCKET))
         });
-        // The state file lives in the runtime directory, which the admin socket's lock makes
-        // this agent's own (see `runtime_dir`); without one, nothing is carried across restarts.
-        let runtime_dir = admin_socket
-            .as_deref()
-            .and_then(Path::parent)
-            .map(|dir| {
-                if dir.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    dir
-                }
-            })
-            .and_then(|dir| std::path::absolute(dir).ok());
-        agent.state_file = runtime_dir
-            .as_deref()
-            .map(|dir| dir.join(crate::persist::FILE_NAME));
-        // Pins belong to an instance, named by the runtime directory it holds the lock of
-        // (see `ebpf::pins`): without one, nothing is pinned.
-        agent.source_options.ebpf_pins = runtime_dir.filter(|_| pins).and_then(|runtime_dir| {
-            Some(crate::event_source::ebpf::PinOwner {
-                tree: std::path::absolute(&agent.plugin_dir).ok()?,
-                runtime_dir,
-            })
-        });
+        in_runtime_dir(&mut agent, admin_socket.as_deref(), pins);
         agent.reregister_on_restart =
             self.reregister_on_restart || file.reregister_on_restart.unwrap_or(false);
         agent.provenance = self.provenance.or(file.provenance).unwrap_or(true);
@@ -299,6 +244,34 @@ impl RunArgs {
             handlers,
             admin_socket,
             keep_capabilities: self.keep_capabilities,
+        })
+    }
+
+    /// `--mode` over the file's `mode` (with `--observe-contact` over the file's): without
+    /// either, observe when no handler is configured.
+    fn mode(
+        &self,
+        file_mode: Option<&str>,
+        file_contact: Option<Contact>,
+        handlers: &BTreeMap<String, String>,
+    ) -> anyhow::Result<Mode> {
+        let mode_choice = match (self.mode, file_mode) {
+            (Some(mode), _) => Some(mode),
+            (None, Some(text)) => Some(
+                ModeChoice::from_str(text, true)
+                    .map_err(anyhow::Error::msg)
+                    .context("config: mode")?,
+            ),
+            (None, None) => None,
+        };
+        let contact = self.observe_contact.or(file_contact).unwrap_or_default();
+        Ok(match mode_choice {
+            Some(ModeChoice::Register) => Mode::Register,
+            Some(ModeChoice::Observe) => Mode::Observe { contact },
+            // Nothing to register plugins with: telling every plugin "no handler" would fail
+            // them on a node where kubelet registers them.
+            None if handlers.is_empty() => Mode::Observe { contact },
+            None => Mode::Register,
         })
     }
 
@@ -372,120 +345,33 @@ impl RunArgs {
     }
 }
 
-/// Logs the mode, why, and what conflicts with it: observe mode with handlers configured (they
-/// are not used), and register mode on a directory a running kubelet also watches (both would
-/// call the plugins, and a plugin hears two answers).
-fn say_mode(settings: &RunSettings) {
-    let mode = settings.agent.executor.mode;
-    let plugin_dir = &settings.agent.plugin_dir;
-    match mode {
-        Mode::Observe { .. } if settings.handlers.is_empty() => tracing::info!(
-            %mode, plugin_dir = %plugin_dir.display(),
-            "no handler configured: observing (never Notify, never a handler); configure a handler and --mode register on a directory the agent owns to register plugins"
-        ),
-        Mode::Observe { .. } => tracing::warn!(
-            %mode, handlers = settings.handlers.len(),
-            "observe mode: the configured handlers are not used"
-        ),
-        Mode::Register => {
-            tracing::info!(%mode, plugin_dir = %plugin_dir.display(), "registering plugins");
-            let kubelets = crate::kubelet::running(std::path::Path::new("/proc"));
-            if let Some(kubelet) = crate::kubelet::watching(&kubelets, plugin_dir) {
-                tracing::warn!(
-                    kubelet_pid = kubelet.pid,
-                    kubelet_plugins_registry = %kubelet.plugins_registry.display(),
-                    plugin_dir = %plugin_dir.display(),
-                    "register mode on a directory a running kubelet also watches: both will call each plugin's NotifyRegistrationStatus and plugins will hear two answers (node-driver-registrar exits on a Notify(false)); use --mode observe beside kubelet"
-                );
-            }
-        }
-    }
-}
-
-/// `plugin-agent run`, until SIGINT or SIGTERM.
-pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
-    // One agent per runtime directory, checked before anything starts (see `runtime_dir`).
-    let _lock = settings
-        .admin_socket
-        .as_deref()
-        .map(crate::runtime_dir::lock)
-        .transpose()?;
-    say_mode(&settings);
-    // Bound before the agent starts (see `admin::server::bind`); an admin socket that cannot be
-    // bound is logged and the agent runs without one, as it would without `--admin-socket`.
-    let admin_listener = settings.admin_socket.as_deref().and_then(|socket| {
-        admin::server::bind(socket)
-            .inspect_err(|e| tracing::error!(error = format!("{e:#}"), "no admin API"))
-            .ok()
-    });
-    let handlers = Arc::new(HandlerRegistry::default());
-    for (plugin_type, target) in &settings.handlers {
-        let handler = handler::from_target(target).map_err(anyhow::Error::msg)?;
-        tracing::info!(plugin_type = %plugin_type, handler = %target, "handler configured");
-        handlers.insert(plugin_type, handler);
-    }
-    let agent = RunningAgent::start(settings.agent, handlers).await?;
-    if settings.keep_capabilities {
-        tracing::warn!("--keep-capabilities: running with every capability the agent started with");
-    } else {
-        match crate::privileges::drop_after_start() {
-            Ok(dropped) => {
-                tracing::info!(kept = ?dropped.kept, dropped = dropped.dropped, "capabilities dropped after start")
-            }
-            Err(e) => tracing::warn!(
-                error = format!("{e:#}"),
-                "could not drop capabilities; running with those it has"
-            ),
-        }
-    }
-    let admin_cancel = tokio_util::sync::CancellationToken::new();
-    let admin = admin_listener.map(|listener| {
-        let service = admin::server::AdminService::new(&agent);
-        let cancel = admin_cancel.clone();
-        tokio::spawn(async move {
-            if let Err(e) = admin::server::serve(listener, service, cancel).await {
-                tracing::error!(error = format!("{e:#}"), "admin API stopped");
+/// The state file and the eBPF pins of `agent`, in the runtime directory: the admin socket's,
+/// which its lock makes this agent's own (see `runtime_dir`); without one, nothing is carried
+/// across restarts and nothing is pinned (pins belong to an instance, named by the runtime
+/// directory it holds the lock of: see `ebpf::pins`).
+fn in_runtime_dir(agent: &mut AgentConfig, admin_socket: Option<&Path>, pins: bool) {
+    let runtime_dir = admin_socket
+        .and_then(Path::parent)
+        .map(|dir| {
+            if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
             }
         })
+        .and_then(|dir| std::path::absolute(dir).ok());
+    agent.state_file = runtime_dir
+        .as_deref()
+        .map(|dir| dir.join(crate::persist::FILE_NAME));
+    agent.source_options.ebpf_pins = runtime_dir.filter(|_| pins).and_then(|runtime_dir| {
+        Some(crate::event_source::ebpf::PinOwner {
+            tree: std::path::absolute(&agent.plugin_dir).ok()?,
+            runtime_dir,
+        })
     });
-    let reloads = tokio::spawn(reload_policy_on_sighup(agent.policy_reloader()));
-    let result = agent.run_until(shutdown_signal()).await;
-    reloads.abort();
-    admin_cancel.cancel();
-    if let Some(admin) = admin {
-        // Its connections end with the cancel (see `serving`); the bound is a backstop.
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(600), admin).await;
-    }
-    result
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: finishing running operations"),
-        _ = int.recv() => tracing::info!("SIGINT: finishing running operations"),
-    }
-    crate::shutdown::begin();
-}
-
-/// SIGHUP reads the policy again (as `plugin-agent policy reload`); a policy that does not load
-/// is logged and changes nothing.
-async fn reload_policy_on_sighup(reloader: crate::agent::PolicyReloader) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-        return;
-    };
-    while hangups.recv().await.is_some() {
-        tracing::info!("SIGHUP: reloading the policy");
-        let reloader = reloader.clone();
-        // The reload logs its outcome either way.
-        let _ = tokio::task::spawn_blocking(move || reloader.reload()).await;
-    }
+/// `plugin-agent run`: hands the settings to the agent, which runs until SIGINT or SIGTERM.
+pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
+    crate::agent::run(settings).await
 }

@@ -1,20 +1,46 @@
-//! Claims: at most one operation per socket path (kubelet's `nestedpendingoperations`), and at
-//! most one handler call at a time per plugin (type, name). Both are released by guards, so an
-//! operation that ends any way, a panic included, frees what it held.
+//! Claims: at most one operation per socket path (kubelet's `nestedpendingoperations`). A claim is
+//! released by a guard, so an operation that ends any way, a panic included, frees its path, and
+//! the path is looked at again.
 
-use super::{OperationExecutor, OperationKind};
+use crate::state::queue::ReconcileQueue;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-impl OperationExecutor {
+/// Kind of operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperationKind {
+    /// Registering the socket's plugin.
+    Register,
+    /// Deregistering it.
+    Deregister,
+}
+
+/// The paths operations hold now.
+pub struct Claims {
+    in_flight: Mutex<HashMap<PathBuf, Claim>>,
+    /// Told about every released path: the reconciler looks at it again.
+    queue: Arc<ReconcileQueue>,
+    trimmer: crate::memory::Trimmer,
+}
+
+impl Claims {
+    /// Claims that mark each released path in `queue`.
+    pub fn new(queue: Arc<ReconcileQueue>) -> Arc<Self> {
+        Arc::new(Claims {
+            in_flight: Mutex::new(HashMap::new()),
+            queue,
+            trimmer: crate::memory::Trimmer::default(),
+        })
+    }
+
     /// Claims `path` for one operation, or says which operation holds it.
-    pub(super) fn claim(
+    pub fn claim(
         self: &Arc<Self>,
         path: &Path,
         kind: OperationKind,
     ) -> Result<InFlight, OperationKind> {
-        let mut in_flight = self.lock_in_flight();
+        let mut in_flight = self.lock();
         if let Some(running) = in_flight.get(path) {
             return Err(running.kind);
         }
@@ -27,38 +53,39 @@ impl OperationExecutor {
             },
         );
         Ok(InFlight {
-            executor: self.clone(),
+            claims: self.clone(),
             path: path.to_path_buf(),
             listened,
         })
     }
 
+    /// Whether an operation holds `path`.
+    pub fn is_claimed(&self, path: &Path) -> bool {
+        self.lock().contains_key(path)
+    }
+
     /// The kernel reported a `listen` on `path`: the operation that holds it, if it is waiting
     /// for the socket to listen, stops waiting now (or at its next wait, if it is between two).
-    pub(super) fn listened(&self, path: &Path) {
-        if let Some(claim) = self.lock_in_flight().get(path) {
+    pub fn listened(&self, path: &Path) {
+        if let Some(claim) = self.lock().get(path) {
             claim.listened.notify_one();
         }
     }
 
     /// Whether the kernel reported a `listen` on `path` that the operation holding it has not
     /// waited for (one that came after its last refused connect). Takes the report.
-    pub(super) fn listen_reported_to_claim(&self, path: &Path) -> bool {
+    pub fn listen_reported(&self, path: &Path) -> bool {
         use futures::FutureExt as _;
-        let Some(listened) = self
-            .lock_in_flight()
-            .get(path)
-            .map(|claim| claim.listened.clone())
-        else {
+        let Some(listened) = self.lock().get(path).map(|claim| claim.listened.clone()) else {
             return false;
         };
         // A report nobody waited for is kept as the Notify's permit: polling takes it.
         listened.notified().now_or_never().is_some()
     }
 
-    fn finish(&self, path: &Path) {
+    fn release(&self, path: &Path) {
         let idle = {
-            let mut in_flight = self.lock_in_flight();
+            let mut in_flight = self.lock();
             in_flight.remove(path);
             in_flight.is_empty()
         };
@@ -67,7 +94,7 @@ impl OperationExecutor {
         self.trimmer.finished(idle);
     }
 
-    pub(super) fn lock_in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim>> {
         self.in_flight
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -75,7 +102,7 @@ impl OperationExecutor {
 }
 
 /// What holds a path: the operation's kind, and how a `listen` the kernel reports reaches it.
-pub(super) struct Claim {
+struct Claim {
     kind: OperationKind,
     listened: Arc<tokio::sync::Notify>,
 }
@@ -83,119 +110,65 @@ pub(super) struct Claim {
 /// An operation's claim on its socket path. Released when the operation ends, however it ends (a
 /// panic included: otherwise the path would stay claimed and no pass would ever retry it), and
 /// the path is then looked at again.
-pub(super) struct InFlight {
-    executor: Arc<OperationExecutor>,
+pub struct InFlight {
+    claims: Arc<Claims>,
     path: PathBuf,
     listened: Arc<tokio::sync::Notify>,
 }
 
 impl InFlight {
     /// Notified when the kernel reports a `listen` on the path (eBPF source only).
-    pub(super) fn listened(&self) -> Arc<tokio::sync::Notify> {
+    pub fn listened(&self) -> Arc<tokio::sync::Notify> {
         self.listened.clone()
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.executor.finish(&self.path);
-    }
-}
-
-/// One async lock per (plugin type, name): handler calls for one plugin are strictly sequential.
-#[derive(Default)]
-pub(super) struct NameLocks {
-    locks: Mutex<HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-/// (plugin type, plugin name).
-type PluginKey = (String, String);
-
-impl NameLocks {
-    pub(super) async fn lock(&self, plugin_type: &str, name: &str) -> NameGuard<'_> {
-        let key = (plugin_type.to_string(), name.to_string());
-        let lock = self.map().entry(key.clone()).or_default().clone();
-        let guard = lock.clone().lock_owned().await;
-        NameGuard {
-            locks: self,
-            key,
-            lock,
-            guard: Some(guard),
-        }
-    }
-
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>> {
-        self.locks
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-/// Releases the name lock, and drops the map entry when nobody else holds or waits for it.
-pub(super) struct NameGuard<'a> {
-    locks: &'a NameLocks,
-    key: PluginKey,
-    lock: Arc<tokio::sync::Mutex<()>>,
-    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl Drop for NameGuard<'_> {
-    fn drop(&mut self) {
-        self.guard.take();
-        let mut map = self.locks.map();
-        // Held by the map, by `self.lock`, and by nobody else: no waiter, so the entry can go.
-        if Arc::strong_count(&self.lock) == 2 {
-            map.remove(&self.key);
-        }
+        self.claims.release(&self.path);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event_source::SourceKind;
     use futures::FutureExt as _;
-
-    fn executor() -> Arc<OperationExecutor> {
-        OperationExecutor::new(
-            Arc::default(),
-            Arc::default(),
-            Arc::default(),
-            super::super::ExecutorConfig::default(),
-            crate::notifications::NotificationBus::default(),
-            crate::telemetry::Telemetry::new(SourceKind::Ebpf),
-            tokio_util::sync::CancellationToken::new(),
-        )
-    }
 
     #[tokio::test]
     async fn a_listen_the_kernel_reports_reaches_the_operation_that_holds_the_path() {
-        let executor = executor();
+        let queue = Arc::new(ReconcileQueue::default());
+        let claims = Claims::new(queue.clone());
         let path = Path::new("/plugins/a.sock");
-        let claim = executor
+        let claim = claims
             .claim(path, OperationKind::Register)
             .unwrap_or_else(|_| panic!("the path was free"));
         let listened = claim.listened();
+        assert_eq!(
+            claims.claim(path, OperationKind::Deregister).err(),
+            Some(OperationKind::Register),
+            "a second operation on the path"
+        );
 
         // Another path's listen is not this operation's.
-        executor
-            .liveness()
-            .kernel_hint(Path::new("/plugins/b.sock"), true);
+        claims.listened(Path::new("/plugins/b.sock"));
         assert!(
             listened.notified().now_or_never().is_none(),
             "woken by another socket's listen"
         );
 
         // Its own is, also when it comes before the operation waits (kept until then).
-        executor.liveness().kernel_hint(path, true);
+        claims.listened(path);
         assert!(
             listened.notified().now_or_never().is_some(),
             "the listen did not reach the operation"
         );
 
-        // Once the operation ended, a listen on the path reaches nothing (and costs nothing).
+        // Once the operation ended, the path is free and looked at again, and a listen on it
+        // reaches nothing (and costs nothing).
         drop(claim);
-        executor.liveness().kernel_hint(path, true);
+        assert!(!claims.is_claimed(path));
+        assert!(queue.take().is_some(), "the released path was not marked");
+        claims.listened(path);
         assert!(listened.notified().now_or_never().is_none());
     }
 }

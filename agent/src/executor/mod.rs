@@ -1,78 +1,64 @@
-//! Operation executor: runs registrations and deregistrations, one at a time per socket path.
+//! Operation executor: schedules registrations and deregistrations, one at a time per socket
+//! path; the steps of each are the runner's (the `operations` room), behind [`OperationRunner`].
 //!
 //! ```text
-//! register:   dial -> GetInfo -> handler by type -> validate -> actual state add -> register -> Notify(true)
-//!             any failure -> Notify(false, reason), roll back, back off (keyed by socket identity)
-//! deregister: actual state remove -> handler deregister (name, this socket's endpoint)
+//! reconciler --Scheduler--> executor: backoff? claim the path, wait for a slot
+//!                                      --OperationRunner--> operations: the steps
+//!                           <-- Ended: done, held, retry at, wait to listen (timers: `waits`)
 //! ```
 //!
 //! Guarantees: never two operations for one socket path at once (the second is refused with
-//! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); never two handler calls for one
-//! plugin name at once; at most `max_concurrent` operations in total, so a storm of broken plugins
-//! queues rather than exhausting the agent, a quarter of them dialling plugins (see
-//! [`slots::Slot::dialling`]), and at most four registrations per slot wait for one as tasks, the
-//! rest of a burst as listed paths (see [`slots::Backlog`]). Every plugin and handler call has a
-//! deadline, so a hung plugin or handler holds one slot for a bounded time and never blocks other
-//! plugins.
+//! [`Start::AlreadyRunning`], as kubelet's `IsAlreadyExists`); at most `max_concurrent`
+//! operations in total, so a storm of broken plugins queues rather than exhausting the agent, a
+//! quarter of them dialling plugins (see [`Slot::dialling`]), and at most four registrations
+//! per slot wait for one as tasks, the rest of a burst as listed paths (see
+//! [`slots::Backlog`]). Every plugin and handler call has a deadline (the runner's), so a hung
+//! plugin or handler holds one slot for a bounded time and never blocks other plugins.
 //!
 //! Every finished operation, and every backoff expiry, marks its path in the [`ReconcileQueue`],
 //! which wakes the reconciler: no polling.
 //!
-//! The room, as kubelet splits its `operationexecutor`:
-//! - this file: scheduling. Whether an operation may start (claims, backoff), the concurrency
-//!   limit, and what happens when one ends (release, backoff, the retry timer);
-//! - [`claims`]: the one-operation-per-path map and the per-plugin-name locks (kubelet's
-//!   `nestedpendingoperations`);
-//! - [`operation`]: the steps of a registration and a deregistration (kubelet's
-//!   `operation_generator.go`);
-//! - [`observe`]: what an operation reports to telemetry (outcome counters, latency, span fields).
+//! The room, as kubelet splits its `operationexecutor` (the runner is its operation generator):
+//! - this file: whether an operation may start (claims, backoff), the concurrency limit, and
+//!   what happens when one ends ([`Ended`]: release, the retry timer);
+//! - [`claims`]: the one-operation-per-path map (kubelet's `nestedpendingoperations`);
+//! - [`slots`]: the concurrency limit, its lanes, the dial permits and the backlog;
+//! - [`waits`]: one timer per path, and the looks at sockets not listening yet;
+//! - [`runner`]: the seam to the operations ([`OperationRunner`], [`Registration`], [`Ended`]).
 //!
-//! It imports the state room (caches, backoff table, reconcile queue), the plugin client
-//! (`registration`), the handlers, the event bus and the telemetry sink; nothing imports it but
-//! the reconciler and the assembly (`agent`).
+//! It imports the state room (backoff table, reconcile queue), `liveness` (its reports, and the
+//! unserved bookkeeping), the handler registry (a new handler releases what waited for it) and
+//! telemetry; nothing imports it but the reconciler, the operations and the assembly (`agent`).
 
-mod admission;
 mod claims;
-mod observe;
-mod observe_mode;
-mod operation;
-mod slots;
+mod runner;
+pub mod slots;
+mod waits;
 
-use crate::event_source::monotonic_now_ns;
 use crate::handler::HandlerRegistry;
-use crate::liveness::{LearnedBy, Liveness, Loss};
+use crate::liveness::{Liveness, Unserved};
 use crate::mode::Mode;
-use crate::notifications::{AgentEvent, EventKind, NotificationBus};
-use crate::registration::{PluginCallError, Timeouts};
-use crate::state::actual::{ActualState, RegisteredPlugin};
-use crate::state::backoff::{BackoffTable, FailureKind, ListenReleased, QUICK_RETRIES};
+use crate::registration::Timeouts;
+use crate::state::SocketId;
+use crate::state::actual::RegisteredPlugin;
+use crate::state::backoff::{BackoffTable, ListenReleased};
 use crate::state::desired::DesiredPlugin;
 use crate::state::queue::ReconcileQueue;
+use crate::state::safety_pass::SafetyPass;
 use crate::telemetry::Telemetry;
-use crate::telemetry::discovery::Via;
-pub use admission::PolicyReload;
-use claims::NameLocks;
-use opentelemetry::KeyValue;
-use operation::RegisterFailure;
-use slots::Slots;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use claims::Claims;
+pub use claims::OperationKind;
+pub use runner::{Ended, Operation, OperationRunner, Registration};
+pub use slots::Slot;
+use slots::{Backlog, Lane, Slots};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::field::Empty;
-use tracing::{Instrument, debug, info, info_span, warn};
-
-/// How long a socket found by a walk (not seen being created) may refuse connections before it
-/// counts as unserved: long enough for a plugin caught between its bind and its listen, short
-/// enough that a dead plugin's socket left from before a reboot is reported at once.
-const LISTEN_WAIT_AFTER_WALK: Duration = Duration::from_secs(1);
-
-/// How long after its socket was discovered a plugin that misses GetInfo's deadline counts as
-/// just started (busy starting up) rather than hung: it gets quick retries (see `state::backoff`).
-const QUICK_RETRY_WINDOW: Duration = Duration::from_secs(30);
+use tracing::{debug, info};
+use waits::Waits;
 
 /// Deadlines for handler calls.
 #[derive(Debug, Clone, Copy)]
@@ -123,15 +109,6 @@ impl Default for ExecutorConfig {
     }
 }
 
-/// Kind of operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OperationKind {
-    /// Registering the socket's plugin.
-    Register,
-    /// Deregistering it.
-    Deregister,
-}
-
 /// Expected outcomes of asking for an operation; none of them is an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
@@ -150,134 +127,114 @@ pub enum Start {
 const WAITING_PER_SLOT: usize = 4;
 
 /// Slots per dial permit: a quarter of the operations may be dialling a plugin and waiting for
-/// its `PluginInfo` at once (see [`slots::Slot::dialling`]).
+/// its `PluginInfo` at once (see [`Slot::dialling`]).
 const SLOTS_PER_DIAL: usize = 4;
+
+/// What the reconciler asks of the executor: the seam that lets it be tested without one.
+pub trait Scheduler: Send + Sync + 'static {
+    /// Starts registering the plugin at `path` unless an operation for it runs or it backs off.
+    fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start;
+    /// Starts deregistering `registered` from `path` unless an operation for it runs.
+    fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start;
+    /// Whether nothing serves the socket `socket` at `path`, or the policy refuses it: its
+    /// registration is ended, and it is not registered again until it (or the policy) changes.
+    fn is_held(&self, path: &Path, socket: SocketId) -> bool;
+    /// The socket at `path` left the tree: forget its backoff and its timer.
+    fn forget(&self, path: &Path);
+    /// The reconciler finished a pass (see [`slots::Backlog::refill`]).
+    fn after_pass(&self);
+    /// The safety pass is due: look at the unserved sockets again (see
+    /// [`Unserved::recheck`]).
+    fn recheck_unserved(self: &Arc<Self>, safety: &Arc<SafetyPass>);
+}
+
+/// What the executor is built over, besides its runner.
+pub struct ExecutorParts {
+    /// The backoff table it reads before an operation and its waits write.
+    pub backoff: Arc<BackoffTable>,
+    /// Told about every finished operation and expired backoff, to wake the reconciler.
+    pub queue: Arc<ReconcileQueue>,
+    /// Reports losses, listens and lost hints to the executor.
+    pub liveness: Arc<Liveness>,
+    /// The unserved bookkeeping (losses, the safety pass's look).
+    pub unserved: Arc<Unserved>,
+    /// Adding a handler releases the plugins that were waiting for it (subscribed here).
+    pub handlers: Arc<HandlerRegistry>,
+    /// Retries and discovery records.
+    pub telemetry: Arc<Telemetry>,
+}
 
 /// See the module docs.
 pub struct OperationExecutor {
-    actual: Arc<ActualState>,
-    handlers: Arc<HandlerRegistry>,
-    queue: Arc<ReconcileQueue>,
-    config: ExecutorConfig,
-    in_flight: Mutex<HashMap<PathBuf, claims::Claim>>,
+    runner: Arc<dyn OperationRunner>,
     backoff: Arc<BackoffTable>,
+    queue: Arc<ReconcileQueue>,
+    claims: Arc<Claims>,
     slots: Slots,
-    backlog: slots::Backlog,
-    /// A safety pass's look at unserved sockets is running (see `recheck_unserved`).
-    rechecking: std::sync::atomic::AtomicBool,
-    name_locks: NameLocks,
-    tasks: TaskTracker,
-    notifications: NotificationBus,
+    backlog: Backlog,
+    waits: Arc<Waits>,
+    unserved: Arc<Unserved>,
     telemetry: Arc<Telemetry>,
-    cancel: CancellationToken,
-    trimmer: crate::memory::Trimmer,
-    /// Pending backoff retries by path, cancelled when the socket leaves the tree: a storm of
-    /// short-lived sockets that fail (not plugins) would otherwise leave thousands of timers that
-    /// wake the idle agent long after the sockets are gone.
-    retry_timers: Mutex<HashMap<PathBuf, CancellationToken>>,
-    /// Connections a look at a socket waiting to listen made (see
-    /// [`Self::look_for_listen`]), for its registration's first try.
-    found_listening: Mutex<HashMap<PathBuf, (crate::state::SocketId, tokio::net::UnixStream)>>,
-    /// Where finished registrations and deregistrations are recorded for the next agent (see
-    /// `persist`); unset: nothing outlives this one.
-    journal: std::sync::OnceLock<Arc<crate::persist::Journal>>,
-    /// Desired state, read in observe mode for kubelet's first contact (see
-    /// [`crate::mode::Contact::AfterKubelet`]); unset: no first contact is ever known.
-    contacts: std::sync::OnceLock<Arc<crate::state::desired::DesiredState>>,
-    /// The servers of registered plugins, watched for their exit.
-    liveness: Arc<Liveness>,
-    /// Who serves each plugin, and whether the policy lets it register.
-    admission: admission::Admission,
-    /// Records each plugin call's steps (dial, GetInfo, Notify) in the metrics.
-    steps: crate::registration::StepTimer,
+    tasks: TaskTracker,
 }
 
 impl OperationExecutor {
-    /// - `actual`: written here, before the handler's Register and before its DeRegister;
-    /// - `handlers`: looked up by the plugin type GetInfo returns; adding one releases the plugins
-    ///   that were waiting for it (subscribed here);
-    /// - `queue`: told about every finished operation and expired backoff, to wake the reconciler;
-    /// - `notifications`: where registrations, failures and deregistrations are published;
-    /// - `telemetry`: operation outcomes, latencies and handler calls are recorded there, and
-    ///   each operation's span is made a child of its socket's discovery;
-    /// - `cancel`: stops backoff timers; running operations finish (see [`Self::drain`]).
+    /// Runs `runner`'s operations over `parts` as `config` bounds them; `cancel` stops slots and
+    /// timers, and running operations finish (see [`Self::drain`]).
     pub fn new(
-        actual: Arc<ActualState>,
-        handlers: Arc<HandlerRegistry>,
-        queue: Arc<ReconcileQueue>,
-        config: ExecutorConfig,
-        notifications: NotificationBus,
-        telemetry: Arc<Telemetry>,
+        runner: Arc<dyn OperationRunner>,
+        parts: ExecutorParts,
+        config: &ExecutorConfig,
         cancel: CancellationToken,
     ) -> Arc<Self> {
-        let steps = observe::step_timer(telemetry.clone());
+        let tasks = TaskTracker::new();
+        let slots = config.max_concurrent;
         let executor = Arc::new(OperationExecutor {
-            actual,
-            handlers: handlers.clone(),
-            queue,
-            config,
-            in_flight: Mutex::new(HashMap::new()),
-            backoff: Arc::default(),
-            slots: Slots::new(
-                config.max_concurrent,
-                config.max_concurrent.div_ceil(SLOTS_PER_DIAL),
-                cancel.clone(),
+            runner,
+            backoff: parts.backoff.clone(),
+            queue: parts.queue.clone(),
+            claims: Claims::new(parts.queue.clone()),
+            slots: Slots::new(slots, slots.div_ceil(SLOTS_PER_DIAL), cancel.clone()),
+            backlog: Backlog::new(slots.saturating_mul(WAITING_PER_SLOT)),
+            waits: Waits::new(
+                parts.backoff,
+                parts.queue,
+                config.listens_reported,
+                tasks.clone(),
+                cancel,
             ),
-            backlog: slots::Backlog::new(config.max_concurrent.saturating_mul(WAITING_PER_SLOT)),
-            rechecking: std::sync::atomic::AtomicBool::new(false),
-            name_locks: NameLocks::default(),
-            tasks: TaskTracker::new(),
-            notifications,
-            telemetry,
-            cancel,
-            trimmer: crate::memory::Trimmer::default(),
-            retry_timers: Mutex::new(HashMap::new()),
-            found_listening: Mutex::new(HashMap::new()),
-            journal: std::sync::OnceLock::new(),
-            contacts: std::sync::OnceLock::new(),
-            liveness: Arc::default(),
-            admission: admission::Admission::default(),
-            steps,
+            unserved: parts.unserved,
+            telemetry: parts.telemetry,
+            tasks,
         });
-        let weak = Arc::downgrade(&executor);
-        executor.liveness.on_loss(move |loss| {
+        executor.listen_to(&parts.liveness, &parts.handlers);
+        executor
+    }
+
+    /// Subscribes to what ends a wait: `liveness`'s losses, listens and lost hints, and
+    /// `handlers`' changes.
+    fn listen_to(self: &Arc<Self>, liveness: &Liveness, handlers: &HandlerRegistry) {
+        let weak = Arc::downgrade(self);
+        liveness.on_loss(move |loss| {
+            if let Some(executor) = weak.upgrade()
+                && let Some(path) = executor.unserved.lost(loss)
+            {
+                executor.waits.cancel(&path);
+            }
+        });
+        let weak = Arc::downgrade(self);
+        liveness.on_listen(move |path| {
             if let Some(executor) = weak.upgrade() {
-                executor.unserved(loss);
+                executor.listened(path);
             }
         });
-        let weak = Arc::downgrade(&executor);
-        executor.liveness.on_listen(move |path| {
-            let Some(executor) = weak.upgrade() else {
-                return;
-            };
-            // A registration dialling a socket that refused (bound, not listening yet) retries
-            // on a timer; the kernel's word ends its wait, so it registers within a millisecond
-            // of the listen rather than up to 50 ms after it.
-            executor.listened(path);
-            // Whatever socket is at the path now is the one that listens.
-            let Ok(crate::state::EntryKind::Socket(socket)) = crate::state::EntryKind::of(path)
-            else {
-                return;
-            };
-            match executor.backoff.release_on_listen(path, socket) {
-                ListenReleased::Nothing => {}
-                ListenReleased::Unserved => {
-                    info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
-                    executor.queue.mark(path.to_path_buf());
-                }
-                ListenReleased::Waiting => {
-                    debug!(socket_path = %path.display(), "a socket waiting to listen listens (reported by the kernel)");
-                    executor.queue.mark(path.to_path_buf());
-                }
-            }
-        });
-        let weak = Arc::downgrade(&executor);
-        executor.liveness.on_hints_lost(move || {
+        let weak = Arc::downgrade(self);
+        liveness.on_hints_lost(move || {
             if let Some(executor) = weak.upgrade() {
                 executor.hints_lost();
             }
         });
-        let weak = Arc::downgrade(&executor);
+        let weak = Arc::downgrade(self);
         handlers.subscribe(move |plugin_type| {
             if let Some(executor) = weak.upgrade() {
                 for path in executor.backoff.release_waiting_for(plugin_type) {
@@ -288,29 +245,136 @@ impl OperationExecutor {
                 executor.queue.mark_all();
             }
         });
-        executor
     }
 
-    /// Starts registering the plugin at `path` unless an operation for it runs or it backs off.
-    pub fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
-        if let Some(until) = self.backoff.blocked_until(
-            path,
-            desired.socket,
-            Instant::now(),
-            desired.first_contact.is_some(),
-        ) {
+    /// The kernel reported a `listen` on `path` (eBPF source).
+    fn listened(&self, path: &Path) {
+        // A registration dialling a socket that refused (bound, not listening yet) retries on
+        // a timer; the kernel's word ends its wait, so it registers within a millisecond of
+        // the listen rather than up to 50 ms after it.
+        self.claims.listened(path);
+        // Whatever socket is at the path now is the one that listens.
+        let Ok(crate::state::EntryKind::Socket(socket)) = crate::state::EntryKind::of(path) else {
+            return;
+        };
+        match self.backoff.release_on_listen(path, socket) {
+            ListenReleased::Nothing => {}
+            ListenReleased::Unserved => {
+                info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
+                self.queue.mark(path.to_path_buf());
+            }
+            ListenReleased::Waiting => {
+                debug!(socket_path = %path.display(), "a socket waiting to listen listens (reported by the kernel)");
+                self.queue.mark(path.to_path_buf());
+            }
+        }
+    }
+
+    /// The event source's hints were lost (it rescans): the listens among them too, so every
+    /// socket waiting to listen is looked at again now.
+    pub fn hints_lost(&self) {
+        for path in self.backoff.release_waiting_to_listen() {
+            self.queue.mark(path);
+        }
+    }
+
+    /// A registration of `desired` at `path` may run: it waits for a slot in its lane (as a
+    /// small future: the operation's own state is allocated once it may run, so thousands of
+    /// sockets queued behind a storm of dead ones cost bytes each, not kilobytes), runs, and
+    /// what it ended with is done before its claim is released.
+    fn spawn_registration(
+        self: &Arc<Self>,
+        path: &Path,
+        desired: DesiredPlugin,
+        lane: Lane,
+        claim: claims::InFlight,
+        attempt: u32,
+    ) {
+        let this = self.clone();
+        let path = path.to_path_buf();
+        self.tasks.spawn(async move {
+            // Shutdown starts no operation: those still waiting for a slot end here.
+            let queued = Instant::now();
+            let slot = this.slots.acquire(lane).await;
+            this.left_backlog();
+            let Some(slot) = slot else {
+                return;
+            };
+            let socket = desired.socket;
+            let registration = Registration {
+                found: this.waits.take_found(&path, socket),
+                slot: slot.waking_on(claim.listened()),
+                path,
+                desired,
+                attempt,
+                queued,
+            };
+            let path = registration.path.clone();
+            let ended = this.runner.clone().register(registration).await;
+            this.ended(&path, socket, ended);
+            drop(claim);
+        });
+    }
+
+    /// What a registration of `socket` at `path` ended with, done while it still holds the path.
+    fn ended(self: &Arc<Self>, path: &Path, socket: SocketId, ended: Ended) {
+        match ended {
+            Ended::Done => {}
+            Ended::Held => self.waits.cancel(path),
+            Ended::RetryAt(at) => self.waits.look_again_at(path, at),
+            Ended::WaitToListen { until, reason } => {
+                let claims = &self.claims;
+                self.waits
+                    .wait_to_listen(path, socket, until, reason, || claims.listen_reported(path));
+            }
+        }
+    }
+
+    /// A registration stopped waiting for its slot: the next listed path is looked at again.
+    fn left_backlog(&self) {
+        if let Some(next) = self.backlog.left() {
+            self.queue.mark(next);
+        }
+    }
+
+    /// The backoff table this executor reads and its runner writes, for the views that derive a
+    /// plugin's state ([`crate::state::view::StateView`]).
+    pub fn backoffs(&self) -> Arc<BackoffTable> {
+        self.backoff.clone()
+    }
+
+    /// Whether an operation for `path` is running.
+    pub fn is_running(&self, path: &Path) -> bool {
+        self.claims.is_claimed(path)
+    }
+
+    /// Waits for running operations to finish (graceful shutdown); no new ones start after.
+    pub async fn drain(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+impl Scheduler for OperationExecutor {
+    fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
+        let first_contact = desired.first_contact.is_some();
+        let now = Instant::now();
+        if let Some(until) = self
+            .backoff
+            .blocked_until(path, desired.socket, now, first_contact)
+        {
             return Start::BackingOff { until };
         }
         // A socket an event reported goes before the sockets a walk found (see `slots`).
         let lane = if desired.by_event {
-            slots::Lane::Prompt
+            Lane::Prompt
         } else {
-            slots::Lane::Scan
+            Lane::Scan
         };
         if !self.backlog.admit(path, lane) {
             return Start::Deferred;
         }
-        let claim = match self.claim(path, OperationKind::Register) {
+        let claim = match self.claims.claim(path, OperationKind::Register) {
             Ok(claim) => claim,
             Err(running) => {
                 self.left_backlog();
@@ -324,664 +388,466 @@ impl OperationExecutor {
         if attempt > 1 {
             self.telemetry.metrics.retry();
         }
-        let this = self.clone();
-        let path = path.to_path_buf();
-        self.tasks.spawn(async move {
-            // Shutdown starts no operation: those still waiting for a slot end here. Waiting
-            // costs only this small future: the operation's own state (span, connection, the
-            // calls' futures) is allocated once it may run, so thousands of sockets queued
-            // behind a storm of dead ones cost bytes each, not kilobytes.
-            let queued = Instant::now();
-            let slot = this.slots.acquire(lane).await;
-            this.left_backlog();
-            let Some(slot) = slot else {
-                return;
-            };
-            let slot = slot.waking_on(claim.listened());
-            let _claim = claim;
-            this.clone()
-                .register_in_slot(path, desired, slot, attempt, queued)
-                .await;
-        });
+        self.spawn_registration(path, desired, lane, claim, attempt);
         Start::Started
     }
 
-    /// A registration stopped waiting for its slot: the next listed path is looked at again.
-    fn left_backlog(&self) {
-        if let Some(next) = self.backlog.left() {
-            self.queue.mark(next);
-        }
-    }
-
-    /// The reconciler finished a pass: if no registration waits for a slot, the next listed
-    /// paths are looked at again (see [`slots::Backlog::refill`]).
-    pub fn after_pass(&self) {
-        for next in self.backlog.refill() {
-            self.queue.mark(next);
-        }
-    }
-
-    /// A registration that holds its slot: its span, its steps, and what its outcome changes.
-    /// Built here and boxed once: the span's and the trace's making stays out of the future,
-    /// which a registration waiting for its socket to listen holds all along (it was 7.7 KB,
-    /// 16,000 of them waiting behind bind-only sockets).
-    fn register_in_slot(
-        self: Arc<Self>,
-        path: PathBuf,
-        desired: DesiredPlugin,
-        mut slot: slots::Slot,
-        attempt: u32,
-        queued: Instant,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
-        let source = self.telemetry.discovery.label(if desired.by_event {
-            Via::Event
-        } else {
-            Via::Scan
-        });
-        // The operation runs in its trace's OpenTelemetry context (see
-        // `telemetry::sampling::OperationTrace`).
-        let slot_wait_ms = queued.elapsed().as_millis() as u64;
-        let (span, context) = observe::operation_span(
-            &self.telemetry,
-            "register",
-            &path,
-            || {
-                info_span!(
-                    "register", socket_path = %path.display(), generation = %desired.generation,
-                    plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
-                    slot_wait_ms,
-                    outcome = Empty, error = Empty, tail_kept = Empty,
-                    process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
-                    process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
-                    plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,
-                    plugin_agent.creator.user.id = Empty, plugin_agent.creator.linux.cgroup = Empty,
-                    plugin_agent.creator.unknown = Empty
-                )
-            },
-            || {
-                vec![
-                    ("generation", desired.generation.to_string().into()),
-                    ("event_source", source.into()),
-                    ("attempt", i64::from(attempt).into()),
-                    ("slot_wait_ms", (slot_wait_ms as i64).into()),
-                ]
-            },
-        );
-        let this = self;
-        let operation = async move {
-            let started = Instant::now();
-            // Boxed where awaited: this future lives as long as the operation (through every
-            // pause of a socket that does not listen yet), the steps only while they run.
-            let (result, server) = match this.config.mode {
-                Mode::Register => Box::pin(this.run_register(&path, &desired, &mut slot)).await,
-                Mode::Observe { contact } => {
-                    Box::pin(this.run_observe(&path, &desired, &mut slot, contact)).await
-                }
-            }
-            .map_or_else(|e| (Err(e), None), |(plugin, server)| (Ok(plugin), server));
-            if matches!(result, Err(RegisterFailure::ShuttingDown)) {
-                debug!("registration abandoned before the plugin answered: shutting down");
-                return;
-            }
-            // The operation's time counts from its request: waiting for a slot is part of what
-            // is slow.
-            this.observe_register(source, &desired, &result, queued.elapsed());
-            match result {
-                Ok(plugin) => {
-                    this.backoff.reset(&path, desired.socket);
-                    let since_event = desired
-                        .kernel_ns
-                        .map(|ns| Duration::from_nanos(monotonic_now_ns().saturating_sub(ns)));
-                    let (kind, said) = if this.config.mode.observes() {
-                        (EventKind::Observed, "plugin observed")
-                    } else {
-                        (EventKind::Registered, "plugin registered")
-                    };
-                    // Recorded before it is reported: a kill after the report loses nothing.
-                    let provenance = this.journal_registered(&path, &desired);
-                    let (served_by, created_by) = describe(provenance.as_ref());
-                    if let Some(server) = server {
-                        debug!(%server, "the plugin's server, watched for its exit");
-                        this.liveness
-                            .watch(desired.path.clone(), desired.generation, desired.socket, server);
-                    }
-                    info!(
-                        plugin_name = %plugin.name, plugin_type = %plugin.plugin_type, endpoint = %plugin.endpoint,
-                        server = %served_by, creator = %created_by, took = ?started.elapsed(), since_kernel_event = ?since_event, "{said}"
-                    );
-                    let mut event = AgentEvent::new(kind, &path);
-                    event.latency = since_event.or_else(|| desired.seen_at.elapsed().ok());
-                    event.plugin = Some(plugin);
-                    event.provenance = provenance;
-                    this.notifications.publish(event);
-                }
-                Err(error) => this.failed(&path, &desired, error),
-            }
-        }
-        .instrument(span);
-        Box::pin(observe::in_context(context, operation))
-    }
-
-    /// A registration of `desired` finished: journalled (if a journal is kept); returns who
-    /// made and serves the socket, for its report.
-    fn journal_registered(
-        &self,
-        path: &Path,
-        desired: &DesiredPlugin,
-    ) -> Option<crate::provenance::Provenance> {
-        let entry = self
-            .actual
-            .get(path)
-            .filter(|e| e.generation == desired.generation)?;
-        if let Some(journal) = self.journal.get() {
-            journal.registered(path, &entry);
-        }
-        Some(entry.provenance)
-    }
-
-    /// A registration of `entry` is about to reach its handler: journalled first (if a journal
-    /// is kept); an error means it must not go on.
-    fn journal_begin(&self, path: &Path, entry: &RegisteredPlugin) -> Result<(), String> {
-        match self.journal.get() {
-            Some(journal) => journal.begin(path, entry),
-            None => Ok(()),
-        }
-    }
-
-    /// Records operations in `journal` from now on (see `persist`).
-    pub fn keep_journal(&self, journal: Arc<crate::persist::Journal>) {
-        let _ = self.journal.set(journal);
-    }
-
-    /// Reads first contacts from `desired`, where the watcher records them (observe mode).
-    pub fn watch_contacts(&self, desired: Arc<crate::state::desired::DesiredState>) {
-        let _ = self.contacts.set(desired);
-    }
-
-    /// Takes `path`'s registration `generation` out of actual state for its deregistration or
-    /// rollback, through the journal when one is kept (its record stays on disk until
-    /// [`deregistered`](Self::deregistered); see `persist::Journal::take`).
-    fn take_registered(&self, path: &Path, generation: uuid::Uuid) -> Option<RegisteredPlugin> {
-        match self.journal.get() {
-            Some(journal) => journal.take(path, generation),
-            None => self.actual.remove(path, generation),
-        }
-    }
-
-    /// A deregistration of `path` (the registration of `generation`) finished.
-    fn deregistered(&self, path: &Path, generation: uuid::Uuid) {
-        if let Some(journal) = self.journal.get() {
-            journal.deregistered(path, generation);
-        }
-    }
-
-    /// Starts deregistering `registered` from `path` unless an operation for it runs.
-    pub fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
-        let claim = match self.claim(path, OperationKind::Deregister) {
+    fn deregister(self: &Arc<Self>, path: &Path, registered: RegisteredPlugin) -> Start {
+        let claim = match self.claims.claim(path, OperationKind::Deregister) {
             Ok(claim) => claim,
             Err(running) => return Start::AlreadyRunning(running),
         };
         let this = self.clone();
         let path = path.to_path_buf();
-        let created = Instant::now();
+        let requested = Instant::now();
         self.tasks.spawn(async move {
             let _claim = claim;
             // As for a registration: waiting for a slot costs a small future.
-            let Some(_slot) = this.slots.acquire(slots::Lane::Prompt).await else {
+            let Some(slot) = this.slots.acquire(Lane::Prompt).await else {
                 return;
             };
-            let plugin = &registered.plugin;
-            let (span, context) = observe::operation_span(
-                &this.telemetry,
-                "deregister",
-                &path,
-                || {
-                    info_span!(
-                        "deregister", socket_path = %path.display(), plugin_name = %plugin.name,
-                        plugin_type = %plugin.plugin_type, outcome = Empty, error = Empty,
-                        tail_kept = Empty
-                    )
-                },
-                || {
-                    vec![
-                        ("plugin_name", plugin.name.clone().into()),
-                        ("plugin_type", plugin.plugin_type.clone().into()),
-                    ]
-                },
-            );
-            let operation = this
-                .run_deregister(&path, registered, created)
-                .instrument(span);
-            Box::pin(observe::in_context(context, operation)).await;
+            this.runner
+                .clone()
+                .deregister(path, registered, slot, requested)
+                .await;
         });
         Start::Started
     }
 
-    /// Who serves each registered plugin; the watcher hands it the kernel's hints.
-    pub fn liveness(&self) -> Arc<Liveness> {
-        self.liveness.clone()
-    }
-
-    /// Carries on from registrations restored from a previous agent, once the first walk said
-    /// which sockets are still there: watches the servers of the finished ones (the server the
-    /// previous agent recorded, while that process runs; else one bare connect learns it, and a
-    /// refused one is unserved at once), and runs again those a kill interrupted (the walk
-    /// already queued those whose sockets went).
-    pub fn watch_restored(&self) {
-        for (path, entry) in self.actual.snapshot() {
-            if entry.interrupted {
-                self.queue.mark(path);
-            } else {
-                let server = entry.provenance.server.as_deref();
-                let known = server.and_then(|s| Some((s.pid?, s.pidfs_ino?)));
-                self.liveness
-                    .attach(Arc::from(path), entry.generation, entry.socket, known);
-            }
-        }
-    }
-
-    /// The safety pass's look at unserved sockets: one connect each, and a socket that accepts
-    /// again (it started listening, and no kernel hint said so: another source, or a hint lost
-    /// with the events of an overflow) is registered. Nothing else ever retries them.
-    ///
-    /// One task, a few connects at a time: a task per socket at once was 100,000 tasks and
-    /// connects with 100,000 dead sockets in the tree (the agent's resident set up by ~90 MB for
-    /// the length of each pass). A pass still running when the next is due is not doubled.
-    /// What the connects took is added to `safety`'s cost of this pass.
-    pub fn recheck_unserved(self: &Arc<Self>, safety: &Arc<crate::state::safety_pass::SafetyPass>) {
-        use futures::StreamExt;
-        /// Connects in flight at once.
-        const AT_ONCE: usize = 32;
-        if self
-            .rechecking
-            .swap(true, std::sync::atomic::Ordering::AcqRel)
-        {
-            return;
-        }
-        let unserved = self.backoff.unserved_sockets();
-        let this = self.clone();
-        let safety = safety.clone();
-        self.tasks.spawn(async move {
-            let started = Instant::now();
-            futures::stream::iter(unserved)
-                .for_each_concurrent(AT_ONCE, |(path, socket)| {
-                    let this = &this;
-                    async move {
-                        if crate::liveness::accepts(&path, socket).await
-                            && this.backoff.release_on_listen(&path, socket)
-                                == ListenReleased::Unserved
-                        {
-                            info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
-                            this.queue.mark(path);
-                        }
-                    }
-                })
-                .await;
-            safety.spent(started.elapsed());
-            this.rechecking
-                .store(false, std::sync::atomic::Ordering::Release);
-        });
-    }
-
-    /// Whether nothing serves the socket `socket` at `path`, or the policy refuses it: its
-    /// registration is ended, and it is not registered again until it (or the policy) changes.
-    pub fn is_held(&self, path: &Path, socket: crate::state::SocketId) -> bool {
+    fn is_held(&self, path: &Path, socket: SocketId) -> bool {
         self.backoff.is_held(path, socket)
     }
 
-    /// A registered plugin's server is gone (see `liveness`): record it, and let the reconciler
-    /// deregister it.
-    fn unserved(self: &Arc<Self>, loss: Loss) {
-        let Some(registered) = self
-            .actual
-            .get(&loss.path)
-            .filter(|r| r.generation == loss.generation)
-        else {
-            return;
-        };
-        let span = info_span!(
-            "unserved", socket_path = %loss.path.display(), plugin_name = %registered.plugin.name,
-            plugin_type = %registered.plugin.plugin_type, learned_by = loss.learned_by.label(),
-            reason = %loss.reason
-        );
-        // Its span in the socket's trace, and its log line in that span.
-        let traced = self.telemetry.discovery.event_span(
-            &loss.path,
-            "unserved",
-            vec![
-                KeyValue::new("socket_path", loss.path.display().to_string()),
-                KeyValue::new("plugin_name", registered.plugin.name.clone()),
-                KeyValue::new("plugin_type", registered.plugin.plugin_type.clone()),
-                KeyValue::new("learned_by", loss.learned_by.label()),
-                KeyValue::new("reason", loss.reason.clone()),
-            ],
-        );
-        let _in_trace = traced.map(opentelemetry::Context::attach);
-        let _in_span = span.enter();
-        self.record_unserved(
-            &loss.path,
-            registered.socket,
-            Some(registered.plugin),
-            loss.learned_by,
-            loss.since,
-            loss.reason,
-        );
-        self.queue.mark(loss.path);
-    }
-
-    /// Nothing serves `socket` at `path`: no retry until it changes.
-    fn record_unserved(
-        &self,
-        path: &Path,
-        socket: crate::state::SocketId,
-        plugin: Option<crate::handler::Plugin>,
-        learned_by: LearnedBy,
-        since: Instant,
-        reason: String,
-    ) {
-        let kind = FailureKind::Unserved {
-            learned_by: learned_by.label(),
-            since,
-        };
-        let said = format!("unserved ({}): {reason}", learned_by.label());
-        self.backoff.hold(path, socket, said.clone(), kind);
-        if let Some(timer) = self.lock_retry_timers().remove(path) {
-            timer.cancel();
-        }
-        self.telemetry.metrics.liveness_loss(learned_by.label());
-        warn!(learned_by = learned_by.label(), %reason, "plugin unserved: not registered until its socket changes");
-        let mut event = AgentEvent::new(EventKind::Unserved, path);
-        event.error = Some(said);
-        event.plugin = plugin;
-        self.notifications.publish(event);
-    }
-
-    /// The socket at `path` left the tree: forget its backoff.
-    pub fn forget(&self, path: &Path) {
+    fn forget(&self, path: &Path) {
         self.backoff.forget_path(path);
-        self.lock_found_listening().remove(path);
+        self.waits.forget(path);
         self.telemetry.discovery.forget(path);
-        if let Some(timer) = self.lock_retry_timers().remove(path) {
-            timer.cancel();
+    }
+
+    fn after_pass(&self) {
+        for next in self.backlog.refill() {
+            self.queue.mark(next);
         }
     }
 
-    /// The backoff table this executor writes, for the views that derive a plugin's state
-    /// ([`crate::state::view::StateView`]).
-    pub fn backoffs(&self) -> Arc<BackoffTable> {
-        self.backoff.clone()
-    }
-
-    /// Whether an operation for `path` is running.
-    pub fn is_running(&self, path: &Path) -> bool {
-        self.lock_in_flight().contains_key(path)
-    }
-
-    /// Waits for running operations to finish (graceful shutdown); no new ones start after.
-    pub async fn drain(&self) {
-        self.tasks.close();
-        self.tasks.wait().await;
-    }
-
-    fn failed(self: &Arc<Self>, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) {
-        if let RegisterFailure::Rejected(rejected) = error {
-            return self.record_rejected(path, desired.socket, *rejected);
+    fn recheck_unserved(self: &Arc<Self>, safety: &Arc<SafetyPass>) {
+        if let Some(look) = self.unserved.recheck(safety) {
+            self.tasks.spawn(look);
         }
-        if let RegisterFailure::Plugin(PluginCallError::NotListening { .. }) = &error {
-            let since = Instant::now();
-            let reason = error.to_string();
-            self.record_unserved(
-                path,
-                desired.socket,
-                None,
-                LearnedBy::ConnectProbe,
-                since,
-                reason,
-            );
-            return;
-        }
-        if let RegisterFailure::Plugin(PluginCallError::NotListeningYet { until, .. }) = &error {
-            return self.wait_to_listen(path, desired, *until, error.to_string());
-        }
-        if let RegisterFailure::WaitingForKubelet { until } = error {
-            // Not a failure either: the first contact (the watcher looks at the path again
-            // when it records one) or `until` ends it.
-            self.backoff
-                .wait_for_kubelet(path, desired.socket, until, error.to_string());
-            return self.look_again_at(path, until);
-        }
-        let kind = match &error {
-            RegisterFailure::NoHandler { plugin_type, .. }
-            | RegisterFailure::Handler {
-                unavailable: true,
-                plugin_type,
-                ..
-            } => FailureKind::WaitingForHandler {
-                plugin_type: plugin_type.clone(),
-            },
-            RegisterFailure::Plugin(PluginCallError::GetInfoTimeout(_))
-                if desired
-                    .seen_at
-                    .elapsed()
-                    .is_ok_and(|age| age < QUICK_RETRY_WINDOW) =>
-            {
-                FailureKind::SlowNewPlugin
-            }
-            _ => FailureKind::Other,
-        };
-        // A socket that vanished (or was replaced) is not a failed registration: no event, no
-        // warning. Usually its removal reaches the watcher at once and forget() drops the retry.
-        // But if the watcher missed it, desired state still names this socket instance, and
-        // retrying at once would spin (every attempt ends here immediately): it backs off like a
-        // failure until the watcher's next rescan corrects desired state.
-        let vanished = matches!(
-            error,
-            RegisterFailure::Plugin(PluginCallError::SocketGone(_))
-        );
-        // A slow new plugin's quick retries say so where operators look (`list`'s last error).
-        let reason = if kind == FailureKind::SlowNewPlugin {
-            let failed_before = self
-                .backoff
-                .get(path, desired.socket)
-                .map_or(0, |b| b.failures);
-            if failed_before < QUICK_RETRIES {
-                format!(
-                    "{error} (a plugin that just started serving: quick retry {} of {QUICK_RETRIES})",
-                    failed_before + 1
-                )
-            } else {
-                error.to_string()
-            }
-        } else {
-            error.to_string()
-        };
-        let backoff = self
-            .backoff
-            .fail(path, desired.socket, reason, kind, Instant::now());
-        // Published once the failure is recorded, so a watcher that reacts by asking `list`
-        // reads the error the event carries.
-        if !vanished {
-            let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
-            event.error = Some(error.to_string());
-            self.notifications.publish(event);
-        }
-        self.telemetry.metrics.backoff(backoff.delay);
-        if vanished {
-            debug!(%error, retry_in = ?backoff.delay, "socket vanished during registration");
-        } else {
-            warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
-        }
-        self.look_again_at(path, backoff.retry_at);
-    }
-
-    /// The socket at `path` refuses connections (bound, not listening yet) and may listen until
-    /// `until`: it waits without an operation, for the kernel's report of its listen or its
-    /// next look (see `state::backoff`). Not a failure: no event, no warning.
-    fn wait_to_listen(
-        self: &Arc<Self>,
-        path: &Path,
-        desired: &DesiredPlugin,
-        until: Instant,
-        reason: String,
-    ) {
-        let now = Instant::now();
-        let reason = format!("{reason}: waiting for it to listen");
-        let backoff = self.backoff.wait_to_listen(
-            path,
-            desired.socket,
-            until,
-            self.config.listens_reported,
-            reason,
-            now,
-        );
-        // A listen reported after the attempt's last refused connect found no wait to end:
-        // it is one now (recorded first, so a report racing with this is not lost either).
-        if self.listen_reported_to_claim(path)
-            && self.backoff.release_on_listen(path, desired.socket) == ListenReleased::Waiting
-        {
-            self.queue.mark(path.to_path_buf());
-            return;
-        }
-        debug!(next_look_in = ?backoff.retry_at.saturating_duration_since(now), until_unserved_in = ?until.saturating_duration_since(now), "socket not listening yet: waiting for its listen");
-        if self.config.listens_reported {
-            self.look_again_at(path, backoff.retry_at);
-        } else {
-            self.look_for_listen(path, desired.socket, backoff.retry_at, until);
-        }
-    }
-
-    /// Where no listen is reported: looks at the socket (one connect) at each of its wait's
-    /// looks, without an operation (an operation per look cost ~60 us, a connect ~5 us: 17,000
-    /// sockets waiting at once took both cores), until it listens or its wait ends; then its
-    /// registration runs, on the connection the look made.
-    fn look_for_listen(
-        self: &Arc<Self>,
-        path: &Path,
-        socket: crate::state::SocketId,
-        first: Instant,
-        until: Instant,
-    ) {
-        use crate::liveness::Probe;
-        let cancel = self.replace_timer(path);
-        let this = self.clone();
-        let path = path.to_path_buf();
-        self.tasks.spawn(async move {
-            let mut at = first;
-            loop {
-                tokio::select! {
-                    () = tokio::time::sleep_until(at) => {}
-                    () = cancel.cancelled() => return,
-                }
-                if Instant::now() >= until {
-                    break;
-                }
-                match crate::liveness::probe(&path, socket).await {
-                    (Probe::Refused, _) => {
-                        match this
-                            .backoff
-                            .listen_look_refused(&path, socket, Instant::now())
-                        {
-                            Some(next) => at = next,
-                            None => break,
-                        }
-                    }
-                    (Probe::Served, connected) => {
-                        if let Some(stream) = connected {
-                            this.lock_found_listening()
-                                .insert(path.clone(), (socket, stream));
-                        }
-                        this.backoff.release_on_listen(&path, socket);
-                        break;
-                    }
-                    (Probe::Replaced, _) => break,
-                }
-            }
-            this.lock_retry_timers().remove(&path);
-            this.queue.mark(path);
-        });
-    }
-
-    /// The connection a look made to `socket` at `path` when it found it listening, if any.
-    fn found_listening(
-        &self,
-        path: &Path,
-        socket: crate::state::SocketId,
-    ) -> Option<tokio::net::UnixStream> {
-        let mut found = self.lock_found_listening();
-        match found.remove(path) {
-            Some((of, stream)) if of == socket => Some(stream),
-            _ => None,
-        }
-    }
-
-    fn lock_found_listening(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (crate::state::SocketId, tokio::net::UnixStream)>>
-    {
-        self.found_listening
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Looks at `path` again at `at` (a backoff's end), replacing an earlier timer.
-    fn look_again_at(self: &Arc<Self>, path: &Path, at: Instant) {
-        let cancel = self.replace_timer(path);
-        let this = self.clone();
-        let path = path.to_path_buf();
-        self.tasks.spawn(async move {
-            tokio::select! {
-                _ = tokio::time::sleep_until(at) => {
-                    this.lock_retry_timers().remove(&path);
-                    this.queue.mark(path);
-                }
-                _ = cancel.cancelled() => {}
-            }
-        });
-    }
-
-    /// The event source's hints were lost (it rescans): the listens among them too, so every
-    /// socket waiting to listen is looked at again now.
-    pub fn hints_lost(&self) {
-        for path in self.backoff.release_waiting_to_listen() {
-            self.queue.mark(path);
-        }
-    }
-
-    /// The token of `path`'s timer from now on: an earlier timer of the path is cancelled (one
-    /// timer per path, whatever it waits for).
-    fn replace_timer(&self, path: &Path) -> CancellationToken {
-        let cancel = self.cancel.child_token();
-        if let Some(previous) = self
-            .lock_retry_timers()
-            .insert(path.to_path_buf(), cancel.clone())
-        {
-            previous.cancel();
-        }
-        cancel
-    }
-
-    fn lock_retry_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
-        self.retry_timers
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
-/// A registration's server and creator, for its log line.
-fn describe(provenance: Option<&crate::provenance::Provenance>) -> (String, String) {
-    let Some(provenance) = provenance else {
-        return ("unknown".into(), "unknown".into());
-    };
-    let server = provenance
-        .server
-        .as_deref()
-        .map_or_else(|| "unknown".into(), ToString::to_string);
-    let creator = match provenance.creator.process() {
-        Some(creator) => creator.to_string(),
-        None => format!(
-            "unknown: {}",
-            provenance.creator.unknown_because().unwrap_or_default()
-        ),
-    };
-    (server, creator)
+#[cfg(test)]
+mod tests {
+    // The executor against a fake runner: each operation the executor starts tells the test, and
+    // ends when the test says how it ended, so ordering, the one operation per path, the slots,
+    // backoff timers and their cancellation are checked without a plugin or a handler.
+
+    use super::*;
+    use crate::event_source::SourceKind;
+    use crate::notifications::NotificationBus;
+    use crate::state::actual::ActualState;
+    use crate::state::backoff::FailureKind;
+    use crate::state::desired::DesiredState;
+    use crate::state::queue::Work;
+    use std::path::PathBuf;
+    use std::sync::Mutex;
+    use tokio::sync::{mpsc, oneshot};
+
+    /// An operation the executor started: its path, its kind, and how the test ends it.
+    struct Running {
+        path: PathBuf,
+        kind: OperationKind,
+        end: oneshot::Sender<Ended>,
+    }
+
+    /// Tells the test of every operation, and waits for the test to end it.
+    struct FakeRunner {
+        started: mpsc::UnboundedSender<Running>,
+        /// Operations running now, and the most at once.
+        running: Mutex<(usize, usize)>,
+    }
+
+    impl FakeRunner {
+        fn operation(self: Arc<Self>, path: PathBuf, kind: OperationKind) -> Operation<Ended> {
+            Box::pin(async move {
+                {
+                    let mut running = self.running.lock().expect("running");
+                    running.0 += 1;
+                    running.1 = running.1.max(running.0);
+                }
+                let (end, ended) = oneshot::channel();
+                let told = self.started.send(Running { path, kind, end });
+                let ended = match told {
+                    Ok(()) => ended.await.unwrap_or(Ended::Done),
+                    Err(_) => Ended::Done,
+                };
+                self.running.lock().expect("running").0 -= 1;
+                ended
+            })
+        }
+    }
+
+    impl OperationRunner for FakeRunner {
+        fn register(self: Arc<Self>, registration: Registration) -> Operation<Ended> {
+            // A socket named `waiting*` does not listen yet: its dial pauses (an hour, unless the
+            // kernel reports its listen) before the operation goes on.
+            let waits = registration
+                .path
+                .file_name()
+                .is_some_and(|name| name.to_string_lossy().starts_with("waiting"));
+            let operation = self.operation(registration.path, OperationKind::Register);
+            // The slot is held for as long as the operation runs.
+            let mut slot = registration.slot;
+            Box::pin(async move {
+                if waits {
+                    crate::registration::Pause::pause(&mut slot, Duration::from_secs(3600)).await;
+                }
+                let ended = operation.await;
+                drop(slot);
+                ended
+            })
+        }
+
+        fn deregister(
+            self: Arc<Self>,
+            path: PathBuf,
+            _registered: RegisteredPlugin,
+            slot: Slot,
+            _requested: Instant,
+        ) -> Operation<()> {
+            let operation = self.operation(path, OperationKind::Deregister);
+            Box::pin(async move {
+                operation.await;
+                drop(slot);
+            })
+        }
+    }
+
+    struct Harness {
+        executor: Arc<OperationExecutor>,
+        liveness: Arc<Liveness>,
+        runner: Arc<FakeRunner>,
+        started: mpsc::UnboundedReceiver<Running>,
+        desired: Arc<DesiredState>,
+        actual: Arc<ActualState>,
+        backoff: Arc<BackoffTable>,
+        queue: Arc<ReconcileQueue>,
+        cancel: CancellationToken,
+    }
+
+    impl Harness {
+        /// An executor of `slots` slots over a fake runner.
+        fn new(slots: usize) -> Self {
+            let (tx, started) = mpsc::unbounded_channel();
+            let runner = Arc::new(FakeRunner {
+                started: tx,
+                running: Mutex::default(),
+            });
+            let (actual, backoff, queue) = (Arc::default(), Arc::default(), Arc::default());
+            let telemetry = Telemetry::new(SourceKind::Ebpf);
+            let unserved = Unserved::new(
+                Arc::clone(&actual),
+                Arc::clone(&backoff),
+                Arc::clone(&queue),
+                NotificationBus::default(),
+                telemetry.clone(),
+            );
+            let liveness = Arc::new(Liveness::default());
+            let parts = ExecutorParts {
+                backoff: Arc::clone(&backoff),
+                queue: Arc::clone(&queue),
+                liveness: liveness.clone(),
+                unserved,
+                handlers: Arc::default(),
+                telemetry,
+            };
+            let config = ExecutorConfig {
+                max_concurrent: slots,
+                listens_reported: true,
+                ..ExecutorConfig::default()
+            };
+            let cancel = CancellationToken::new();
+            let executor = OperationExecutor::new(runner.clone(), parts, &config, cancel.clone());
+            Harness {
+                executor,
+                liveness,
+                runner,
+                started,
+                desired: Arc::default(),
+                actual,
+                backoff,
+                queue,
+                cancel,
+            }
+        }
+
+        /// The desired entry of a socket found at `name` (by a walk unless `by_event`).
+        fn desired(&self, name: &str, by_event: bool) -> DesiredPlugin {
+            let path = path(name);
+            let socket = crate::state::SocketId {
+                dev: 1,
+                ino: name.len() as u64 + 100 * u64::from(name.as_bytes()[0]),
+                birth_ns: None,
+                handle: None,
+            };
+            self.desired
+                .add_observed(&path, socket, None, by_event, None)
+                .expect("desired");
+            self.desired.get(&path).expect("desired")
+        }
+
+        /// A registration of `name` to deregister.
+        fn registered(&self, name: &str) -> RegisteredPlugin {
+            let desired = self.desired(name, true);
+            let plugin = crate::handler::Plugin {
+                plugin_type: "CSIPlugin".into(),
+                name: name.into(),
+                endpoint: String::new(),
+                supported_versions: Vec::new(),
+                socket_path: path(name).display().to_string(),
+            };
+            self.actual.add(
+                desired.path.clone(),
+                desired.generation,
+                desired.socket,
+                plugin,
+                Arc::new(crate::handler::accept_all::AcceptAll),
+                crate::provenance::Provenance::default(),
+            )
+        }
+
+        async fn next(&mut self) -> Running {
+            tokio::time::timeout(Duration::from_secs(60), self.started.recv())
+                .await
+                .expect("an operation started")
+                .expect("the executor is alive")
+        }
+
+        /// Whether `name` is among the paths marked since the last look.
+        fn marked(&self, name: &str) -> bool {
+            match self.queue.take() {
+                Some(Work::Paths(paths)) => paths.contains(&path(name)),
+                Some(Work::Everything) => true,
+                None => false,
+            }
+        }
+    }
+
+    fn path(name: &str) -> PathBuf {
+        PathBuf::from(format!("/plugins/{name}.sock"))
+    }
+
+    /// Lets every task that can run, run (the paused clock does not move).
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn one_operation_per_path_and_the_path_is_looked_at_again_when_it_ends() {
+        let mut h = Harness::new(4);
+        let desired = h.desired("a", true);
+        assert_eq!(
+            h.executor.register(&path("a"), desired.clone()),
+            Start::Started
+        );
+        let running = h.next().await;
+        assert_eq!(
+            (running.path.clone(), running.kind),
+            (path("a"), OperationKind::Register)
+        );
+        assert!(h.executor.is_running(&path("a")));
+        assert_eq!(
+            h.executor.register(&path("a"), desired.clone()),
+            Start::AlreadyRunning(OperationKind::Register),
+            "a second registration of the path"
+        );
+        let registered = h.registered("a");
+        assert_eq!(
+            h.executor.deregister(&path("a"), registered),
+            Start::AlreadyRunning(OperationKind::Register),
+            "a deregistration while the registration runs"
+        );
+        // Another path runs beside it.
+        let other = h.desired("b", true);
+        assert_eq!(h.executor.register(&path("b"), other), Start::Started);
+        assert_eq!(h.next().await.path, path("b"));
+        assert!(!h.marked("a"), "marked before its operation ended");
+        running.end.send(Ended::Done).expect("running");
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while h.executor.is_running(&path("a")) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the claim was released");
+        assert!(h.marked("a"), "the path was not looked at again");
+        assert_eq!(h.executor.register(&path("a"), desired), Start::Started);
+        assert_eq!(h.next().await.path, path("a"));
+    }
+
+    /// One slot: operations run one after the other, in the order they were asked for, and a
+    /// deregistration (prompt lane) waits for the slot too.
+    #[tokio::test]
+    async fn operations_beyond_the_slots_wait_and_run_in_order() {
+        let mut h = Harness::new(1);
+        for name in ["a", "b", "c"] {
+            let desired = h.desired(name, true);
+            assert_eq!(h.executor.register(&path(name), desired), Start::Started);
+        }
+        let registered = h.registered("d");
+        assert_eq!(
+            h.executor.deregister(&path("d"), registered),
+            Start::Started
+        );
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let running = h.next().await;
+            settle().await;
+            assert!(h.started.try_recv().is_err(), "two operations in one slot");
+            order.push((running.path.clone(), running.kind));
+            running.end.send(Ended::Done).expect("running");
+        }
+        assert_eq!(
+            order,
+            [
+                (path("a"), OperationKind::Register),
+                (path("b"), OperationKind::Register),
+                (path("c"), OperationKind::Register),
+                (path("d"), OperationKind::Deregister),
+            ]
+        );
+        assert_eq!(
+            h.runner.running.lock().expect("running").1,
+            1,
+            "most at once"
+        );
+    }
+
+    /// A failed attempt's backoff (recorded by the runner) is honoured: no operation before it
+    /// ends, the path is looked at again when it does, and forgetting the socket cancels that.
+    #[tokio::test(start_paused = true)]
+    async fn a_backoff_is_honoured_and_its_timer_cancelled_when_the_socket_goes() {
+        let mut h = Harness::new(2);
+        for name in ["a", "b"] {
+            let desired = h.desired(name, true);
+            assert_eq!(
+                h.executor.register(&path(name), desired.clone()),
+                Start::Started
+            );
+            let running = h.next().await;
+            // What the runner does with a failure: the backoff first, then its end.
+            let backoff = h.backoff.fail(
+                &path(name),
+                desired.socket,
+                "refused".into(),
+                FailureKind::Other,
+                Instant::now(),
+            );
+            running
+                .end
+                .send(Ended::RetryAt(backoff.retry_at))
+                .expect("running");
+            settle().await;
+            assert!(matches!(
+                h.executor.register(&path(name), desired),
+                Start::BackingOff { until } if until == backoff.retry_at
+            ));
+        }
+        h.queue.take();
+        h.executor.forget(&path("b"));
+        let until = h
+            .backoff
+            .get(&path("a"), h.desired.get(&path("a")).expect("a").socket);
+        let until = until.expect("a backs off").retry_at;
+        tokio::time::sleep_until(until + Duration::from_millis(1)).await;
+        settle().await;
+        match h.queue.take() {
+            Some(Work::Paths(paths)) => assert_eq!(
+                paths.into_iter().collect::<Vec<_>>(),
+                [path("a")],
+                "only the socket still there is looked at again"
+            ),
+            other => panic!("the backoff's end marked {other:?}"),
+        }
+        let desired = h.desired.get(&path("a")).expect("a");
+        assert_eq!(h.executor.register(&path("a"), desired), Start::Started);
+        assert_eq!(h.next().await.path, path("a"));
+    }
+
+    /// A held socket (unserved, refused) is not retried by time: an earlier timer is cancelled.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_socket_has_no_timer() {
+        let mut h = Harness::new(1);
+        let desired = h.desired("a", true);
+        h.executor.register(&path("a"), desired.clone());
+        let running = h.next().await;
+        let retry_at = Instant::now() + Duration::from_secs(1);
+        running.end.send(Ended::RetryAt(retry_at)).expect("running");
+        settle().await;
+        assert_eq!(h.executor.waits.pending(), 1);
+        h.executor.register(&path("a"), desired);
+        let running = h.next().await;
+        running.end.send(Ended::Held).expect("running");
+        settle().await;
+        assert_eq!(
+            h.executor.waits.pending(),
+            0,
+            "the held socket's timer runs on"
+        );
+        h.queue.take();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(!h.marked("a"), "a held socket was looked at again by time");
+    }
+
+    /// Shutdown starts nothing: a registration still waiting for its slot never runs, and the
+    /// drain waits for the one that runs.
+    #[tokio::test]
+    async fn shutdown_starts_no_waiting_operation_and_drain_waits_for_running_ones() {
+        let mut h = Harness::new(1);
+        for name in ["a", "b"] {
+            let desired = h.desired(name, true);
+            assert_eq!(h.executor.register(&path(name), desired), Start::Started);
+        }
+        let running = h.next().await;
+        h.cancel.cancel();
+        let executor = h.executor.clone();
+        let drained = tokio::spawn(async move { executor.drain().await });
+        settle().await;
+        assert!(!drained.is_finished(), "drained while an operation runs");
+        running.end.send(Ended::Done).expect("running");
+        drained.await.expect("drain");
+        assert!(
+            h.started.try_recv().is_err(),
+            "an operation started after shutdown"
+        );
+    }
+
+    /// A `listen` the kernel reports (liveness's hint) ends the pause of the registration that
+    /// holds the path, and only that one.
+    #[tokio::test]
+    async fn a_listen_the_kernel_reports_ends_the_pause_of_the_registration_of_its_path() {
+        let mut h = Harness::new(2);
+        for name in ["waiting-a", "waiting-b"] {
+            let desired = h.desired(name, true);
+            assert_eq!(h.executor.register(&path(name), desired), Start::Started);
+        }
+        settle().await;
+        h.liveness.kernel_hint(&path("elsewhere"), true);
+        h.liveness.kernel_hint(&path("waiting-b"), true);
+        let running = h.next().await;
+        assert_eq!(
+            running.path,
+            path("waiting-b"),
+            "the listen woke another operation"
+        );
+        settle().await;
+        assert!(
+            h.started.try_recv().is_err(),
+            "a pause ended without its listen"
+        );
+        running.end.send(Ended::Done).expect("running");
+    }
 }

@@ -40,6 +40,8 @@
 //! the [`Liveness`] and is what a [`Loss`] is reported to.
 
 mod holders;
+mod unserved;
+pub use unserved::Unserved;
 
 use crate::state::{EntryKind, SocketId};
 use std::collections::HashMap;

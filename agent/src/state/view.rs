@@ -104,7 +104,50 @@ impl PluginStatus {
     }
 }
 
-/// The one derivation of a plugin's state; see the module docs for the table.
+/// What a path needs next, from its desired socket (its generation), its registration and
+/// whether its socket is held (unserved, or refused by the policy): the one rule behind both
+/// the state a view shows ([`derive`]) and the reconciler's pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Registered from the socket that is desired now: nothing to do.
+    Keep,
+    /// Registered from a socket that is no longer desired (gone or re-created) or no longer
+    /// served (or refused): deregister it; a registration of the new socket follows.
+    Deregister,
+    /// Not registered, and held: nothing until the socket (or the policy) changes.
+    Hold,
+    /// Desired and not registered, or registered by a run a kill interrupted: register it
+    /// (unless it backs off).
+    Register,
+    /// Neither desired nor registered: forget what is kept about it.
+    Forget,
+}
+
+/// The rule of [`Next`]. `desired` is the generation of the socket desired at the path; when
+/// nothing is registered and the socket is held, it is not looked at (the reconciler need not
+/// read the entry of every dead socket in a tree).
+pub fn next(
+    desired: Option<uuid::Uuid>,
+    registered: Option<&RegisteredPlugin>,
+    held: bool,
+) -> Next {
+    match registered {
+        Some(r) if desired == Some(r.generation) && !held => {
+            if r.interrupted {
+                Next::Register
+            } else {
+                Next::Keep
+            }
+        }
+        Some(_) => Next::Deregister,
+        None if held => Next::Hold,
+        None if desired.is_some() => Next::Register,
+        None => Next::Forget,
+    }
+}
+
+/// The one derivation of a plugin's state; see the module docs for the table. What to do next
+/// is [`next`]'s, and this only says how each answer is shown.
 pub fn derive(
     desired: Option<&DesiredPlugin>,
     registered: Option<&RegisteredPlugin>,
@@ -112,20 +155,17 @@ pub fn derive(
     now: Instant,
 ) -> PluginState {
     let held = backoff.map(|b| &b.kind).filter(|kind| kind.is_held());
-    match (desired, registered) {
-        (Some(d), Some(r)) if d.generation == r.generation && r.interrupted && held.is_none() => {
-            PluginState::Pending
-        }
-        (Some(d), Some(r)) if d.generation == r.generation && held.is_none() => {
-            if r.handler.is_none() {
-                PluginState::Observed
-            } else {
-                PluginState::Registered
-            }
-        }
-        (_, Some(_)) => PluginState::Deregistering,
-        _ if held.is_some_and(|kind| kind.is_unserved()) => PluginState::Unserved,
-        _ if held.is_some() => PluginState::Rejected,
+    match (
+        next(desired.map(|d| d.generation), registered, held.is_some()),
+        registered,
+    ) {
+        (Next::Keep, Some(r)) if r.handler.is_none() => PluginState::Observed,
+        (Next::Keep, _) => PluginState::Registered,
+        // Registered by an interrupted run: it is registered again.
+        (Next::Register, Some(_)) => PluginState::Pending,
+        (Next::Deregister, _) => PluginState::Deregistering,
+        (Next::Hold, _) if held.is_some_and(|kind| kind.is_unserved()) => PluginState::Unserved,
+        (Next::Hold, _) => PluginState::Rejected,
         _ if backoff.is_some_and(|b| b.kind.is_waiting()) => PluginState::Pending,
         _ if backoff.is_some_and(|b| b.retry_at > now) => PluginState::BackingOff,
         _ => PluginState::Pending,

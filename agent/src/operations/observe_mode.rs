@@ -1,9 +1,10 @@
 //! An operation in observe mode (see [`crate::mode`]): describe the plugin, record it, tell no
 //! one. Scheduling, claims, backoff of a failed GetInfo and telemetry are the register path's.
 
-use super::OperationExecutor;
-use super::operation::{RegisterFailure, plugin_of};
-use super::slots::Slot;
+use super::failure::RegisterFailure;
+use super::register::{plugin_of, record_plugin};
+use super::runner::Runner;
+use crate::executor::Slot;
 use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::{Contact, KUBELET_FIRST};
@@ -11,7 +12,7 @@ use crate::registration::OnInvalid;
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
 
-impl OperationExecutor {
+impl Runner {
     /// GetInfo (unless `contact` is off; by default only after kubelet's) and an actual-state
     /// entry without a handler. The
     /// connection is dropped unanswered: kubelet, which owns the directory, notifies the plugin.
@@ -20,6 +21,7 @@ impl OperationExecutor {
         path: &Path,
         desired: &DesiredPlugin,
         slot: &mut Slot,
+        found: Option<tokio::net::UnixStream>,
         contact: Contact,
     ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
         let mut server = None;
@@ -36,22 +38,21 @@ impl OperationExecutor {
                     self.after_kubelet(path, desired)?;
                 }
                 let (mut unanswered, info) = self
-                    .dial_for_info(path, desired, slot, OnInvalid::Silent)
+                    .dial_for_info(path, desired, slot, found, OnInvalid::Silent)
                     .await?;
                 server = unanswered.take_server();
                 plugin_of(path, info)
             }
         };
-        let span = tracing::Span::current();
-        super::observe::record(&span, "plugin_name", &plugin.name);
-        super::observe::record(&span, "plugin_type", &plugin.plugin_type);
+        record_plugin(&plugin);
         // Observing tells nobody anything, so a refusal is only recorded (and shown). Without
         // contact there is no server and no name to judge: what is known is shown.
         let provenance = match contact {
             Contact::AfterKubelet | Contact::GetInfo => self
+                .admission
                 .admit_described(desired, server.as_ref(), &plugin)
                 .map_err(RegisterFailure::Rejected)?,
-            Contact::Never => self.provenance_of(desired, None),
+            Contact::Never => self.admission.provenance_of(desired, None),
         };
         self.actual.add_observed(
             desired.path.clone(),
