@@ -3,7 +3,8 @@
 //! source is attached, SIGHUP's policy reload, and SIGINT/SIGTERM's graceful stop. The command
 //! line (`cli::run`) only parses flags and the configuration file into [`RunSettings`].
 
-use super::{AgentConfig, RunningAgent};
+use super::config::AgentConfig;
+use super::running::RunningAgent;
 use crate::admin;
 use crate::handler::{self, HandlerRegistry};
 use crate::mode::Mode;

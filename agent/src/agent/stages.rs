@@ -3,7 +3,7 @@
 //! bookkeeping; the operations' runner, the executor that schedules it, the watcher and the
 //! reconciler that asks the executor.
 
-use super::AgentConfig;
+use super::config::AgentConfig;
 use crate::event_source::EventSource;
 use crate::executor::{ExecutorConfig, ExecutorParts, OperationExecutor};
 use crate::handler::HandlerRegistry;
