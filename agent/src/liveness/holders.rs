@@ -90,7 +90,7 @@ pub fn holding(path: &Path, socket: SocketId) -> Vec<Holder> {
         .collect::<HashSet<_>>()
         .into_iter()
         .filter_map(|(pid, inode)| {
-            let pidfd = super::pidfd_open(pid)?;
+            let pidfd = super::server::pidfd_open(pid)?;
             // Opened by pid: it is the holder only if it holds the socket after the open.
             socket_inodes(pid)
                 .contains(&inode)

@@ -40,18 +40,20 @@
 //! the [`Liveness`] and is what a [`Loss`] is reported to.
 
 mod holders;
+mod loss;
+mod server;
 mod unserved;
+pub use loss::{LearnedBy, Loss, Probe, accepts, probe};
+pub use server::Server;
+use server::{DisplayPid, exited, pidfd_open, pidfs_inode};
 pub use unserved::Unserved;
 
-use crate::state::{EntryKind, SocketId};
+use crate::state::SocketId;
 use std::collections::HashMap;
-use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
 use tokio::sync::Semaphore;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -60,195 +62,6 @@ use uuid::Uuid;
 /// Restored registrations whose server is learned at once (one connect each): enough to finish
 /// ten thousand in well under a second, few enough not to flood plugins with connections.
 const CONCURRENT_ATTACHES: usize = 64;
-
-/// The process serving a plugin's socket, as the registration connection's credentials name it.
-#[derive(Debug)]
-pub struct Server {
-    /// In the agent's pid namespace; `None` when the server is outside it (the kernel says 0).
-    pub pid: Option<u32>,
-    pub uid: u32,
-    pub gid: u32,
-    /// Readable once the process has exited; `None` when the kernel could not give one (the
-    /// process exited already, or a kernel before 6.5 and a pid not visible here).
-    pidfd: Option<OwnedFd>,
-    /// See [`identity`](Self::identity); read once, with the pidfd (admission and liveness
-    /// both ask for it).
-    identity: Option<u64>,
-}
-
-impl Server {
-    /// The server at the other end of `connection` (a connected Unix stream).
-    pub fn of(connection: BorrowedFd<'_>) -> io::Result<Server> {
-        let cred =
-            nix::sys::socket::getsockopt(&connection, nix::sys::socket::sockopt::PeerCredentials)
-                .map_err(io::Error::from)?;
-        let pid = u32::try_from(cred.pid()).ok().filter(|pid| *pid > 0);
-        let pidfd = match peer_pidfd(connection) {
-            PeerPidfd::Given(pidfd) => Some(pidfd),
-            // The process that listened is gone (its listener handed on, or inherited by a
-            // child): its pid may name another process by now, so it is not opened.
-            PeerPidfd::ListenerGone => None,
-            PeerPidfd::Unsupported => pid.and_then(pidfd_open),
-        };
-        let identity = pidfd.as_ref().and_then(|pidfd| pidfs_inode(pidfd.as_fd()));
-        Ok(Server {
-            pid,
-            uid: cred.uid(),
-            gid: cred.gid(),
-            pidfd,
-            identity,
-        })
-    }
-
-    /// The kernel's handle on the server process, while it has one: what makes reading the
-    /// process's `/proc` entries by pid safe against a recycled pid (see
-    /// `provenance::Resolver::server`).
-    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
-        self.pidfd.as_ref().map(AsFd::as_fd)
-    }
-
-    /// Whether the agent can be woken by this server's exit.
-    pub fn watchable(&self) -> bool {
-        self.pidfd.is_some()
-    }
-
-    /// The process's identity for as long as the machine runs: its pidfd's inode on pidfs
-    /// (Linux 6.9+: one inode per process, never reused). `None` on older kernels (pidfds are
-    /// anonymous inodes there, all alike) or without a pidfd.
-    pub fn identity(&self) -> Option<u64> {
-        self.identity
-    }
-}
-
-/// `pidfd`'s inode when it lives on pidfs (see [`Server::identity`]).
-fn pidfs_inode(pidfd: BorrowedFd<'_>) -> Option<u64> {
-    if !crate::kernel::on_pidfs(pidfd).ok()? {
-        return None;
-    }
-    nix::sys::stat::fstat(pidfd).ok().map(|stat| stat.st_ino)
-}
-
-impl std::fmt::Display for Server {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.pid {
-            Some(pid) => write!(f, "pid {pid} uid {} gid {}", self.uid, self.gid),
-            None => write!(
-                f,
-                "a process outside the agent's pid namespace, uid {} gid {}",
-                self.uid, self.gid
-            ),
-        }
-    }
-}
-
-/// What `SO_PEERPIDFD` gave for a connection.
-enum PeerPidfd {
-    Given(OwnedFd),
-    /// The kernel has no process for the peer any more (`EINVAL`/`ESRCH`/`ENODATA`): the
-    /// process that called `listen` exited, though its listener lives on in another (kernels
-    /// 6.5 to 6.15; since 6.16 the kernel gives a pidfd of the reaped process instead, which
-    /// `provenance::Resolver::server` finds no longer holding its pid).
-    ListenerGone,
-    /// A kernel before 6.5 (`ENOPROTOOPT`).
-    Unsupported,
-}
-
-/// `SO_PEERPIDFD` (Linux 6.5): the kernel's own pidfd for the peer, immune to pid reuse.
-fn peer_pidfd(connection: BorrowedFd<'_>) -> PeerPidfd {
-    match crate::kernel::peer_pidfd(connection) {
-        Ok(pidfd) => PeerPidfd::Given(pidfd),
-        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => PeerPidfd::Unsupported,
-        Err(_) => PeerPidfd::ListenerGone,
-    }
-}
-
-/// `pidfd_open(2)`, for kernels without `SO_PEERPIDFD`. The pid is `SO_PEERCRED`'s, the process
-/// that called `listen`: if it exited and its listener lives on in another process, the pid may
-/// name an unrelated process by now, and this opens that one. Kernels since 6.5 never take this
-/// path (docs/operations.md, "What each kernel gives").
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    crate::kernel::pidfd_open(libc::pid_t::try_from(pid).ok()?).ok()
-}
-
-/// How a liveness loss was learned: the `learned_by` label of metrics, spans and logs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LearnedBy {
-    /// The server's pidfd said it exited, and a connect attempt was refused.
-    Pidfd,
-    /// A connect attempt was refused without a known server exit: a socket found at start (or
-    /// restored) that nothing listens on.
-    ConnectProbe,
-    /// The kernel reported a descriptor of the listening socket closed (eBPF), and a connect
-    /// attempt was refused.
-    KernelRelease,
-}
-
-impl LearnedBy {
-    pub fn label(self) -> &'static str {
-        match self {
-            LearnedBy::Pidfd => "pidfd",
-            LearnedBy::ConnectProbe => "connect_probe",
-            LearnedBy::KernelRelease => "kernel_release",
-        }
-    }
-}
-
-/// A registered plugin found unserved.
-#[derive(Debug, Clone)]
-pub struct Loss {
-    pub path: PathBuf,
-    /// The registration it ends (a newer one at the path is not touched).
-    pub generation: Uuid,
-    pub learned_by: LearnedBy,
-    /// What was found, for operators.
-    pub reason: String,
-    /// When the agent learned the server was gone (its exit, or the refused connect).
-    pub since: Instant,
-}
-
-/// What one connect attempt found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Probe {
-    /// Something accepts connections (or will: its backlog is full).
-    Served,
-    /// Nothing listens on the socket.
-    Refused,
-    /// The path no longer holds this socket: the watcher sees to it.
-    Replaced,
-}
-
-/// One connect to `socket` at `path`: what it found, and the connection when one was made.
-pub async fn probe(path: &Path, socket: SocketId) -> (Probe, Option<tokio::net::UnixStream>) {
-    if !matches!(EntryKind::of(path), Ok(EntryKind::Socket(id)) if id == socket) {
-        return (Probe::Replaced, None);
-    }
-    match tokio::net::UnixStream::connect(path).await {
-        Ok(stream) => (Probe::Served, Some(stream)),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => (Probe::Refused, None),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => (Probe::Replaced, None),
-        // A full backlog (EAGAIN) is a listener; a permission error says nothing about one.
-        Err(e) => {
-            tracing::debug!(socket_path = %path.display(), error = %e, "liveness probe inconclusive: counted as served");
-            (Probe::Served, None)
-        }
-    }
-}
-
-/// Whether something accepts connections on `socket` at `path` now (one connect); false also
-/// when the path no longer holds that socket.
-pub async fn accepts(path: &Path, socket: SocketId) -> bool {
-    probe(path, socket).await.0 == Probe::Served
-}
-
-/// Waits for the process behind `pidfd` to exit.
-async fn exited(pidfd: OwnedFd) -> io::Result<()> {
-    // SAFETY: the pidfd is owned by the AsyncFd and closed only when it is dropped, after its
-    // registration is removed.
-    let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-        .map_err(|e| io::Error::other(e.to_string()))?;
-    let _ready = fd.readable().await?;
-    Ok(())
-}
 
 /// When a kernel-reported close of a listener is checked: at once, and again shortly after in
 /// case the kernel had not released the socket yet when the agent connected (a close can leave
@@ -835,21 +648,13 @@ async fn process_exit(this: Weak<Liveness>, id: u64, pidfd: OwnedFd, pid: Option
     futures::future::join_all(decisions).await;
 }
 
-struct DisplayPid(Option<u32>);
-
-impl std::fmt::Display for DisplayPid {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Some(pid) => write!(f, "pid {pid}"),
-            None => f.write_str("pid unknown here"),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::EntryKind;
+    use std::io;
     use std::io::{BufRead, BufReader};
+    use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
 
     /// A process of its own serving sockets; killed and reaped when dropped, also when a test

@@ -5,7 +5,7 @@
 //! what [`super::Liveness`] reports) and a registration that found nothing listening
 //! ([`Unserved::record`]).
 
-use super::{LearnedBy, Loss};
+use super::loss::{LearnedBy, Loss};
 use crate::handler::Plugin;
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::state::SocketId;
