@@ -1891,6 +1891,21 @@ async fn churn(
         }
     }
     let elapsed = start.elapsed();
+    // The reader reads the loss counters after each drain, so the rescan for a loss counted
+    // before the sentinel's record can follow the sentinel's event: wait for it.
+    if rescans == 0 && m.source.stats().dropped > 0 {
+        loop {
+            let event = tokio::time::timeout(STEP_TIMEOUT, m.events.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{}: a counted loss was never rescanned", m.kind))
+                .expect("source closed its channel");
+            if let FsEvent::Rescan { reason } = event {
+                rescans += 1;
+                eprintln!("{}: rescan: {reason}", m.kind);
+                break;
+            }
+        }
+    }
     let syscalls = helpers
         .into_iter()
         .map(|h| h.join().expect("churn helper"))
