@@ -92,14 +92,6 @@ pub fn probe(fentry: FentryFinding) -> KernelFeatures {
             .unwrap_or_default()
     };
     let machine = field(nix::sys::utsname::UtsName::machine);
-    let (fentry, fentry_detail) = match fentry {
-        FentryFinding::InUse => (Availability::Available, String::new()),
-        FentryFinding::Refused(why) => (Availability::Missing, why),
-        FentryFinding::NotTried => (
-            Availability::Unknown,
-            "the eBPF source did not try it".to_owned(),
-        ),
-    };
     let pidfd = pidfd_of_self();
     let features = vec![
         Feature {
@@ -117,17 +109,7 @@ pub fn probe(fentry: FentryFinding) -> KernelFeatures {
             ..found(ring_buffer())
         }
         .without("the eBPF source does not open; the agent uses fanotify"),
-        Feature {
-            name: FENTRY,
-            since: if machine == "aarch64" { "6.0" } else { "5.5" },
-            availability: fentry,
-            detail: fentry_detail,
-            without: "",
-        }
-        .without(
-            "the eBPF programs run on syscall tracepoints: removals by a multi-component path \
-             are matched by name in the kernel instead of by the directory's identity",
-        ),
+        fentry_feature(fentry, &machine),
         Feature {
             name: PIDFD,
             since: "5.3",
@@ -164,6 +146,29 @@ pub fn probe(fentry: FentryFinding) -> KernelFeatures {
         machine,
         features,
     }
+}
+
+/// fentry/fexit as the eBPF source found them (it is the one that tries to attach them).
+fn fentry_feature(finding: FentryFinding, machine: &str) -> Feature {
+    let (availability, detail) = match finding {
+        FentryFinding::InUse => (Availability::Available, String::new()),
+        FentryFinding::Refused(why) => (Availability::Missing, why),
+        FentryFinding::NotTried => (
+            Availability::Unknown,
+            "the eBPF source did not try it".to_owned(),
+        ),
+    };
+    Feature {
+        name: FENTRY,
+        since: if machine == "aarch64" { "6.0" } else { "5.5" },
+        availability,
+        detail,
+        without: "",
+    }
+    .without(
+        "the eBPF programs run on syscall tracepoints: removals by a multi-component path \
+         are matched by name in the kernel instead of by the directory's identity",
+    )
 }
 
 impl Feature {

@@ -27,21 +27,26 @@
 //! that is a failure. (From its first bytes, not from the request: a server that starts serving
 //! near the end of the request's second is not a hung one.)
 
+mod error;
+mod heard;
+mod steps;
 mod unary;
+
+pub use error::PluginCallError;
+pub use steps::{Step, StepTimer};
 
 use crate::liveness::Server;
 use crate::state::{EntryKind, SocketId};
+use heard::{HeardStream, PeerBytes, heard};
 use plugin_agent_proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use std::io;
 use std::os::fd::AsFd as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 use tracing::{Instrument as _, info_span};
@@ -138,101 +143,6 @@ pub mod limits {
     pub const VERSION_BYTES: usize = 256;
 }
 
-/// Why talking to a plugin failed.
-#[derive(Debug, thiserror::Error)]
-pub enum PluginCallError {
-    /// The socket vanished, or was replaced by another socket (which gets its own registration).
-    #[error("socket {0} no longer exists or was replaced")]
-    SocketGone(PathBuf),
-    /// Nothing listened on the socket (connections refused) for as long as it was waited for:
-    /// the socket is unserved, not a broken plugin.
-    #[error("nothing listens on {path}: connection refused for {elapsed:?}")]
-    NotListening { path: PathBuf, elapsed: Duration },
-    /// The socket refuses connections (bound, not listening yet) and may still listen until
-    /// `until`: the attempt ends, and the wait goes on without it (see the module docs).
-    #[error("{path} refuses connections (bound, not listening yet)")]
-    NotListeningYet { path: PathBuf, until: Instant },
-    /// Could not connect within the dial timeout.
-    #[error("dial {path}: {reason} (after {elapsed:?})")]
-    Dial {
-        path: PathBuf,
-        reason: String,
-        elapsed: Duration,
-    },
-    /// GetInfo failed.
-    #[error("GetInfo: {0}")]
-    GetInfo(String),
-    /// GetInfo's deadline passed, on a connection where the plugin had spoken (so it serves, but
-    /// is hung, or slow: busy starting up, say).
-    #[error("GetInfo: no answer within {0:?}")]
-    GetInfoTimeout(Duration),
-    /// GetInfo answered something no handler should see.
-    #[error("invalid PluginInfo: {0}")]
-    InvalidInfo(String),
-    /// NotifyRegistrationStatus failed (transport or the plugin returned an error).
-    #[error("NotifyRegistrationStatus: {0}")]
-    Notify(String),
-}
-
-/// A step of a plugin call, timed for whoever asked ([`StepTimer`]): each is its span's duration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// Connecting, including the wait for a bound socket to listen (the `dial` span).
-    Dial,
-    /// The `GetInfo` call (its span).
-    GetInfo,
-    /// A `NotifyRegistrationStatus` call (a broken connection's re-dial asks again: a second
-    /// call).
-    Notify,
-}
-
-impl Step {
-    /// The `call` label of the step's latency metric.
-    pub fn label(self) -> &'static str {
-        match self {
-            Step::Dial => "dial",
-            Step::GetInfo => "get_info",
-            Step::Notify => "notify",
-        }
-    }
-
-    /// The name of the step's span.
-    pub fn span_name(self) -> &'static str {
-        match self {
-            Step::Dial => "dial",
-            Step::GetInfo => "GetInfo",
-            Step::Notify => "NotifyRegistrationStatus",
-        }
-    }
-}
-
-/// Told how long each step of a connection's calls took and whether it succeeded, while the
-/// step's span is current (the executor records the step with that span as its exemplar; this
-/// room imports no telemetry). The default times nothing.
-#[derive(Clone, Default)]
-pub struct StepTimer(Option<Arc<RecordStep>>);
-
-/// What a [`StepTimer`] calls: the step, how long it took, whether it succeeded.
-type RecordStep = dyn Fn(Step, Duration, bool) + Send + Sync;
-
-impl StepTimer {
-    pub fn new(record: impl Fn(Step, Duration, bool) + Send + Sync + 'static) -> Self {
-        StepTimer(Some(Arc::new(record)))
-    }
-
-    fn record(&self, step: Step, took: Duration, ok: bool) {
-        if let Some(record) = &self.0 {
-            record(step, took, ok);
-        }
-    }
-}
-
-impl std::fmt::Debug for StepTimer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("StepTimer").field(&self.0.is_some()).finish()
-    }
-}
-
 /// What `get_info` does with a PluginInfo no handler should see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnInvalid {
@@ -295,85 +205,19 @@ impl PluginConnection {
                     |e| tracing::debug!(error = %e, "cannot read the plugin's credentials"),
                 )
                 .ok();
-            let remaining = budget_end.saturating_duration_since(Instant::now());
-            // The HTTP/2 steps are boxed: until a peer accepts, this future stays small (a
-            // dial that waits for a bound-but-not-serving socket, or for a stale one until its
-            // budget ends, costs a few hundred bytes instead of the connection's kilobytes).
-            let mut client = match Box::pin(tokio::time::timeout(
-                remaining,
-                UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
-            ))
-            .await
+            let mut client = handshake(socket, stream, budget_end, started).await?;
+            let answer = match ask_info(&mut client, &peer, timeouts.get_info, waiting, steps).await
             {
-                Ok(Ok(client)) => client,
-                Ok(Err(e)) => {
-                    return Err(dial_error(
-                        socket,
-                        format!("HTTP/2 connection: {e}"),
-                        started,
-                    ));
-                }
-                Err(_) => {
-                    return Err(dial_error(
-                        socket,
-                        "HTTP/2 connection timed out".into(),
-                        started,
-                    ));
-                }
-            };
-            let span = info_span!("GetInfo");
-            let asked = Instant::now();
-            let called = telling_when_slow(
-                Box::pin(
-                    answer_within(
-                        client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, timeouts.get_info),
-                        &peer,
-                        timeouts.get_info,
-                    )
-                    .instrument(span.clone()),
-                ),
-                waiting,
-            )
-            .await;
-            span.in_scope(|| {
-                steps.record(Step::GetInfo, asked.elapsed(), matches!(called, Ok(Ok(_))))
-            });
-            let answer = match called {
-                Ok(Ok(info)) => {
-                    let mut connection = PluginConnection {
+                Ok(info) => {
+                    let connection = PluginConnection {
                         client,
                         timeouts,
                         server,
                         steps: steps.clone(),
                     };
-                    if let Err(invalid) = validate_info(&info) {
-                        if on_invalid == OnInvalid::Silent {
-                            return Err(invalid);
-                        }
-                        // As kubelet does for a plugin it refuses: say why, then back off.
-                        let told =
-                            Box::pin(connection.notify(false, &invalid.to_string()).instrument(
-                                info_span!("NotifyRegistrationStatus", registered = false),
-                            ))
-                            .await;
-                        if let Err(e) = told {
-                            tracing::debug!(error = %e, "could not tell the plugin its PluginInfo is invalid");
-                        }
-                        return Err(invalid);
-                    }
-                    return Ok((connection, info));
+                    return connection.accepting(info, on_invalid).await;
                 }
-                // The plugin's server enforcing the deadline the call carries (`grpc-timeout`),
-                // when its status lands before the agent's own timer: the same missed deadline
-                // (a just-started plugin then gets its quick retry, whichever side noticed first).
-                Ok(Err(unary::CallError::Status {
-                    code: tonic::Code::Cancelled | tonic::Code::DeadlineExceeded,
-                    ..
-                })) if asked.elapsed() >= timeouts.get_info => {
-                    PluginCallError::GetInfoTimeout(timeouts.get_info)
-                }
-                Ok(Err(e)) => PluginCallError::GetInfo(e.to_string()),
-                Err(_elapsed) => PluginCallError::GetInfoTimeout(timeouts.get_info),
+                Err(answer) => answer,
             };
             // A peer that has sent nothing at all is not serving yet (a gRPC server speaks first):
             // ask again on a fresh connection, within the dial budget.
@@ -388,6 +232,31 @@ impl PluginConnection {
             }
             return Err(answer);
         }
+    }
+
+    /// This connection and `info` if `info` is valid; else the reason, which the plugin is told
+    /// unless `on_invalid` is silent.
+    async fn accepting(
+        mut self,
+        info: PluginInfo,
+        on_invalid: OnInvalid,
+    ) -> Result<(PluginConnection, PluginInfo), PluginCallError> {
+        let Err(invalid) = validate_info(&info) else {
+            return Ok((self, info));
+        };
+        if on_invalid == OnInvalid::Silent {
+            return Err(invalid);
+        }
+        // As kubelet does for a plugin it refuses: say why, then back off.
+        let told = Box::pin(
+            self.notify(false, &invalid.to_string())
+                .instrument(info_span!("NotifyRegistrationStatus", registered = false)),
+        )
+        .await;
+        if let Err(e) = told {
+            tracing::debug!(error = %e, "could not tell the plugin its PluginInfo is invalid");
+        }
+        Err(invalid)
     }
 
     /// Who serves the socket, as its connection's credentials name it.
@@ -503,6 +372,76 @@ enum NotifyFailure {
     Final(String),
 }
 
+/// The HTTP/2 connection over a dialled `stream`, within the dial budget.
+///
+/// The HTTP/2 steps are boxed: until a peer accepts, the attempt's future stays small (a dial that
+/// waits for a bound-but-not-serving socket, or for a stale one until its budget ends, costs a few
+/// hundred bytes instead of the connection's kilobytes).
+async fn handshake(
+    socket: &Path,
+    stream: HeardStream,
+    budget_end: Instant,
+    started: Instant,
+) -> Result<UnaryClient<HeardStream>, PluginCallError> {
+    let remaining = budget_end.saturating_duration_since(Instant::now());
+    match Box::pin(tokio::time::timeout(
+        remaining,
+        UnaryClient::handshake(stream, MAX_MESSAGE_BYTES),
+    ))
+    .await
+    {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(e)) => Err(dial_error(
+            socket,
+            format!("HTTP/2 connection: {e}"),
+            started,
+        )),
+        Err(_) => Err(dial_error(
+            socket,
+            "HTTP/2 connection timed out".into(),
+            started,
+        )),
+    }
+}
+
+/// One `GetInfo` call on `client`, its second counted from the peer's first bytes (see the module
+/// docs); `waiting` hears when the answer is slow.
+async fn ask_info(
+    client: &mut UnaryClient<HeardStream>,
+    peer: &PeerBytes,
+    within: Duration,
+    waiting: &mut dyn Pause,
+    steps: &StepTimer,
+) -> Result<PluginInfo, PluginCallError> {
+    let span = info_span!("GetInfo");
+    let asked = Instant::now();
+    let called = telling_when_slow(
+        Box::pin(
+            answer_within(
+                client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, within),
+                peer,
+                within,
+            )
+            .instrument(span.clone()),
+        ),
+        waiting,
+    )
+    .await;
+    span.in_scope(|| steps.record(Step::GetInfo, asked.elapsed(), matches!(called, Ok(Ok(_)))));
+    match called {
+        Ok(Ok(info)) => Ok(info),
+        // The plugin's server enforcing the deadline the call carries (`grpc-timeout`), when its
+        // status lands before the agent's own timer: the same missed deadline (a just-started
+        // plugin then gets its quick retry, whichever side noticed first).
+        Ok(Err(unary::CallError::Status {
+            code: tonic::Code::Cancelled | tonic::Code::DeadlineExceeded,
+            ..
+        })) if asked.elapsed() >= within => Err(PluginCallError::GetInfoTimeout(within)),
+        Ok(Err(e)) => Err(PluginCallError::GetInfo(e.to_string())),
+        Err(_elapsed) => Err(PluginCallError::GetInfoTimeout(within)),
+    }
+}
+
 impl NotifyFailure {
     fn into_error(self) -> PluginCallError {
         match self {
@@ -558,18 +497,6 @@ fn validate_info(info: &PluginInfo) -> Result<(), PluginCallError> {
         ));
     }
     Ok(())
-}
-
-/// `stream`, with its peer's bytes counted from now.
-fn heard(stream: UnixStream) -> (HeardStream, Arc<PeerBytes>) {
-    let peer = Arc::new(PeerBytes::default());
-    (
-        HeardStream {
-            inner: stream,
-            peer: peer.clone(),
-        },
-        peer,
-    )
 }
 
 /// How a dial waits for a socket that refuses connections (bound, not listening yet).
@@ -675,91 +602,6 @@ async fn answer_within<F: std::future::Future>(
     }
 }
 
-/// A Unix stream that records what the peer has sent first.
-struct HeardStream {
-    inner: UnixStream,
-    peer: Arc<PeerBytes>,
-}
-
-/// The first bytes a plugin sent on a registration connection: enough to tell a plugin that is
-/// not serving yet (nothing sent) from one that does not speak gRPC (its first frame is not the
-/// HTTP/2 SETTINGS frame every gRPC server opens with).
-#[derive(Debug, Default)]
-struct PeerBytes {
-    first: std::sync::Mutex<Vec<u8>>,
-    /// When the first bytes arrived.
-    heard_at: std::sync::OnceLock<Instant>,
-}
-
-/// Length of an HTTP/2 frame header: 3 bytes length, type, flags, 4 bytes stream id.
-const FRAME_HEADER: usize = 9;
-/// HTTP/2 frame type of SETTINGS.
-const SETTINGS: u8 = 0x4;
-
-impl PeerBytes {
-    fn record(&self, data: &[u8]) {
-        if !data.is_empty() {
-            let _ = self.heard_at.set(Instant::now());
-        }
-        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
-        let room = FRAME_HEADER.saturating_sub(first.len());
-        first.extend_from_slice(&data[..room.min(data.len())]);
-    }
-
-    fn heard(&self) -> bool {
-        self.heard_at.get().is_some()
-    }
-
-    fn heard_at(&self) -> Option<Instant> {
-        self.heard_at.get().copied()
-    }
-
-    /// Why the peer is not an HTTP/2 server, if its first bytes prove it.
-    fn not_http2(&self) -> Option<String> {
-        let first = self.first.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let wrong_type = first.len() > 3 && first[3] != SETTINGS;
-        let wrong_stream = first.len() == FRAME_HEADER && first[5..9] != [0, 0, 0, 0];
-        (wrong_type || wrong_stream).then(|| {
-            format!(
-                "the plugin's listener does not speak gRPC: it sent {:?} instead of an HTTP/2 SETTINGS frame",
-                String::from_utf8_lossy(&first)
-            )
-        })
-    }
-}
-
-impl AsyncRead for HeardStream {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            let received = &buf.filled()[before..];
-            self.peer.record(received);
-        }
-        poll
-    }
-}
-
-impl AsyncWrite for HeardStream {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -828,29 +670,6 @@ mod tests {
             asked.elapsed() > Timeouts::default().get_info,
             "answered after the request's own second: {:?}",
             asked.elapsed()
-        );
-    }
-
-    #[test]
-    fn an_http2_settings_frame_is_not_mistaken_for_garbage() {
-        let peer = PeerBytes::default();
-        assert!(!peer.heard());
-        peer.record(&[0, 0, 18, SETTINGS, 0, 0, 0, 0, 0, 0, 3]);
-        assert!(peer.heard());
-        assert_eq!(peer.not_http2(), None);
-    }
-
-    #[test]
-    fn http1_or_garbage_first_bytes_are_named() {
-        let peer = PeerBytes::default();
-        peer.record(b"HTTP/1.1 400 Bad Request\r\n");
-        let why = peer.not_http2().expect("not HTTP/2");
-        assert!(why.contains("HTTP/1.1"), "{why}");
-        let peer = PeerBytes::default();
-        peer.record(&[0, 0, 0, SETTINGS, 0, 0, 0, 0, 7]);
-        assert!(
-            peer.not_http2().is_some(),
-            "SETTINGS on a non-zero stream is not a preface"
         );
     }
 }

@@ -38,132 +38,33 @@
 //! another format, another tree) is a warning and today's behaviour: everything found is
 //! registered again; a torn last journal line (a kill mid-write) is skipped.
 
-use crate::handler::{HandlerRegistry, Plugin, PluginHandler};
-use crate::provenance::{Creator, Process, Provenance};
-use crate::state::SocketId;
+mod files;
+mod format;
+mod read;
+mod restore;
+
+pub use format::FORMAT;
+pub use restore::{Restore, RestoreReport, Restored};
+
 use crate::state::actual::{ActualState, Held, RegisteredPlugin};
-use crate::state::desired::DesiredState;
 use anyhow::Context;
+use files::{open_own_file, write_atomically};
+use format::{Entry, Line};
 use serde_json::value::RawValue;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
 use uuid::Uuid;
 
 /// The snapshot's name in the runtime directory; the journal is beside it (`state.journal`).
 pub const FILE_NAME: &str = "state.json";
-
-/// The format this agent writes and reads; another is ignored (with a warning), never guessed at.
-pub const FORMAT: u32 = 1;
-
-/// The snapshot goes to its file through a buffer this big, not whole from memory: with 10,000
-/// plugins it is ~5 MB of JSON, which a burst's compactions built in memory (growing by
-/// doubling) at the moment the agent's memory peaked.
-const WRITE_BUFFER: usize = 64 * 1024;
 
 /// Journal lines before the journal is folded into the snapshot: at least this many, and as many
 /// as there are entries now or were in the last snapshot, so writing snapshots costs each line a
 /// share of one entry's. (With entries now alone, 10,000 deregistrations rewrote a shrinking
 /// snapshot at 5,000, 2,500, ... entries left, and every 1,024 lines at the end.)
 const COMPACT_AFTER: usize = 1024;
-
-/// The snapshot.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct StateFile {
-    format: u32,
-    /// The watched tree the entries are under: another tree's file is not this agent's.
-    root: String,
-    plugins: Vec<Entry<'static>>,
-}
-
-/// One registered (or, in observe mode, observed) plugin: owned as read, borrowed from actual
-/// state as written (a snapshot of 10,000 copies none of their strings).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Entry<'a> {
-    path: Cow<'a, str>,
-    generation: String,
-    dev: u64,
-    ino: u64,
-    birth_ns: Option<i64>,
-    handle: Option<u64>,
-    #[serde(rename = "type")]
-    plugin_type: Cow<'a, str>,
-    name: Cow<'a, str>,
-    endpoint: Cow<'a, str>,
-    versions: Cow<'a, [String]>,
-    /// The handler's description (its target) it was registered with; none when observed.
-    handler: Option<String>,
-    registered_at_unix_ms: u64,
-    /// Who created the socket, when known (absent in files of agents before provenance: an
-    /// older agent reading a newer file ignores them).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    creator: Option<Cow<'a, Process>>,
-    /// Who served the registration.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    server: Option<Cow<'a, Process>>,
-    /// Begun and not finished (see the module docs).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    unfinished: bool,
-}
-
-impl<'a> Entry<'a> {
-    /// None for a path that is not UTF-8: its plugin is registered again after a restart.
-    fn of(path: &'a Path, entry: &'a RegisteredPlugin) -> Option<Entry<'a>> {
-        Some(Entry {
-            path: Cow::Borrowed(path.to_str()?),
-            generation: entry.generation.to_string(),
-            dev: entry.socket.dev,
-            ino: entry.socket.ino,
-            birth_ns: entry.socket.birth_ns,
-            handle: entry.socket.handle,
-            plugin_type: Cow::Borrowed(&entry.plugin.plugin_type),
-            name: Cow::Borrowed(&entry.plugin.name),
-            endpoint: Cow::Borrowed(&entry.plugin.endpoint),
-            versions: Cow::Borrowed(&entry.plugin.supported_versions),
-            handler: entry.handler.as_ref().map(|h| h.describe()),
-            registered_at_unix_ms: entry
-                .registered_at
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            creator: entry.provenance.creator.process().map(Cow::Borrowed),
-            server: entry.provenance.server.as_deref().map(Cow::Borrowed),
-            unfinished: entry.interrupted,
-        })
-    }
-}
-
-/// One journal line, as read (written as a [`Line`]).
-#[derive(Debug, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Op {
-    /// A registration began (unfinished); an agent before this line was written fails to read
-    /// it and registers everything again.
-    Begin(Box<Entry<'static>>),
-    /// A registration finished: the whole entry when it was not begun in the journal (observe
-    /// mode), else only which one.
-    Add(Box<Entry<'static>>),
-    Done {
-        path: String,
-        generation: String,
-    },
-    Remove {
-        path: String,
-        generation: String,
-    },
-}
-
-/// A journal line as written. Reads as [`Op`].
-#[derive(serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-enum Line<'a> {
-    Begin(&'a Entry<'a>),
-    Add(&'a Entry<'a>),
-    Done { path: &'a str, generation: String },
-    Remove { path: &'a str, generation: String },
-}
 
 /// What the journal knows of an entry on disk: which registration it is (`done` and `remove`
 /// lines must match it) and whether it is unfinished. The entry's contents are actual state's, one
@@ -221,21 +122,6 @@ impl serde::Serialize for EntriesOut<'_> {
             leaving
         }))
     }
-}
-
-/// A plugin a previous agent registered, as read from the file.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Restored {
-    pub path: PathBuf,
-    pub generation: Uuid,
-    pub socket: SocketId,
-    pub plugin: Plugin,
-    /// The handler's description; none: observed only.
-    pub handler: Option<String>,
-    pub registered_at: SystemTime,
-    pub provenance: Provenance,
-    /// Begun and not finished: registered again, or deregistered if its socket went.
-    pub interrupted: bool,
 }
 
 /// The state on disk: what began and what finished, by path.
@@ -302,7 +188,7 @@ impl Journal {
             reporter: std::sync::OnceLock::new(),
         };
         if !ignore {
-            let (entries, read_whole) = journal.read(root);
+            let (entries, read_whole) = read::read(&journal.snapshot, &journal.journal, root);
             let mut inner = journal.lock();
             inner.on_disk = entries;
             inner.read_whole = read_whole;
@@ -311,7 +197,7 @@ impl Journal {
             .lock()
             .on_disk
             .values()
-            .filter_map(|entry| match restored(entry.clone(), root) {
+            .filter_map(|entry| match Restored::from_entry(entry.clone(), root) {
                 Ok(restored) => Some(restored),
                 Err(e) => {
                     tracing::warn!(state_file = %snapshot.display(), error = format!("{e:#}"), "ignoring a state file entry");
@@ -320,49 +206,6 @@ impl Journal {
             })
             .collect();
         (journal, restored)
-    }
-
-    /// The entries the files hold, by path, and the journal's line count when both were read
-    /// whole.
-    fn read(&self, root: &Path) -> (HashMap<String, Entry<'static>>, Option<usize>) {
-        let bytes = match read_own_file(&self.snapshot) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                tracing::info!(state_file = %self.snapshot.display(), "no state file: registering every plugin found");
-                return (HashMap::new(), None);
-            }
-            Err(e) => {
-                tracing::warn!(state_file = %self.snapshot.display(), error = %e, "cannot read the state file: registering every plugin found");
-                return (HashMap::new(), None);
-            }
-        };
-        let mut entries: HashMap<String, Entry<'static>> = match parse(&bytes, root) {
-            Ok(entries) => entries
-                .into_iter()
-                .map(|e| (e.path.clone().into_owned(), e))
-                .collect(),
-            Err(e) => {
-                tracing::warn!(state_file = %self.snapshot.display(), error = format!("{e:#}"), "ignoring the state file: registering every plugin found");
-                return (HashMap::new(), None);
-            }
-        };
-        drop(bytes);
-        let log = match read_own_file(&self.journal) {
-            Ok(log) => log,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => {
-                tracing::warn!(journal = %self.journal.display(), error = %e, "cannot read the journal: its plugins are registered again");
-                // Not read whole: the files are written afresh once the start has restored.
-                return (entries, None);
-            }
-        };
-        let replayed = replay(&log, &mut entries);
-        if replayed.torn > 0 {
-            tracing::warn!(journal = %self.journal.display(), lines = replayed.torn, "skipped unreadable journal lines (a kill mid-write?): their plugins are registered again");
-        }
-        // A torn line, or a last line without its newline, would run into the next one appended.
-        let whole = replayed.torn == 0 && log.last().is_none_or(|b| *b == b'\n');
-        (entries, whole.then_some(replayed.lines))
     }
 
     /// Starts from exactly what was restored (entries of a changed handler are dropped). When the
@@ -646,264 +489,16 @@ impl Journal {
     }
 }
 
-/// The most the snapshot or the journal may hold, read: 64 MiB is a snapshot of over 100,000
-/// registrations (an entry is ~500 bytes), more than a node's plugin directory holds. A larger
-/// file is not this agent's (or was padded to exhaust its memory) and is refused whole.
-const MAX_FILE_BYTES: u64 = 64 << 20;
-
-/// Opens one of the agent's own state files: never through a symbolic link (`O_NOFOLLOW`), never
-/// blocking on a FIFO someone put there (`O_NONBLOCK`), and only a regular file.
-fn open_own_file(path: &Path, access: libc::c_int) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(access & libc::O_ACCMODE == libc::O_RDONLY)
-        .write(access & libc::O_ACCMODE == libc::O_WRONLY)
-        .append(access & libc::O_APPEND != 0)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "it is a symbolic link, which the agent never follows",
-            ),
-            _ => e,
-        })?;
-    if !file.metadata()?.file_type().is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "it is not a regular file",
-        ));
-    }
-    Ok(file)
-}
-
-/// Reads one of the agent's own state files whole (see [`open_own_file`]), refusing one larger
-/// than [`MAX_FILE_BYTES`] before reading any of it.
-fn read_own_file(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let file = open_own_file(path, libc::O_RDONLY)?;
-    let size = file.metadata()?.len();
-    if size > MAX_FILE_BYTES {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!(
-                "{size} bytes, more than the {} MiB a state file holds",
-                MAX_FILE_BYTES >> 20
-            ),
-        ));
-    }
-    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
-    // A file that grows meanwhile is read up to the bound, and is then torn, as a kill leaves it.
-    file.take(MAX_FILE_BYTES).read_to_end(&mut bytes)?;
-    Ok(bytes)
-}
-
-/// How many journal lines were applied, and how many could not be read.
-struct Replayed {
-    lines: usize,
-    torn: usize,
-}
-
-/// Applies journal lines to `entries`.
-fn replay(journal: &[u8], entries: &mut HashMap<String, Entry<'static>>) -> Replayed {
-    let mut replayed = Replayed { lines: 0, torn: 0 };
-    for line in journal.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-        match serde_json::from_slice::<Op>(line) {
-            Ok(Op::Begin(entry) | Op::Add(entry)) => {
-                entries.insert(entry.path.clone().into_owned(), *entry);
-            }
-            Ok(Op::Done { path, generation }) => {
-                if let Some(entry) = entries
-                    .get_mut(&path)
-                    .filter(|e| e.generation == generation)
-                {
-                    entry.unfinished = false;
-                }
-            }
-            Ok(Op::Remove { path, generation }) => {
-                if entries
-                    .get(&path)
-                    .is_some_and(|e| e.generation == generation)
-                {
-                    entries.remove(&path);
-                }
-            }
-            Err(_) => {
-                replayed.torn += 1;
-                continue;
-            }
-        }
-        replayed.lines += 1;
-    }
-    replayed
-}
-
-fn parse(bytes: &[u8], root: &Path) -> anyhow::Result<Vec<Entry<'static>>> {
-    // The format first, alone: a later format may change everything else.
-    #[derive(serde::Deserialize)]
-    struct Format {
-        format: u32,
-    }
-    let Format { format } = serde_json::from_slice(bytes).context("not a state file")?;
-    anyhow::ensure!(
-        format == FORMAT,
-        "format {format}, this agent reads format {FORMAT}"
-    );
-    let file: StateFile = serde_json::from_slice(bytes).context("malformed state file")?;
-    anyhow::ensure!(
-        Path::new(&file.root) == root,
-        "it is for {}, this agent watches {}",
-        file.root,
-        root.display()
-    );
-    Ok(file.plugins)
-}
-
-fn restored(entry: Entry<'static>, root: &Path) -> anyhow::Result<Restored> {
-    let generation = Uuid::parse_str(&entry.generation)
-        .with_context(|| format!("bad generation for {}", entry.path))?;
-    let path = PathBuf::from(&*entry.path);
-    anyhow::ensure!(
-        path.starts_with(root),
-        "entry {} is outside the tree",
-        entry.path
-    );
-    Ok(Restored {
-        generation,
-        socket: SocketId {
-            dev: entry.dev,
-            ino: entry.ino,
-            birth_ns: entry.birth_ns,
-            handle: entry.handle,
-        },
-        plugin: Plugin {
-            plugin_type: entry.plugin_type.into_owned(),
-            name: entry.name.into_owned(),
-            endpoint: entry.endpoint.into_owned(),
-            supported_versions: entry.versions.into_owned(),
-            socket_path: entry.path.into_owned(),
-        },
-        handler: entry.handler,
-        registered_at: SystemTime::UNIX_EPOCH + Duration::from_millis(entry.registered_at_unix_ms),
-        provenance: Provenance {
-            creator: entry.creator.map_or(Creator::FoundByWalk, |p| {
-                Creator::Known(Arc::new(p.into_owned()))
-            }),
-            server: entry.server.map(|p| Arc::new(p.into_owned())),
-        },
-        interrupted: entry.unfinished,
-        path,
-    })
-}
-
-/// How restoring went, for the start log line.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct RestoreReport {
-    /// Entries put back: their plugins are not called again if their sockets are unchanged.
-    pub restored: usize,
-    /// Entries whose handler is no longer the one configured for their type (or that were
-    /// observed and the agent now registers, or the other way round): registered as new.
-    pub handler_changed: usize,
-    /// Of the entries put back, registrations a kill interrupted: registered again, or
-    /// deregistered if their sockets went.
-    pub interrupted: usize,
-}
-
-/// What restoring needs to decide, per entry, whether today's agent carries on from it.
-pub struct Restore<'a> {
-    pub desired: &'a DesiredState,
-    pub actual: &'a ActualState,
-    pub handlers: &'a HandlerRegistry,
-    /// Observe mode: entries are observations (no handler); register mode: registrations.
-    pub observing: bool,
-}
-
-impl Restore<'_> {
-    /// Puts `entries` back into desired and actual state (before the first walk).
-    pub fn apply(&self, entries: Vec<Restored>) -> RestoreReport {
-        let mut report = RestoreReport::default();
-        for entry in entries {
-            let Some(handler) = self.handler_for(&entry) else {
-                report.handler_changed += 1;
-                continue;
-            };
-            let path: Arc<Path> = Arc::from(entry.path.as_path());
-            self.desired.restore(
-                path.clone(),
-                entry.generation,
-                entry.socket,
-                entry.provenance.creator.clone(),
-            );
-            let registered = RegisteredPlugin {
-                generation: entry.generation,
-                socket: entry.socket,
-                plugin: entry.plugin,
-                handler,
-                registered_at: entry.registered_at,
-                provenance: entry.provenance,
-                interrupted: entry.interrupted,
-            };
-            report.interrupted += usize::from(registered.interrupted);
-            self.actual.restore(path, registered);
-            report.restored += 1;
-        }
-        report
-    }
-
-    /// The handler `entry` is carried on with: `Some(None)` when observed (and observing),
-    /// `Some(Some(h))` when today's handler for its type is the one it was registered with.
-    #[allow(clippy::option_option)]
-    fn handler_for(&self, entry: &Restored) -> Option<Option<Arc<dyn PluginHandler>>> {
-        match (&entry.handler, self.observing) {
-            (None, true) => Some(None),
-            (Some(described), false) => self
-                .handlers
-                .get(&entry.plugin.plugin_type)
-                .filter(|handler| handler.describe() == *described)
-                .map(Some),
-            _ => None,
-        }
-    }
-}
-
-/// Writes what `write` writes to a temporary file beside `file` and renames it over `file`:
-/// readers (the next agent) see the old content or the new, never a mix.
-///
-/// Not synced to disk, like the journal's lines: the state outlives the agent (a kill leaves the
-/// page cache with it), not the node, whose plugins restart with it. An `fsync` here held the
-/// journal's lock, and with it every registration beginning meanwhile, for as long as the disk
-/// took to write ~5 MB (a runtime directory on a disk, not the default tmpfs). After a power loss a
-/// short or empty file is unreadable: a warning, and every plugin registered again.
-fn write_atomically(
-    file: &Path,
-    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
-) -> anyhow::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut tmp = file.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    // A file of its own, made here (`O_EXCL`): whatever was left at the name (a link, another
-    // file's second name) is unlinked first, never written through.
-    let _ = std::fs::remove_file(&tmp);
-    let out = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .with_context(|| format!("cannot create {}", tmp.display()))?;
-    let mut out = std::io::BufWriter::with_capacity(WRITE_BUFFER, out);
-    write(&mut out)
-        .and_then(|()| out.flush())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, file)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), file.display()))
-}
-
 #[cfg(test)]
 mod tests {
+    use super::files::MAX_FILE_BYTES;
     use super::*;
     use crate::handler::accept_all::AcceptAll;
+    use crate::handler::{HandlerRegistry, Plugin};
+    use crate::provenance::{Creator, Process, Provenance};
+    use crate::state::SocketId;
+    use crate::state::desired::DesiredState;
+    use std::time::Duration;
 
     fn socket(ino: u64) -> SocketId {
         SocketId {
@@ -1372,36 +967,6 @@ mod tests {
         // Registrations are not observations.
         assert_eq!(restore(&registry(), true).restored, 0);
         assert!(restored.is_empty() && desired.snapshot().is_empty());
-    }
-
-    #[test]
-    fn corrupt_foreign_and_other_tree_files_restore_nothing_and_say_why() {
-        let root = Path::new("/plugins");
-        let good = serde_json::to_vec(&StateFile {
-            format: FORMAT,
-            root: "/plugins".into(),
-            plugins: Vec::new(),
-        })
-        .expect("json");
-        let cases: [(&[u8], &str); 5] = [
-            (b"", "not a state file"),
-            (b"{\"format\": 1, \"root\": ", "not a state file"),
-            (b"{\"format\": 99, \"plugins\": 7}", "format 99"),
-            (
-                b"{\"format\": 1, \"root\": \"/plugins\", \"plugins\": 7}",
-                "malformed",
-            ),
-            (&good[..good.len() / 2], "not a state file"),
-        ];
-        for (bytes, why) in cases {
-            let error = format!("{:#}", parse(bytes, root).expect_err("refused"));
-            assert!(error.contains(why), "{why}: {error}");
-        }
-        let error = format!(
-            "{:#}",
-            parse(&good, Path::new("/other")).expect_err("refused")
-        );
-        assert!(error.contains("this agent watches /other"), "{error}");
     }
 
     /// The files are the agent's own: a state file that is a link (to a FIFO that would block
