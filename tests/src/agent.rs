@@ -570,6 +570,13 @@ pub mod seen {
         }
     }
 
+    /// When the agent published the event (its `time`).
+    pub fn at(line: &Line) -> std::time::SystemTime {
+        line.field("time")
+            .and_then(|t| humantime::parse_rfc3339(&t).ok())
+            .unwrap_or_else(|| panic!("no time in the event {line}"))
+    }
+
     /// Any full walk finished.
     pub fn any_walk(l: &Line) -> bool {
         l.field_is("kind", "walked")

@@ -494,12 +494,16 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
     )
     .await;
     let options = AgentOptions::new(source, &dir.root())
-        .handlers(&[&format!("CSIPlugin={}", handler.target())]);
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
     let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
     let socket = dir.path("short-lived.sock");
+    // A DRA plugin: the `dra-handler` validates the services a plugin speaks.
     let plugin = plugin!(&socket)
+        .plugin_type("DRAPlugin")
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
         .arg("--get-info-delay")
         .arg("500ms")
         .spawn();
