@@ -137,11 +137,18 @@ impl AgentProcess {
             .unwrap_or_else(|e| panic!("{test}: cannot start plugin-agent: {e}"));
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = EventLog::read_from(stderr, format!("agent-log-{test}"));
+        // `--admin-socket` among the extra arguments wins over the environment, as in `run`.
+        let admin_socket = options
+            .extra
+            .iter()
+            .position(|a| a == "--admin-socket")
+            .and_then(|i| options.extra.get(i + 1))
+            .map_or_else(|| options.admin_socket.clone(), PathBuf::from);
         let mut agent = AgentProcess {
             child: Some(child),
             log,
             watch: None,
-            admin_socket: options.admin_socket.clone(),
+            admin_socket,
             test: test.to_string(),
             _binary: shared,
         };
