@@ -11,8 +11,8 @@ use plugin_agent_tests::cgroup::TestCgroup;
 use plugin_agent_tests::env::privileged;
 use plugin_agent_tests::http::{http_get, metrics_addr};
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, admin, logs, per_source,
-    plugin, seen, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, admin, per_source, plugin,
+    seen, test_name,
 };
 use serde_json::Value;
 use std::path::{Path, PathBuf};
