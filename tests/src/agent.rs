@@ -412,6 +412,14 @@ impl AgentProcess {
         })
         .await
         .expect("waiting for the agent");
+        // The event stream ends with the agent: read it to its end, so the events the agent
+        // published before it exited are all there for the test.
+        if let (Ok(_), Some(watch)) = (&waited, &self.watch) {
+            let _ = watch
+                .events()
+                .wait_for(Mark(0), Duration::from_secs(5), |_| false)
+                .await;
+        }
         match waited {
             Ok(status) => status,
             Err(why) => self.fail(why),
