@@ -52,6 +52,10 @@ pub struct AgentOptions {
     pub env: Vec<(String, String)>,
     /// Another `plugin-agent` binary (an upgrade, say); none: the one built with the tests.
     pub binary: Option<PathBuf>,
+    /// Follow the agent through its admin API (events, `list`, `status`); false for an agent
+    /// whose admin socket the test cannot reach (in another mount namespace, say): then only
+    /// its log says it has started.
+    pub follow: bool,
 }
 
 impl AgentOptions {
@@ -66,6 +70,7 @@ impl AgentOptions {
             wrapper: Vec::new(),
             env: Vec::new(),
             binary: None,
+            follow: true,
         }
     }
 
@@ -152,10 +157,10 @@ impl AgentProcess {
             test: test.to_string(),
             _binary: shared,
         };
-        let served = !options.extra.iter().any(|a| a == "--no-admin");
+        let served = options.follow && !options.extra.iter().any(|a| a == "--no-admin");
         let ready = match served {
             true => agent.follow_events().await,
-            // Without the admin API the log is all there is.
+            // Without an admin API to follow the log is all there is.
             false => agent
                 .log
                 .wait_for(Mark(0), START_TIMEOUT, |l| {
