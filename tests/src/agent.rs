@@ -359,16 +359,26 @@ impl AgentProcess {
     /// Waits until `plugin-agent list` shows `socket` in `state` (`registered`, `failed`, ...):
     /// for what may have happened before the test could wait for its event (a plugin the start
     /// walk found). Reads the list, then waits for the next event, until it holds.
+    /// An agent not followed ([`AgentOptions::follow`]) is asked every 50 ms instead.
     pub async fn wait_listed(&self, socket: &Path, state: &str) -> crate::admin::Listed {
         let deadline = tokio::time::Instant::now() + crate::EVENT_TIMEOUT;
         loop {
-            let mark = self.event_mark();
+            let mark = self.watch.as_ref().map(|watch| watch.events().mark());
             let listed = crate::admin::list(&self.admin_socket);
             if let Some(row) = listed.get(socket).filter(|row| row.state == state) {
                 return row.clone();
             }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if self.events().wait_for(mark, left, |_| true).await.is_err() {
+            let changed = match (&self.watch, mark) {
+                (Some(watch), Some(mark)) => {
+                    watch.events().wait_for(mark, left, |_| true).await.is_ok()
+                }
+                _ => {
+                    tokio::time::sleep(Duration::from_millis(50).min(left)).await;
+                    !left.is_zero()
+                }
+            };
+            if !changed {
                 self.fail(&format!(
                     "{} never listed as {state} (listed: {:?})",
                     socket.display(),
