@@ -43,8 +43,12 @@ pub enum EventKind {
     Unserved,
     /// The policy refuses the plugin; `error` is the refusal it was sent.
     Rejected,
-    /// The watcher walked the whole tree; `detail` says why.
+    /// The watcher began walking the whole tree; `detail` says why.
     Rescan,
+    /// The watcher finished walking the whole tree: `walk` says why and what it found. Desired
+    /// state and the watched set are the walk's from here (the start walk's is the agent's
+    /// readiness, as `/readyz` reports it).
+    Walked,
     /// (eBPF) A process other than the agent connected to the socket for the first time:
     /// `contact` says who and when, `latency` how long after the socket's creation.
     FirstContact,
@@ -71,6 +75,23 @@ pub struct AgentEvent {
     pub provenance: Option<Provenance>,
     /// For first contacts: who connected, and when.
     pub contact: Option<Contact>,
+    /// For finished walks: why, and what the tree held.
+    pub walk: Option<Walk>,
+}
+
+/// A finished full walk of the tree, as `Walked` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Walk {
+    /// Why the tree was walked (`start`, `periodic safety pass`, a loss, ...).
+    pub reason: String,
+    /// Directories watched after it.
+    pub directories: u64,
+    /// Sockets desired after it.
+    pub sockets: u64,
+    /// Desired sockets it no longer found (forgotten).
+    pub removed: u64,
+    /// Directories it could not read (their known sockets are kept; status says which).
+    pub kept_unread: u64,
 }
 
 impl AgentEvent {
@@ -86,6 +107,7 @@ impl AgentEvent {
             detail: None,
             provenance: None,
             contact: None,
+            walk: None,
         }
     }
 }

@@ -6,6 +6,7 @@ use crate::env::agent_bin;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 /// One row of `plugin-agent list -o json`.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -77,6 +78,15 @@ pub struct Watch {
 impl Watch {
     /// Starts watching the agent on `admin_socket`.
     pub async fn start(admin_socket: &Path) -> Watch {
+        match Watch::try_start(admin_socket, crate::EVENT_TIMEOUT).await {
+            Ok(watch) => watch,
+            Err(said) => panic!("`watch` never went live:\n{said}"),
+        }
+    }
+
+    /// Starts watching the agent on `admin_socket`; what the command said when it ended or
+    /// timed out before it went live (nothing listens there, say).
+    pub async fn try_start(admin_socket: &Path, timeout: Duration) -> Result<Watch, String> {
         use crate::events::{EventLog, Mark};
         let mut child = Command::new(agent_bin())
             .arg("--admin-socket")
@@ -88,15 +98,20 @@ impl Watch {
             .expect("plugin-agent watch");
         let events = EventLog::read_from(child.stdout.take().expect("piped"), "watch".into());
         let said = EventLog::read_from(child.stderr.take().expect("piped"), "watch-err".into());
-        if let Err(e) = said
-            .wait_for(Mark(0), crate::EVENT_TIMEOUT, |l| {
+        // The CLI's own word on stderr (see `cli/watch.rs`), not the agent's log.
+        match said
+            .wait_for(Mark(0), timeout, |l| {
                 l.message().starts_with("watching events of")
             })
             .await
         {
-            panic!("`watch` never went live: {e:?}\n{}", said.tail(20));
+            Ok(_) => Ok(Watch { child, events }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(format!("{e:?}\n{}", said.tail(20)))
+            }
         }
-        Watch { child, events }
     }
 
     /// The events so far and to come, one JSON object each.

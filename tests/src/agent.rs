@@ -1,14 +1,23 @@
-//! The agent under test: a real `plugin-agent run` process with JSON logs the test awaits.
+//! The agent under test: a real `plugin-agent run` process, followed through its operator
+//! contract: the admin API's event stream (`plugin-agent watch`), `list` and `status`.
 //!
 //! ```text
 //! AgentProcess::start --spawn--> plugin-agent --log-format json run --plugin-dir D --source S --handler ...
-//!                      <-stderr-- JSON log lines --> EventLog --> wait_for_log(...)
+//!                     --spawn--> plugin-agent watch -o json --> EventLog --> wait_for_event(...)
+//!                      <-stderr-- JSON log lines --> EventLog (failure reports; the few tests of
+//!                                                   the log itself)
 //! ```
+//!
+//! The event stream is subscribed before the start walk is known to be done (status's
+//! `walks_completed`, else the `walked` event), so no event after `start` is missed; what
+//! happened before (plugins registered by the start walk) is read with `list`
+//! ([`AgentProcess::wait_listed`] reads it, then waits for the next event, until it holds).
 //!
 //! The process is killed when the handle is dropped, so a failed (panicking) test leaves nothing
 //! running. [`AgentProcess::stop`] is the graceful path (SIGTERM, as systemd or kubelet's pod
 //! would send).
 
+use crate::admin::Watch;
 use crate::env::{SharedBinary, Source, agent_bin, privileged, skip};
 use crate::events::{EventLog, Line, Mark, WaitError};
 use std::path::{Path, PathBuf};
@@ -43,6 +52,10 @@ pub struct AgentOptions {
     pub env: Vec<(String, String)>,
     /// Another `plugin-agent` binary (an upgrade, say); none: the one built with the tests.
     pub binary: Option<PathBuf>,
+    /// Follow the agent through its admin API (events, `list`, `status`); false for an agent
+    /// whose admin socket the test cannot reach (in another mount namespace, say): then only
+    /// its log says it has started.
+    pub follow: bool,
 }
 
 impl AgentOptions {
@@ -57,6 +70,7 @@ impl AgentOptions {
             wrapper: Vec::new(),
             env: Vec::new(),
             binary: None,
+            follow: true,
         }
     }
 
@@ -72,6 +86,10 @@ impl AgentOptions {
 pub struct AgentProcess {
     child: Option<Child>,
     log: EventLog,
+    /// The admin API's event stream, live from before the start walk was done (none with
+    /// `--no-admin`).
+    watch: Option<Watch>,
+    admin_socket: PathBuf,
     test: String,
     /// The binary's copy for the user a wrapper runs it as, kept while the agent runs.
     _binary: Option<SharedBinary>,
@@ -124,21 +142,35 @@ impl AgentProcess {
             .unwrap_or_else(|e| panic!("{test}: cannot start plugin-agent: {e}"));
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = EventLog::read_from(stderr, format!("agent-log-{test}"));
+        // `--admin-socket` among the extra arguments wins over the environment, as in `run`.
+        let admin_socket = options
+            .extra
+            .iter()
+            .position(|a| a == "--admin-socket")
+            .and_then(|i| options.extra.get(i + 1))
+            .map_or_else(|| options.admin_socket.clone(), PathBuf::from);
         let mut agent = AgentProcess {
             child: Some(child),
             log,
+            watch: None,
+            admin_socket,
             test: test.to_string(),
             _binary: shared,
         };
-
-        let ready = agent
-            .log
-            .wait_for(Mark(0), START_TIMEOUT, |l| {
-                l.message() == "scanned plugin directory" && l.field_is("reason", "start")
-            })
-            .await;
+        let served = options.follow && !options.extra.iter().any(|a| a == "--no-admin");
+        let ready = match served {
+            true => agent.follow_events().await,
+            // Without an admin API to follow the log is all there is.
+            false => agent
+                .log
+                .wait_for(Mark(0), START_TIMEOUT, |l| {
+                    l.message() == "scanned plugin directory" && l.field_is("reason", "start")
+                })
+                .await
+                .map(drop),
+        };
         match ready {
-            Ok(_) => Some(agent),
+            Ok(()) => Some(agent),
             Err(WaitError::Closed) => {
                 let status = agent.wait_exit(Duration::from_secs(5));
                 let output = agent.log.tail(50);
@@ -155,10 +187,40 @@ impl AgentProcess {
             }
             Err(WaitError::Timeout) => {
                 panic!(
-                    "{test}: plugin-agent did not scan its directory within {START_TIMEOUT:?}:\n{}",
+                    "{test}: plugin-agent did not finish its start walk within {START_TIMEOUT:?}:\n{}",
                     agent.log.tail(50)
                 )
             }
+        }
+    }
+
+    /// Subscribes to the agent's events, then waits until its start walk is done: status counts
+    /// it (it was done before the subscription) or the `walked` event says so. `Closed` when the
+    /// agent exited first.
+    async fn follow_events(&mut self) -> Result<(), WaitError> {
+        let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+        // The socket is bound before the source opens; a connect before that is refused.
+        let watch = loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match Watch::try_start(&self.admin_socket, left).await {
+                Ok(watch) => break watch,
+                Err(_) if self.log.is_closed() => return Err(WaitError::Closed),
+                Err(_) if left.is_zero() => return Err(WaitError::Timeout),
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
+        let walked = crate::admin::status(&self.admin_socket)["walks_completed"].as_u64();
+        let events = watch.events().clone();
+        self.watch = Some(watch);
+        if walked.unwrap_or(0) > 0 {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let start_walk = events.wait_for(Mark(0), left, seen::walked("start"));
+        tokio::select! {
+            found = start_walk => found.map(drop),
+            // The agent's output ends when it exits: nothing more will come.
+            _ = self.log.wait_for(Mark(0), left, |_| false) => Err(WaitError::Closed),
         }
     }
 
@@ -171,7 +233,7 @@ impl AgentProcess {
         AgentProcess::start(test, AgentOptions::new(source, plugin_dir)).await
     }
 
-    /// The agent's log.
+    /// The agent's log (for failure reports, and the few tests of the log itself).
     pub fn log(&self) -> &EventLog {
         &self.log
     }
@@ -182,6 +244,7 @@ impl AgentProcess {
     }
 
     /// Waits for a log line (from the start) matching `pred`; panics with the log tail on timeout.
+    /// Only for tests whose subject is the log line itself: everything else waits on events.
     pub async fn wait_for_log(
         &self,
         what: &str,
@@ -230,6 +293,101 @@ impl AgentProcess {
         self.log.matching_since(mark, pred)
     }
 
+    /// The admin API socket the agent serves.
+    pub fn admin_socket(&self) -> &Path {
+        &self.admin_socket
+    }
+
+    /// The agent's admin events (`plugin-agent watch -o json`), from just before its start walk
+    /// was known to be done. Panics for an agent started with `--no-admin`.
+    pub fn events(&self) -> &EventLog {
+        match &self.watch {
+            Some(watch) => watch.events(),
+            None => self.fail("this agent serves no admin API (--no-admin): it has no events"),
+        }
+    }
+
+    /// The current end of the event stream, to wait for events after it.
+    pub fn event_mark(&self) -> Mark {
+        self.events().mark()
+    }
+
+    /// Waits up to `limit` for an event after `mark` matching `pred` (see [`seen`]); panics with
+    /// the events and the log's tail otherwise.
+    pub async fn wait_for_event(
+        &self,
+        mark: Mark,
+        what: &str,
+        limit: Duration,
+        pred: impl Fn(&Line) -> bool,
+    ) -> Line {
+        match self.events().wait_for(mark, limit, pred).await {
+            Ok(line) => line,
+            Err(e) => self.fail(&format!(
+                "waiting for the event {what}: {e:?} (limit {limit:?}); events:\n{}",
+                self.events().tail(30)
+            )),
+        }
+    }
+
+    /// Waits for `n` events after `mark` matching `pred`, within `timeout`.
+    pub async fn wait_for_events(
+        &self,
+        mark: Mark,
+        n: usize,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Line) -> bool,
+    ) -> Vec<Line> {
+        match self.events().wait_for_count(mark, n, timeout, &pred).await {
+            Ok(lines) => lines,
+            Err(e) => {
+                let got = self.events().matching_since(mark, &pred).len();
+                self.fail(&format!(
+                    "waiting for {n} x the event {what}: {e:?} (limit {timeout:?}, {got} so far); events:\n{}",
+                    self.events().tail(30)
+                ))
+            }
+        }
+    }
+
+    /// Events after `mark` matching `pred` (no waiting).
+    pub fn events_since(&self, mark: Mark, pred: impl Fn(&Line) -> bool) -> Vec<Line> {
+        self.events().matching_since(mark, pred)
+    }
+
+    /// Waits until `plugin-agent list` shows `socket` in `state` (`registered`, `failed`, ...):
+    /// for what may have happened before the test could wait for its event (a plugin the start
+    /// walk found). Reads the list, then waits for the next event, until it holds.
+    /// An agent not followed ([`AgentOptions::follow`]) is asked every 50 ms instead.
+    pub async fn wait_listed(&self, socket: &Path, state: &str) -> crate::admin::Listed {
+        let deadline = tokio::time::Instant::now() + crate::EVENT_TIMEOUT;
+        loop {
+            let mark = self.watch.as_ref().map(|watch| watch.events().mark());
+            let listed = crate::admin::list(&self.admin_socket);
+            if let Some(row) = listed.get(socket).filter(|row| row.state == state) {
+                return row.clone();
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let changed = match (&self.watch, mark) {
+                (Some(watch), Some(mark)) => {
+                    watch.events().wait_for(mark, left, |_| true).await.is_ok()
+                }
+                _ => {
+                    tokio::time::sleep(Duration::from_millis(50).min(left)).await;
+                    !left.is_zero()
+                }
+            };
+            if !changed {
+                self.fail(&format!(
+                    "{} never listed as {state} (listed: {:?})",
+                    socket.display(),
+                    listed.get(socket)
+                ))
+            }
+        }
+    }
+
     /// Panics with `why` and the end of the agent's log.
     pub fn fail(&self, why: &str) -> ! {
         panic!(
@@ -269,6 +427,14 @@ impl AgentProcess {
         })
         .await
         .expect("waiting for the agent");
+        // The event stream ends with the agent: read it to its end, so the events the agent
+        // published before it exited are all there for the test.
+        if let (Ok(_), Some(watch)) = (&waited, &self.watch) {
+            let _ = watch
+                .events()
+                .wait_for(Mark(0), Duration::from_secs(5), |_| false)
+                .await;
+        }
         match waited {
             Ok(status) => status,
             Err(why) => self.fail(why),
@@ -358,5 +524,99 @@ pub mod logs {
             (l.message() == "socket removed" || l.message() == "socket removed with its directory")
                 && about(l, socket)
         }
+    }
+}
+
+/// Predicates on the agent's admin events (`plugin-agent watch -o json`), named for what the
+/// agent reports: the operator's contract, where [`logs`] is its wording.
+pub mod seen {
+    use crate::events::Line;
+    use std::path::Path;
+
+    fn is(line: &Line, kind: &str, socket: &Path) -> bool {
+        line.field_is("kind", kind) && line.field_is("socket_path", &socket.to_string_lossy())
+    }
+
+    /// The plugin at `socket` was registered: its handler accepted it and it got Notify(true).
+    pub fn registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "registered", socket)
+    }
+
+    /// Any plugin was registered.
+    pub fn any_registered(l: &Line) -> bool {
+        l.field_is("kind", "registered")
+    }
+
+    /// The plugin at `socket` was deregistered from its handler.
+    pub fn deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "deregistered", socket)
+    }
+
+    /// A registration attempt for `socket` failed (`error` says why).
+    pub fn registration_failed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "registration_failed", socket)
+    }
+
+    /// Any registration attempt failed.
+    pub fn any_registration_failed(l: &Line) -> bool {
+        l.field_is("kind", "registration_failed")
+    }
+
+    /// The watcher recorded a socket at `socket`.
+    pub fn discovered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "socket_discovered", socket)
+    }
+
+    /// The watcher forgot the socket at `socket`.
+    pub fn removed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "socket_removed", socket)
+    }
+
+    /// Nothing serves the plugin at `socket`.
+    pub fn unserved(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "unserved", socket)
+    }
+
+    /// The policy refused the plugin at `socket`.
+    pub fn rejected(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "rejected", socket)
+    }
+
+    /// Observe mode described the plugin at `socket`.
+    pub fn observed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| is(l, "observed", socket)
+    }
+
+    /// Any event about `socket`.
+    pub fn about(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
+        move |l| l.field_is("socket_path", &socket.to_string_lossy())
+    }
+
+    /// A full walk for `reason` finished (`start`, `periodic safety pass`, ...).
+    pub fn walked(reason: &str) -> impl Fn(&Line) -> bool + '_ {
+        move |l| {
+            l.field_is("kind", "walked")
+                && l.0.pointer("/walk/reason").and_then(|r| r.as_str()) == Some(reason)
+        }
+    }
+
+    /// When the agent published the event (its `time`).
+    pub fn at(line: &Line) -> std::time::SystemTime {
+        line.field("time")
+            .and_then(|t| humantime::parse_rfc3339(&t).ok())
+            .unwrap_or_else(|| panic!("no time in the event {line}"))
+    }
+
+    /// Any full walk finished.
+    pub fn any_walk(l: &Line) -> bool {
+        l.field_is("kind", "walked")
+    }
+
+    /// A field of a `walked` event's walk (`directories`, `sockets`, `removed`, `kept_unread`).
+    pub fn walk_count(line: &Line, field: &str) -> u64 {
+        line.0
+            .pointer(&format!("/walk/{field}"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or_else(|| panic!("no walk.{field} in {line}"))
     }
 }

@@ -35,7 +35,7 @@ pub mod otlp;
 pub mod plugin;
 pub mod procfs;
 
-pub use agent::{AgentOptions, AgentProcess, logs};
+pub use agent::{AgentOptions, AgentProcess, logs, seen};
 pub use env::{PluginDir, Source};
 pub use events::{Line, Mark};
 pub use plugin::{PluginOptions, PluginProcess};

@@ -2,9 +2,10 @@
 //! once, directories removed, things that are not sockets, the `sun_path` limit, sockets that
 //! exist before anyone serves on them. Run once per event source.
 
+use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, logs,
-    per_source, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source,
+    admin, logs, per_source, plugin, seen, test_name,
 };
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -31,21 +32,28 @@ async fn sentinel(agent: &AgentProcess, socket: &Path) -> PluginProcess {
     let plugin = plugin!(socket).name("sentinel.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the sentinel registered",
             EVENT_TIMEOUT,
-            logs::registered(socket),
+            seen::registered(socket),
         )
         .await;
     plugin
 }
 
-/// Fails if any agent log line names `path`.
+/// Fails if any agent event names `path` or `list` shows it.
 fn assert_never_mentioned(agent: &AgentProcess, path: &Path, why: &str) {
-    let lines = agent.logs_since(Mark(0), logs::mentions(path));
-    if let Some(line) = lines.first() {
+    let events = agent.events_since(Mark(0), seen::about(path));
+    if let Some(event) = events.first() {
         agent.fail(&format!(
-            "{} should be ignored ({why}), but the agent logged: {line}",
+            "{} should be ignored ({why}), but the agent reported: {event}",
+            path.display()
+        ));
+    }
+    if let Some(row) = admin::list(agent.admin_socket()).get(path) {
+        agent.fail(&format!(
+            "{} should be ignored ({why}), but the agent lists it: {row:?}",
             path.display()
         ));
     }
@@ -63,46 +71,47 @@ async fn follows_a_socket_renamed_into_within_and_out_of_the_directory(source: S
     std::fs::rename(&outside, &inside).expect("rename into the directory");
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "registered after rename in",
             EVENT_TIMEOUT,
-            logs::registered(&inside),
+            seen::registered(&inside),
         )
         .await;
 
     std::fs::create_dir(dir.path("sub")).expect("mkdir sub");
     let renamed = dir.path("sub/renamed.sock");
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let plugin_mark = plugin.mark();
     std::fs::rename(&inside, &renamed).expect("rename within the directory");
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "old name deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&inside),
+            seen::deregistered(&inside),
         )
         .await;
     plugin
         .wait_for_notify_after(plugin_mark, true, EVENT_TIMEOUT)
         .await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "new name registered",
             EVENT_TIMEOUT,
-            logs::registered(&renamed),
+            seen::registered(&renamed),
         )
         .await;
 
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     std::fs::rename(&renamed, &outside).expect("rename out of the directory");
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "deregistered after rename out",
             EVENT_TIMEOUT,
-            logs::deregistered(&renamed),
+            seen::deregistered(&renamed),
         )
         .await;
 }
@@ -122,10 +131,11 @@ async fn registers_sockets_placed_at_once_in_trees_made_with_mkdir_p(source: Sou
     for plugin in &plugins {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 "deep socket registered",
                 EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
+                seen::registered(plugin.socket()),
             )
             .await;
     }
@@ -136,10 +146,11 @@ async fn registers_sockets_placed_at_once_in_trees_made_with_mkdir_p(source: Sou
     std::fs::rename(dir.outside("x"), dir.path("x")).expect("move the tree in");
     moved.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "moved-in tree registered",
             EVENT_TIMEOUT,
-            logs::registered(&dir.path("x/y/z/moved.sock")),
+            seen::registered(&dir.path("x/y/z/moved.sock")),
         )
         .await;
     std::fs::rename(dir.path("x"), dir.outside("x")).expect("move the tree back out");
@@ -157,14 +168,14 @@ async fn deregisters_when_a_directory_is_removed_and_registers_when_it_is_re_cre
             .name(&format!("round-{round}.example.com"))
             .spawn();
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-        let mark = agent.mark();
+        let mark = agent.event_mark();
         std::fs::remove_dir_all(dir.path("sub")).expect("rm -r sub");
         agent
-            .wait_for_log_after(
+            .wait_for_event(
                 mark,
                 &format!("round {round}: deregistered"),
                 EVENT_TIMEOUT,
-                logs::deregistered(&socket),
+                seen::deregistered(&socket),
             )
             .await;
         plugin.stop().await;
@@ -178,23 +189,23 @@ async fn re_creates_a_removed_root_directory_and_registers_plugins_in_it_again(s
     let socket = dir.path("p.sock");
     let plugin = plugin!(&socket).spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     std::fs::remove_dir_all(dir.root()).expect("rm -r the plugin directory");
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "deregistered with the root",
             EVENT_TIMEOUT,
-            logs::deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
     plugin.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
-            "a rescan after the root was removed",
+            "a walk after the root was removed",
             EVENT_TIMEOUT,
-            |l| l.message() == "scanned plugin directory",
+            seen::any_walk,
         )
         .await;
     assert!(
@@ -205,11 +216,11 @@ async fn re_creates_a_removed_root_directory_and_registers_plugins_in_it_again(s
     let again = plugin!(&socket).name("again.example.com").spawn();
     again.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "registered in the re-created root",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
 }
@@ -285,20 +296,21 @@ async fn registers_a_socket_whose_path_is_107_bytes_long(source: Source) {
     let plugin = plugin!(&socket).spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "107-byte socket registered",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     plugin.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "107-byte socket deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
 }
@@ -311,12 +323,12 @@ async fn registers_a_fresh_socket_at_once_after_repeated_failures_on_its_path(so
     let broken = plugin!(&socket).arg("--mode").arg("non-grpc").spawn();
     // Four failures put the socket 4 s into backoff (500 ms, 1 s, 2 s, 4 s).
     let fourth = agent
-        .wait_for_logs(
+        .wait_for_events(
             Mark(0),
             4,
             "four failed attempts",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await
         .pop()
@@ -359,9 +371,14 @@ async fn registers_a_plugin_that_binds_before_it_serves_as_soon_as_it_serves(sou
         "{test}: registration took {total:?} (want well under the 10 s dial budget)"
     );
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
-    let failures = agent.logs_since(Mark(0), logs::any_registration_failed);
+    let failures = agent.events_since(Mark(0), seen::any_registration_failed);
     if let Some(failure) = failures.first() {
         agent.fail(&format!(
             "a plugin that is not serving yet was counted as failed: {failure}"
@@ -387,7 +404,7 @@ async fn registers_a_plugin_that_listens_a_second_after_it_binds_and_serves_one_
         .arg("--serve-once")
         .spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let failures = agent.logs_since(Mark(0), logs::any_registration_failed);
+    let failures = agent.events_since(Mark(0), seen::any_registration_failed);
     if let Some(failure) = failures.first() {
         agent.fail(&format!(
             "{test}: a plugin that was not listening yet was counted as failed: {failure}"
@@ -423,15 +440,16 @@ async fn loses_no_plugin_under_a_create_delete_storm(source: Source) {
     for plugin in &plugins {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 "registered during the storm",
                 EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
+                seen::registered(plugin.socket()),
             )
             .await;
     }
 
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let churn = storm(20_000);
     let (stopped, kept): (Vec<_>, Vec<_>) = plugins
         .into_iter()
@@ -447,32 +465,45 @@ async fn loses_no_plugin_under_a_create_delete_storm(source: Source) {
     churn.await.expect("the storm ran");
     for socket in &stopped_sockets {
         agent
-            .wait_for_log_after(
+            .wait_for_event(
                 mark,
                 "deregistered during the storm",
                 EVENT_TIMEOUT,
-                logs::deregistered(socket),
+                seen::deregistered(socket),
             )
             .await;
     }
     for (_, plugin) in &kept {
-        let wrong = agent.logs_since(Mark(0), logs::deregistered(plugin.socket()));
+        let wrong = agent.events_since(Mark(0), seen::deregistered(plugin.socket()));
         if let Some(line) = wrong.first() {
             agent.fail(&format!("a running plugin was deregistered: {line}"));
         }
     }
-    let rescans = agent.logs_since(Mark(0), |l| {
-        l.message() == "scanned plugin directory" && !l.field_is("reason", "start")
-    });
-    eprintln!("{test}: {} rescans during the storms", rescans.len());
+    let walks = agent.events_since(Mark(0), |l| seen::any_walk(l) && !seen::walked("start")(l));
+    eprintln!("{test}: {} rescans during the storms", walks.len());
 }
 
 async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source: Source) {
-    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
+    let test = test_name();
+    let dir = PluginDir::new();
+    // A handler whose call log says what it was told, whatever the agent's way through it.
+    let handler = HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("handler.sock"),
+        &[],
+    )
+    .await;
+    let options = AgentOptions::new(source, &dir.root())
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
+    let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
     let socket = dir.path("short-lived.sock");
+    // A DRA plugin: the `dra-handler` validates the services a plugin speaks.
     let plugin = plugin!(&socket)
+        .plugin_type("DRAPlugin")
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
         .arg("--get-info-delay")
         .arg("500ms")
         .spawn();
@@ -480,10 +511,17 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
     // The plugin still serves (on the unlinked socket) and answers GetInfo after the deletion.
     std::fs::remove_file(&socket).expect("delete the socket during registration");
     agent
-        .wait_for_log("the deletion seen", EVENT_TIMEOUT, logs::removed(&socket))
+        .wait_for_event(
+            Mark(0),
+            "the deletion seen",
+            EVENT_TIMEOUT,
+            seen::removed(&socket),
+        )
         .await;
     // Whatever the agent did meanwhile, it must end with the plugin not registered: every
-    // handler registration is followed by a deregistration.
+    // handler registration is followed by a deregistration. A socket that vanished under its
+    // registration is no failure and says nothing (`executor::failed`): only the log tells
+    // that way's end.
     agent
         .wait_for_log("the registration attempt ended", EVENT_TIMEOUT, |l| {
             logs::registered(&socket)(l)
@@ -491,17 +529,15 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
                 || l.message() == "socket vanished during registration"
         })
         .await;
-    let registered = agent
-        .logs_since(Mark(0), logs::handler_registered(&socket))
-        .len();
+    let registered = handler.calls_since(Mark(0), "register").len();
     if registered > 0 {
-        agent
-            .wait_for_logs(
+        handler
+            .wait_for_count(
                 Mark(0),
                 registered,
                 "a deregistration per registration",
                 EVENT_TIMEOUT,
-                logs::handler_deregistered(&socket),
+                |l| l.field_is("call", "deregister"),
             )
             .await;
     }

@@ -1,9 +1,10 @@
-//! Misbehaving plugins: each is reported with a clear log line, and the plugins around it
-//! register as if it were not there. Run once per event source.
+//! Misbehaving plugins: each is reported with a clear `registration_failed` event, and the
+//! plugins around it register as if it were not there. Run once per event source.
 
+use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginOptions, PluginProcess,
-    Scenario, Source, logs, per_source, plugin, test_name,
+    Scenario, Source, per_source, plugin, seen, test_name,
 };
 use std::time::{Duration, Instant};
 
@@ -40,17 +41,11 @@ async fn retries_a_new_plugin_slow_to_answer_its_first_get_info_quickly_kubernet
         .arg("1")
         .spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let failures = agent.logs_since(Mark(0), logs::registration_failed(&socket));
+    let failures = agent.events_since(Mark(0), seen::registration_failed(&socket));
     assert_eq!(
         failures.len(),
         1,
         "{test}: one missed deadline: {failures:?}"
-    );
-    assert_eq!(
-        failures[0].field("retry_in").as_deref(),
-        Some("100ms"),
-        "{test}: retried quickly, not after the 500 ms backoff: {}",
-        failures[0]
     );
     assert!(
         failures[0]
@@ -60,10 +55,26 @@ async fn retries_a_new_plugin_slow_to_answer_its_first_get_info_quickly_kubernet
         "{test}: {}",
         failures[0]
     );
+    // Retried quickly (100 ms), not after the 500 ms backoff a failure waits.
+    let registered = agent
+        .wait_for_event(
+            Mark(0),
+            "registered on the quick retry",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
+        .await;
+    let retried_after = seen::at(&registered)
+        .duration_since(seen::at(&failures[0]))
+        .unwrap_or_default();
+    assert!(
+        retried_after < Duration::from_millis(500),
+        "{test}: registered {retried_after:?} after the failure: {registered}"
+    );
 }
 
 /// Starts `bad` and three good plugins, waits for the good ones to register and for the agent to
-/// report `bad` failed with an error containing one of `expect`, and returns that log line with
+/// report `bad` failed with an error containing one of `expect`, and returns that event with
 /// the time from the bad plugin serving to the report.
 async fn bad_plugin_is_reported_and_others_register(
     test: &str,
@@ -72,27 +83,33 @@ async fn bad_plugin_is_reported_and_others_register(
     expect: &[&str],
 ) -> Option<(Line, Duration)> {
     let dir = PluginDir::new();
-    let agent = AgentProcess::start_default(test, source, &dir.root()).await?;
+    // A handler whose call log shows every plugin it was asked about.
+    let handler = csi_handler(&dir).await;
+    let options = AgentOptions::new(source, &dir.root())
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
+    let agent = AgentProcess::start(test, options).await?;
     let bad_socket = dir.path("bad.sock");
-    let bad_plugin = bad_options(plugin!(&bad_socket), bad).spawn();
+    let bad_plugin = bad_options(dra(plugin!(&bad_socket)), bad).spawn();
     bad_plugin.wait_for_event("serving", EVENT_TIMEOUT).await;
     let serving = Instant::now();
-    let good = good_plugins(&dir, 3);
+    let good: Vec<PluginProcess> = (0..3).map(|i| dra(good_plugin(&dir, i)).spawn()).collect();
     for plugin in &good {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 "a good plugin registered",
                 EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
+                seen::registered(plugin.socket()),
             )
             .await;
     }
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the bad plugin reported",
             EVENT_TIMEOUT,
-            logs::registration_failed(&bad_socket),
+            seen::registration_failed(&bad_socket),
         )
         .await;
     let took = serving.elapsed();
@@ -110,26 +127,45 @@ async fn bad_plugin_is_reported_and_others_register(
         registered, 0,
         "{test}: the bad plugin was told it is registered"
     );
+    // Every call is about a good plugin (`good-{i}.example.com`), none about the bad one.
+    let seen_by_handler = handler.events().matching_since(Mark(0), |l| {
+        l.field("call").is_some() && !l.field("name").unwrap_or_default().starts_with("good-")
+    });
     assert!(
-        agent
-            .logs_since(Mark(0), logs::handler_registered(&bad_socket))
-            .is_empty(),
-        "{test}: a handler saw the bad plugin"
+        seen_by_handler.is_empty(),
+        "{test}: a handler saw the bad plugin: {seen_by_handler:?}"
     );
     Some((failure, took))
+}
+
+/// A `dra-handler` for the scenario's DRA plugins ([`dra`]), outside the plugin directory.
+async fn csi_handler(dir: &PluginDir) -> HandlerProcess {
+    HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("handler.sock"),
+        &[],
+    )
+    .await
 }
 
 /// Applies the space-separated example-plugin flags in `bad`.
 /// `n` well-behaved plugins, `good-{i}.sock`, started now: the ones a misbehaving plugin must
 /// not hold up.
 fn good_plugins(dir: &PluginDir, n: usize) -> Vec<PluginProcess> {
-    (0..n)
-        .map(|i| {
-            plugin!(dir.path(&format!("good-{i}.sock")))
-                .name(&format!("good-{i}.example.com"))
-                .spawn()
-        })
-        .collect()
+    (0..n).map(|i| good_plugin(dir, i).spawn()).collect()
+}
+
+/// The `i`th well-behaved plugin, `good-{i}.sock`.
+fn good_plugin(dir: &PluginDir, i: usize) -> PluginOptions {
+    plugin!(dir.path(&format!("good-{i}.sock"))).name(&format!("good-{i}.example.com"))
+}
+
+/// A DRA plugin, for the `dra-handler` (which validates the DRA services a plugin speaks).
+fn dra(options: PluginOptions) -> PluginOptions {
+    options
+        .plugin_type("DRAPlugin")
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
 }
 
 fn bad_options(options: PluginOptions, bad: &str) -> PluginOptions {
@@ -155,10 +191,11 @@ async fn times_out_a_hung_get_info_without_delaying_other_plugins(source: Source
         "{test}: other plugins took {took:?} to register next to a hung one"
     );
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the hung GetInfo timed out",
             EVENT_TIMEOUT,
-            logs::registration_failed(&hung_socket),
+            seen::registration_failed(&hung_socket),
         )
         .await;
     let error = failure.field("error").unwrap_or_default();
@@ -220,11 +257,16 @@ async fn plugins_slow_to_answer_get_info_do_not_hold_the_dial_permits(source: So
 async fn rolls_back_and_retries_when_notify_registration_status_fails_kubernetes_issue_133725(
     source: Source,
 ) {
-    let Some(Scenario { test, dir, agent }) = Scenario::start(source).await else {
+    let test = test_name();
+    let dir = PluginDir::new();
+    let handler = csi_handler(&dir).await;
+    let options = AgentOptions::new(source, &dir.root())
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
+    let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
     let socket = dir.path("picky.sock");
-    let plugin = plugin!(&socket)
+    let plugin = dra(plugin!(&socket))
         .arg("--notify-error")
         .arg("refused by plugin")
         .arg("--notify-error-times")
@@ -236,28 +278,18 @@ async fn rolls_back_and_retries_when_notify_registration_status_fails_kubernetes
         Some(true),
         "{test}: the first notification should be the refused one"
     );
-    let rollback = agent
-        .wait_for_log(
-            "rollback",
-            EVENT_TIMEOUT,
-            logs::handler_deregistered(&socket),
-        )
-        .await;
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the failure",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await;
     let error = failure.field("error").unwrap_or_default();
     assert!(
         error.contains("refused by plugin"),
         "{test}: the failure should carry the plugin's error: {failure}"
-    );
-    assert!(
-        rollback.position() < failure.position(),
-        "{test}: rolled back after reporting the failure"
     );
     // Retried after backoff, and registered for good.
     let accepted = plugin
@@ -271,27 +303,35 @@ async fn rolls_back_and_retries_when_notify_registration_status_fails_kubernetes
         "{test}: the retry should register"
     );
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "registered on retry",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
-    let handler_calls = agent
-        .logs_since(Mark(0), logs::handler_registered(&socket))
-        .len();
+    // The handler saw the first attempt, its rollback, and the retry, in that order.
+    let calls: Vec<String> = handler
+        .events()
+        .matching_since(Mark(0), |l| {
+            l.field_is("call", "register") || l.field_is("call", "deregister")
+        })
+        .iter()
+        .filter_map(|l| l.field("call"))
+        .collect();
     assert_eq!(
-        handler_calls, 2,
-        "{test}: the handler should have seen the first attempt and the retry"
+        calls,
+        ["register", "deregister", "register"],
+        "{test}: the handler should have seen the attempt, its rollback and the retry"
     );
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     plugin.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "deregistered at the end",
             EVENT_TIMEOUT,
-            logs::deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
 }
@@ -319,10 +359,11 @@ async fn tells_a_plugin_of_a_type_without_handler_that_it_is_not_registered(sour
     );
     csi.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the refusal logged",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await;
 }
@@ -399,12 +440,12 @@ async fn names_the_protocol_error_whenever_a_listener_does_not_speak_grpc(source
     let _plugin = plugin!(&socket).arg("--mode").arg("non-grpc").spawn();
     // Four attempts (0 + 0.5 + 1 + 2 s of backoff): each must say what is wrong with the peer.
     let failures = agent
-        .wait_for_logs(
+        .wait_for_events(
             Mark(0),
             4,
             "four failed attempts",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await;
     for failure in failures {
@@ -430,10 +471,11 @@ async fn times_out_get_info_after_1_s_like_kubelet(source: Source) {
         .spawn();
     ok.wait_for_notify(true, EVENT_TIMEOUT).await;
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the slow GetInfo timed out",
             EVENT_TIMEOUT,
-            logs::registration_failed(&slow),
+            seen::registration_failed(&slow),
         )
         .await;
     let error = failure.field("error").unwrap_or_default();
@@ -443,7 +485,7 @@ async fn times_out_get_info_after_1_s_like_kubelet(source: Source) {
     );
     assert!(
         agent
-            .logs_since(Mark(0), logs::registration_failed(&quick_enough))
+            .events_since(Mark(0), seen::registration_failed(&quick_enough))
             .is_empty(),
         "{test}: a GetInfo answered within 1 s was counted as failed"
     );

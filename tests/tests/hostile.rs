@@ -9,7 +9,7 @@ use plugin_agent_tests::env::SharedBinary;
 use plugin_agent_tests::procfs;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source,
-    admin, logs, per_source, plugin, test_name,
+    admin, per_source, plugin, seen, test_name,
 };
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -46,13 +46,7 @@ async fn good_plugins_register(dir: &PluginDir, agent: &AgentProcess) -> Vec<Plu
         .collect();
     for plugin in &good {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-        agent
-            .wait_for_log(
-                "a good plugin registered",
-                EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
-            )
-            .await;
+        agent.wait_listed(plugin.socket(), "registered").await;
     }
     good
 }
@@ -92,11 +86,13 @@ async fn ignores_10000_non_socket_files_and_registers_the_plugins_among_them(sou
     };
     noise(5_000, 10_000);
     let _good = good_plugins_register(&dir, &agent).await;
-    let discovered = agent.logs_since(Mark(0), |l| l.message() == "socket discovered");
+    // What the agent knows, whenever it found it (the start walk's finds may precede the
+    // event stream): `list`.
+    let known = admin::list(agent.admin_socket());
     assert_eq!(
-        discovered.len(),
+        known.len(),
         3,
-        "{test}: only the 3 sockets are plugins"
+        "{test}: only the 3 sockets are plugins: {known:?}"
     );
     assert_eq!(
         admin::list(&dir.root().with_file_name("admin.sock")).len(),
@@ -208,6 +204,7 @@ async fn reports_an_unreadable_sub_directory_when_running_without_dac_capabiliti
     .map(String::from)
     .to_vec();
     options.extra = vec!["--no-admin".into(), "--no-metrics".into()];
+    // No admin API here (an unprivileged agent): its log is what it says.
     let agent = AgentProcess::start(test, options).await.expect("inotify");
     let unreadable = agent
         .wait_for_log("the unreadable directory reported", EVENT_TIMEOUT, |l| {
@@ -261,10 +258,11 @@ async fn registers_a_socket_path_at_the_108_byte_limit_and_reports_one_beyond_it
         .start_listening()
         .await;
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the over-long path reported",
             EVENT_TIMEOUT,
-            logs::registration_failed(&beyond),
+            seen::registration_failed(&beyond),
         )
         .await;
     eprintln!("{test}: {}", failure.field("error").unwrap_or_default());
@@ -326,10 +324,11 @@ async fn refuses_a_4_mib_get_info_answer_with_bounded_memory() {
         .arg(((4 << 20) + 1).to_string())
         .spawn();
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the huge answer refused",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await;
     let error = failure.field("error").unwrap_or_default();
@@ -379,10 +378,11 @@ async fn opens_one_connection_at_a_time_to_a_plugin_that_accepts_and_never_answe
     });
     let started = Instant::now();
     let failure = agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the silent plugin reported",
             EVENT_TIMEOUT,
-            logs::registration_failed(&socket),
+            seen::registration_failed(&socket),
         )
         .await;
     eprintln!(
@@ -469,10 +469,11 @@ async fn reports_a_handler_that_answers_garbage_and_keeps_other_types_registerin
             .collect();
     for (socket, _) in &victims {
         let failure = agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 "the garbage handler reported",
                 EVENT_TIMEOUT,
-                logs::registration_failed(socket),
+                seen::registration_failed(socket),
             )
             .await;
         eprintln!(
@@ -485,10 +486,12 @@ async fn reports_a_handler_that_answers_garbage_and_keeps_other_types_registerin
     // No hot loop on a handler that is reachable but speaks no gRPC: over two seconds the
     // plugins waiting for it are retried a bounded number of times.
     // (A rate needs a window of time: this is the one wait here that is not for an event.)
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let failures = agent.logs_since(mark, logs::any_registration_failed).len();
-    eprintln!("{test}: {failures} failures logged in 2 s");
+    let failures = agent
+        .events_since(mark, seen::any_registration_failed)
+        .len();
+    eprintln!("{test}: {failures} failures reported in 2 s");
     assert!(
         failures <= 20,
         "{test}: {failures} registration failures in 2 s: a retry loop"
@@ -833,7 +836,7 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
     let good = good_plugins_register(&dir, &agent).await;
     let pid = agent.pid().expect("running");
     let rss_before = procfs::rss_kib(pid).expect("VmRSS");
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let (flood, connected) = SlowClients::open(
         test,
         ["--tcp", &addr.to_string()],
@@ -848,15 +851,12 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
     );
     // Safety passes run during the flood (1 s period): wait for two of them.
     agent
-        .wait_for_logs(
+        .wait_for_events(
             mark,
             2,
             "two safety passes during the flood",
             EVENT_TIMEOUT,
-            |l| {
-                l.message() == "scanned plugin directory"
-                    && l.field_is("reason", "periodic safety pass")
-            },
+            seen::walked("periodic safety pass"),
         )
         .await;
     let fds = procfs::open_fds(pid).expect("fds");
@@ -900,9 +900,9 @@ async fn a_flood_of_slow_metrics_connections_from_nobody_costs_no_plugin_no_desc
         .name("late.example.com")
         .spawn();
     late.wait_for_notify(true, EVENT_TIMEOUT).await;
-    let lost = agent.logs_since(mark, |l| {
+    let lost = agent.events_since(mark, |l| {
         good.iter()
-            .any(|p| logs::deregistered(p.socket())(l) || logs::removed(p.socket())(l))
+            .any(|p| seen::deregistered(p.socket())(l) || seen::removed(p.socket())(l))
     });
     assert!(lost.is_empty(), "{test}: live plugins dropped: {lost:?}");
     // The flood ends: the metrics port serves again.
@@ -1056,15 +1056,11 @@ async fn sigterm_ends_the_agent_within_5_s_whatever_is_open_and_starts_no_operat
         .unwrap_or_else(|e| panic!("{test}: watch did not start: {e:?}"));
     let watch_pid = nix::unistd::Pid::from_raw(watch.id() as i32);
     nix::sys::signal::kill(watch_pid, nix::sys::signal::Signal::SIGSTOP).expect("stop watch");
-    // Registrations of the stale sockets are under way (256 at once, each retrying its refused
-    // dial for 10 s); the rest wait for a slot.
-    agent
-        .wait_for_log("registrations under way", EVENT_TIMEOUT, |l| {
-            l.message() == "scanned plugin directory" && l.field_is("reason", "start")
-        })
-        .await;
+    // Started, so the start walk is done: registrations of the stale sockets are under way (256
+    // at once, each retrying its refused dial for 10 s); the rest wait for a slot.
     let log = agent.log().clone();
-    let mark = agent.mark();
+    let (mark, events) = (agent.mark(), agent.event_mark());
+    let stream = agent.events().clone();
     let stopping = Instant::now();
     let status = agent.stop().await;
     let took = stopping.elapsed();
@@ -1076,11 +1072,12 @@ async fn sigterm_ends_the_agent_within_5_s_whatever_is_open_and_starts_no_operat
         took < Duration::from_secs(5),
         "{test}: SIGTERM took {took:?}"
     );
-    // No operation started after SIGTERM: no outcome was logged for any stale socket, and the
-    // dials abandoned are the ones under way (a dial that waits gives its slot back, so more than
+    // No operation started after SIGTERM: no failure was reported for any stale socket (the
+    // event stream ends with the agent), and the dials abandoned (only the log says which) are
+    // the ones under way (a dial that waits gives its slot back, so more than
     // the 256 slots' worth can be under way), each once: a retry started after SIGTERM would be
     // a second one for its socket.
-    let failed = log.matching_since(mark, logs::any_registration_failed);
+    let failed = stream.matching_since(events, seen::any_registration_failed);
     assert!(
         failed.is_empty(),
         "{test}: registrations ran after SIGTERM: {failed:?}"
@@ -1108,12 +1105,7 @@ async fn a_second_agent_with_the_same_admin_socket_fails_and_the_first_keeps_ser
         .await
         .expect("inotify");
     let admin_socket = dir.root().with_file_name("admin.sock");
-    // The admin API may start listening just after the first scan the fixture waits for.
-    agent
-        .wait_for_log("the admin API listening", EVENT_TIMEOUT, |l| {
-            l.message() == "admin API listening"
-        })
-        .await;
+    // Started: its admin API answered.
     let ino = std::fs::symlink_metadata(&admin_socket)
         .expect("admin socket")
         .ino();
@@ -1284,14 +1276,18 @@ async fn reports_a_plugin_directory_swapped_for_a_symlink_in_the_log_status_and_
         )
         .expect("renameat2(RENAME_EXCHANGE)")
     };
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     exchange();
-    let line = agent
-        .wait_for_log_after(mark, "the swap reported", EVENT_TIMEOUT, |l| {
-            l.message() == "plugin directory not watched"
-        })
+    // The swap wakes a walk, which finds no directory to watch (status's problems, below).
+    let walked = agent
+        .wait_for_event(
+            mark,
+            "the walk after the swap",
+            EVENT_TIMEOUT,
+            seen::any_walk,
+        )
         .await;
-    eprintln!("{test}: {line}");
+    eprintln!("{test}: {walked}");
     let body = wait_for_http(addr, "/readyz", 503).await;
     eprintln!("{test}: /readyz: {body}");
     // The walk publishes its problems after the watched set and desired state it leaves: the
@@ -1347,12 +1343,6 @@ async fn reports_a_socket_below_a_path_longer_than_path_max_in_the_log_and_statu
     let Some(agent) = AgentProcess::start_default(test, source, &dir.root()).await else {
         return;
     };
-    let line = agent
-        .wait_for_log("the over-long path reported", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("path longer than PATH_MAX")
-        })
-        .await;
-    eprintln!("{test}: {}", line.message());
     // Logged while walking; shown in status once the walk is applied.
     status_when(&dir, "the over-long path shown in status", |status| {
         status
@@ -1449,9 +1439,10 @@ async fn sigterm_ends_within_5_s_with_a_hung_handler_and_a_trace_collector_that_
         .arg("--versions")
         .arg("v1.DRAPlugin")
         .spawn();
-    agent
-        .wait_for_log("GetInfo answered", EVENT_TIMEOUT, |l| {
-            l.message() == "GetInfo answered"
+    // GetInfo answered: the handler's ValidatePlugin (60 s) is under way.
+    handler
+        .wait_for_count(Mark(0), 1, "ValidatePlugin", EVENT_TIMEOUT, |l| {
+            l.field_is("event", "received") && l.field_is("method", "validate")
         })
         .await;
     let stopping = Instant::now();
@@ -1506,10 +1497,11 @@ async fn ebpf_20000_short_lived_socket_names_cause_no_rescan_and_no_removal_is_m
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     std::fs::remove_file(plugin.socket()).expect("unlink by absolute path");
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the plugin removed by absolute path deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(plugin.socket()),
+            seen::deregistered(plugin.socket()),
         )
         .await;
     // No socket of the storm is left in the agent's view (a missed removal would leave one,
@@ -1643,22 +1635,24 @@ async fn follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again(
 
     // Mounted over `sub`: `under.sock` is hidden (its plugin still serves), the new file system
     // is empty, then gets a plugin of its own.
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let mount = TestMount::tmpfs(&sub, "1m");
     let walked = agent
-        .wait_for_log_after(mark, "the walk after the mount", EVENT_TIMEOUT, |l| {
-            l.message() == "scanned plugin directory"
-                && l.field("reason")
+        .wait_for_event(mark, "the walk after the mount", EVENT_TIMEOUT, |l| {
+            seen::any_walk(l)
+                && l.0
+                    .pointer("/walk/reason")
+                    .and_then(|r| r.as_str())
                     .is_some_and(|r| r.contains("mounted or unmounted"))
         })
         .await;
     eprintln!("{test}: {walked}");
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the hidden plugin deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&under_socket),
+            seen::deregistered(&under_socket),
         )
         .await;
     let over = plugin!(sub.join("over.sock")).name("over").spawn();
@@ -1672,22 +1666,22 @@ async fn follows_a_file_system_mounted_over_a_sub_directory_and_unmounted_again(
     );
 
     // Unmounted: `over.sock` is gone with its file system, `under.sock` is back.
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     mount.unmount();
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the plugin of the unmounted file system deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&over_socket),
+            seen::deregistered(&over_socket),
         )
         .await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the uncovered plugin registered again",
             EVENT_TIMEOUT,
-            logs::registered(&under_socket),
+            seen::registered(&under_socket),
         )
         .await;
     let listed = admin::list(&dir.root().with_file_name("admin.sock"));
@@ -1753,6 +1747,7 @@ async fn ebpf_more_sockets_than_the_name_table_holds_cost_no_rescans() {
         after, before,
         "{test}: the agent rescanned while nothing changed"
     );
+    // Only the log's warning says the name table filled.
     assert!(
         !agent
             .logs_since(Mark(0), |l| l
@@ -1762,14 +1757,14 @@ async fn ebpf_more_sockets_than_the_name_table_holds_cost_no_rescans() {
         "{test}: the name table never filled: the case was not reached"
     );
     let socket = plugin.socket().to_path_buf();
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     plugin.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the late plugin's removal",
             Duration::from_secs(5),
-            logs::deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
     assert_eq!(
@@ -1867,10 +1862,11 @@ async fn a_flood_of_watch_streams_from_one_process_leaves_the_operator_s_watch_a
     let plugin = plugin!(dir.path("after-flood.sock")).name("after").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "registered",
             EVENT_TIMEOUT,
-            logs::registered(plugin.socket()),
+            seen::registered(plugin.socket()),
         )
         .await;
     let socket = plugin.socket().to_string_lossy().into_owned();
@@ -1914,6 +1910,8 @@ async fn bind_only_sockets_made_at_once_wait_to_listen_in_bytes(source: Source) 
     let dir = PluginDir::new();
     let mut options = AgentOptions::new(source, &dir.root());
     options.extra = vec!["--metrics-addr".into(), "127.0.0.1:0".into()];
+    // Not followed: 34,000 events to a `watch` would be a load of their own here.
+    options.follow = false;
     let Some(agent) = AgentProcess::start(test, options).await else {
         return;
     };

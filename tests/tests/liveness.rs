@@ -5,9 +5,10 @@
 //! nothing serves the socket any more, and an unserved socket is neither registered nor retried
 //! until it changes. Every assertion names the mechanism the agent reported (`learned_by`).
 
+use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, PluginDir, Scenario, Source, admin, logs,
-    per_source, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, Scenario, Source, admin,
+    per_source, plugin, seen, test_name,
 };
 use std::path::Path;
 
@@ -21,37 +22,51 @@ per_source!(
     an_unserved_socket_registers_when_it_listens_by_the_kernel_s_report_or_the_safety_pass,
 );
 
-/// The agent found the plugin at `socket` unserved, learned by `how`.
+/// The agent reported the plugin at `socket` unserved, learned by `how`.
 fn unserved<'a>(socket: &'a Path, how: &'a str) -> impl Fn(&Line) -> bool + 'a {
-    move |l| is_unserved(l, socket) && l.field_is("learned_by", how)
+    move |l| seen::unserved(socket)(l) && learned_by(l) == how
 }
 
-/// The agent found the plugin at `socket` unserved, learned by one of `how`.
+/// The agent reported the plugin at `socket` unserved, learned by one of `how`.
 fn unserved_by<'a>(socket: &'a Path, how: &'a [&'a str]) -> impl Fn(&Line) -> bool + 'a {
-    move |l| is_unserved(l, socket) && how.iter().any(|h| l.field_is("learned_by", h))
+    move |l| seen::unserved(socket)(l) && how.contains(&learned_by(l).as_str())
 }
 
-fn is_unserved(l: &Line, socket: &Path) -> bool {
-    l.message() == "plugin unserved: not registered until its socket changes"
-        && l.field_is("socket_path", &socket.to_string_lossy())
+/// How an `unserved` event's loss was learned: its error reads `unserved (HOW): what was found`
+/// (`list`'s last error for the socket too).
+fn learned_by(l: &Line) -> String {
+    unserved_how(&l.field("error").unwrap_or_default())
+}
+
+/// `HOW` in `unserved (HOW): ...`.
+fn unserved_how(said: &str) -> String {
+    said.strip_prefix("unserved (")
+        .and_then(|rest| rest.split_once(')'))
+        .map(|(how, _)| how.to_string())
+        .unwrap_or_default()
 }
 
 /// How a server's death is learned by `agent`: its pidfd; with eBPF on fentry also (usually
-/// first) `unix_release`, which runs while the dying process's descriptors are closed.
-async fn death_learned_by(agent: &AgentProcess) -> &'static [&'static str] {
-    let opened = agent
-        .wait_for_log("event source open", EVENT_TIMEOUT, |l| {
-            l.message() == "event source open"
-        })
-        .await;
-    let fentry = opened
-        .field("attached")
+/// first) `unix_release`, which runs while the dying process's descriptors are closed (status
+/// names the hooks attached).
+fn death_learned_by(agent: &AgentProcess) -> &'static [&'static str] {
+    let status = admin::status(agent.admin_socket());
+    let fentry = status["source_description"]
+        .as_str()
         .is_some_and(|hooks| hooks.contains("fentry unix_release"));
     if fentry {
         &["pidfd", "kernel_release"]
     } else {
         &["pidfd"]
     }
+}
+
+/// Waits until `list` shows `socket` unserved, learned by `how` (for a socket found unserved by
+/// the start walk, perhaps before the test followed the agent's events).
+async fn listed_unserved(agent: &AgentProcess, socket: &Path, how: &str) {
+    let listed = agent.wait_listed(socket, "unserved").await;
+    let said = listed.last_error.unwrap_or_default();
+    assert_eq!(unserved_how(&said), how, "{}: {said}", socket.display());
 }
 
 fn state_of(admin_socket: &Path, socket: &Path) -> admin::Listed {
@@ -74,10 +89,15 @@ async fn a_sigkilled_plugin_is_deregistered_as_unserved_and_registered_again_whe
     let plugin = plugin!(&socket).name("crashy").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
-    let mark = s.agent.mark();
-    let how = death_learned_by(&s.agent).await;
+    let mark = s.agent.event_mark();
+    let how = death_learned_by(&s.agent);
     plugin.kill().await;
     assert!(
         socket.exists(),
@@ -86,33 +106,33 @@ async fn a_sigkilled_plugin_is_deregistered_as_unserved_and_registered_again_whe
     );
     let lost = s
         .agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "unserved, learned by pidfd (or unix_release on fentry)",
             EVENT_TIMEOUT,
             unserved_by(&socket, how),
         )
         .await;
-    let learned_by = lost.field("learned_by").unwrap_or_default();
+    let how_learned = learned_by(&lost);
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the handler told",
             EVENT_TIMEOUT,
-            logs::handler_deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
     let listed = state_of(&s.dir.root().with_file_name("admin.sock"), &socket);
     assert_eq!(listed.state, "unserved", "{}: {listed:?}", s.test);
     let why = listed.last_error.unwrap_or_default();
     assert!(
-        why.contains(&learned_by),
-        "{}: the reason names how ({learned_by}): {why}",
+        !how_learned.is_empty() && unserved_how(&why) == how_learned,
+        "{}: the reason names how ({how_learned}): {why}",
         s.test
     );
     assert!(
         s.agent
-            .logs_since(mark, logs::registration_failed(&socket))
+            .events_since(mark, seen::registration_failed(&socket))
             .is_empty(),
         "{}: an unserved socket is not retried",
         s.test
@@ -121,11 +141,11 @@ async fn a_sigkilled_plugin_is_deregistered_as_unserved_and_registered_again_whe
     let restarted = plugin!(&socket).name("crashy").spawn();
     restarted.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the restarted plugin registered",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
     assert_eq!(
@@ -145,9 +165,14 @@ async fn a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered(
     let mut plugin = plugin!(&socket).name("activated").arg("--hand-off").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
-    let mark = s.agent.mark();
+    let (mark, events) = (s.agent.mark(), s.agent.event_mark());
     plugin.hand_off(EVENT_TIMEOUT).await;
     s.agent
         .wait_for_log_after(
@@ -159,7 +184,7 @@ async fn a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered(
         .await;
     assert!(
         s.agent
-            .logs_since(mark, |l| logs::handler_deregistered(&socket)(l)
+            .events_since(events, |l| seen::deregistered(&socket)(l)
                 || unserved(&socket, "pidfd")(l))
             .is_empty(),
         "{}: a handed-on listener is not a lost plugin",
@@ -190,19 +215,10 @@ async fn a_stale_socket_at_start_is_unserved_at_once_and_never_retried(source: S
     let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
-    agent
-        .wait_for_log(
-            "the stale socket unserved",
-            EVENT_TIMEOUT,
-            unserved(&socket, "connect_probe"),
-        )
-        .await;
+    listed_unserved(&agent, &socket, "connect_probe").await;
     assert!(
         agent
-            .logs_since(
-                plugin_agent_tests::Mark(0),
-                logs::registration_failed(&socket)
-            )
+            .events_since(Mark(0), seen::registration_failed(&socket))
             .is_empty(),
         "{test}: no backoff chain for a socket nobody listens on"
     );
@@ -211,7 +227,12 @@ async fn a_stale_socket_at_start_is_unserved_at_once_and_never_retried(source: S
     let plugin = plugin!(&socket).name("fresh").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     assert_eq!(state_of(&admin_socket, &socket).state, "registered");
 }
@@ -237,13 +258,7 @@ async fn a_socket_bound_longer_ago_than_the_listen_wait_is_not_waited_for() {
         return;
     };
     let addr = plugin_agent_tests::http::metrics_addr(&agent).await;
-    agent
-        .wait_for_log(
-            "the long-dead socket unserved",
-            EVENT_TIMEOUT,
-            unserved(&socket, "connect_probe"),
-        )
-        .await;
+    listed_unserved(&agent, &socket, "connect_probe").await;
     assert_eq!(state_of(&admin_socket, &socket).state, "unserved");
     let (_, metrics) =
         tokio::task::spawn_blocking(move || plugin_agent_tests::http::http_get(addr, "/metrics"))
@@ -271,17 +286,38 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
 ) {
     let test = test_name();
     let dir = PluginDir::new();
-    let mut options = AgentOptions::new(source, &dir.root());
+    // A handler whose call log says what it was told by either agent.
+    let handler = HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("handler.sock"),
+        &[],
+    )
+    .await;
+    let mut options = AgentOptions::new(source, &dir.root())
+        .handlers(&[&format!("DRAPlugin={}", handler.target())]);
     options.admin_socket = dir.outside("admin.sock");
     let Some(first) = AgentProcess::start(&test, options.clone()).await else {
         return;
     };
     let (alive, dying) = (dir.path("alive.sock"), dir.path("dying.sock"));
-    let alive_plugin = plugin!(&alive).name("alive").spawn();
-    let dying_plugin = plugin!(&dying).name("dying").spawn();
+    let dra = |socket: &Path, name: &str| {
+        plugin!(socket)
+            .plugin_type("DRAPlugin")
+            .name(name)
+            .arg("--versions")
+            .arg("v1.DRAPlugin")
+            .spawn()
+    };
+    let alive_plugin = dra(&alive, "alive");
+    let dying_plugin = dra(&dying, "dying");
     for socket in [&alive, &dying] {
         first
-            .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(socket))
+            .wait_for_event(
+                Mark(0),
+                "registered",
+                EVENT_TIMEOUT,
+                seen::registered(socket),
+            )
             .await;
     }
     first.stop().await;
@@ -290,24 +326,15 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
     let second = AgentProcess::start(&test, options.clone())
         .await
         .expect("started once");
-    second
-        .wait_for_log(
-            "the plugin that died while no agent ran, unserved",
-            EVENT_TIMEOUT,
-            unserved(&dying, "connect_probe"),
-        )
-        .await;
-    second
-        .wait_for_log(
-            "its handler told",
-            EVENT_TIMEOUT,
-            logs::handler_deregistered(&dying),
-        )
+    listed_unserved(&second, &dying, "connect_probe").await;
+    let endpoint = dying.display().to_string();
+    handler
+        .wait_for_count(Mark(0), 1, "its handler told", EVENT_TIMEOUT, |l| {
+            l.field_is("call", "deregister") && l.field_is("endpoint", &endpoint)
+        })
         .await;
     assert_eq!(
-        alive_plugin
-            .events_since(plugin_agent_tests::Mark(0), "get_info")
-            .len(),
+        alive_plugin.events_since(Mark(0), "get_info").len(),
         1,
         "{test}: the restored plugin was not called again"
     );
@@ -339,11 +366,11 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
         Some(if recorded { "record" } else { "connect" }),
         "{test}: how the restored plugin's server was found (recorded: {recorded})"
     );
-    let mark = second.mark();
-    let how = death_learned_by(&second).await;
+    let mark = second.event_mark();
+    let how = death_learned_by(&second);
     alive_plugin.kill().await;
     second
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the restored plugin's death, learned by pidfd (or unix_release on fentry)",
             EVENT_TIMEOUT,
@@ -368,15 +395,20 @@ async fn ebpf_a_listener_closed_while_its_process_lives_is_unserved_on_the_kerne
         .spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
-    let mark = s.agent.mark();
+    let mark = s.agent.event_mark();
     plugin.signal(nix::sys::signal::Signal::SIGUSR2);
     plugin
         .wait_for_event("listener_closed", EVENT_TIMEOUT)
         .await;
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "unserved, learned from the kernel's close report",
             EVENT_TIMEOUT,
@@ -384,11 +416,11 @@ async fn ebpf_a_listener_closed_while_its_process_lives_is_unserved_on_the_kerne
         )
         .await;
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the handler told",
             EVENT_TIMEOUT,
-            logs::handler_deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
     assert!(plugin.pid().is_some(), "{}: the plugin still runs", s.test);
@@ -423,13 +455,7 @@ async fn an_unserved_socket_registers_when_it_listens_by_the_kernel_s_report_or_
     let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
-    agent
-        .wait_for_log(
-            "unserved at start",
-            EVENT_TIMEOUT,
-            unserved(&socket, "connect_probe"),
-        )
-        .await;
+    listed_unserved(&agent, &socket, "connect_probe").await;
     plugin.signal(nix::sys::signal::Signal::SIGUSR2);
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let how = if source == Source::Ebpf {
@@ -443,14 +469,16 @@ async fn an_unserved_socket_registers_when_it_listens_by_the_kernel_s_report_or_
         })
         .await;
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     assert!(
         agent
-            .logs_since(
-                plugin_agent_tests::Mark(0),
-                logs::registration_failed(&socket)
-            )
+            .events_since(Mark(0), seen::registration_failed(&socket))
             .is_empty(),
         "{test}: no retries while unserved"
     );
@@ -475,7 +503,7 @@ async fn the_death_of_the_process_a_listener_was_handed_to_is_unserved(source: S
     let Some(s) = Scenario::start(source).await else {
         return;
     };
-    let learned_by = death_learned_by(&s.agent).await;
+    let learned_by = death_learned_by(&s.agent);
     let learned_by: Vec<&str> = learned_by
         .iter()
         .copied()
@@ -485,7 +513,12 @@ async fn the_death_of_the_process_a_listener_was_handed_to_is_unserved(source: S
     let mut plugin = plugin!(&socket).name("handed").arg("--hand-off").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     let child = plugin.hand_off(EVENT_TIMEOUT).await;
     let followed = s
@@ -503,13 +536,13 @@ async fn the_death_of_the_process_a_listener_was_handed_to_is_unserved(source: S
         "{}: the child {child} is not among the holders: {followed}",
         s.test
     );
-    let mark = s.agent.mark();
+    let mark = s.agent.event_mark();
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child as i32),
         nix::sys::signal::Signal::SIGKILL,
     );
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the child's death, learned from its pidfd",
             std::time::Duration::from_secs(5),
@@ -594,7 +627,7 @@ async fn a_listener_taken_by_another_process_is_followed_to_it_and_its_death_is_
     let Some(s) = Scenario::start(source).await else {
         return;
     };
-    let learned_by = death_learned_by(&s.agent).await;
+    let learned_by = death_learned_by(&s.agent);
     let learned_by: Vec<&str> = learned_by
         .iter()
         .copied()
@@ -604,7 +637,12 @@ async fn a_listener_taken_by_another_process_is_followed_to_it_and_its_death_is_
     let plugin = plugin!(&socket).name("taken").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     let holder = TakenListener::take(plugin.pid().expect("running"), &socket, false);
     let mark = s.agent.mark();
@@ -631,10 +669,10 @@ async fn a_listener_taken_by_another_process_is_followed_to_it_and_its_death_is_
     );
     let admin = s.dir.root().with_file_name("admin.sock");
     assert_eq!(state_of(&admin, &socket).state, "registered");
-    let mark = s.agent.mark();
+    let mark = s.agent.event_mark();
     drop(holder);
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the holder's death",
             std::time::Duration::from_secs(5),
@@ -656,12 +694,17 @@ async fn ebpf_a_listener_shut_down_while_its_process_keeps_it_is_unserved() {
     let plugin = plugin!(&socket).name("shut").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
-    let mark = s.agent.mark();
+    let mark = s.agent.event_mark();
     let _holder = TakenListener::take(plugin.pid().expect("running"), &socket, true);
     s.agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the shutdown, reported by the kernel",
             std::time::Duration::from_secs(5),

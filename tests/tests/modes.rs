@@ -4,7 +4,8 @@
 //! processes; the mode is the executor's, the same on every source, so these run on inotify.
 
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, admin, plugin, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, admin, plugin, seen,
+    test_name,
 };
 use std::process::{Command, Stdio};
 
@@ -23,18 +24,20 @@ async fn with_no_handler_the_agent_observes_asks_get_info_and_never_notifies() {
     let test = &test_name();
     let dir = PluginDir::new();
     let agent = agent(test, &dir, &[], &[]).await;
-    agent
-        .wait_for_log("the mode", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("no handler configured: observing")
-        })
-        .await;
+    let status = admin::status(agent.admin_socket());
+    assert!(
+        status["mode"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("observe")),
+        "{test}: no handler configured: observing: {status}"
+    );
     let plugin = plugin!(dir.path("csi.sock"))
         .name("csi.example.com")
         .spawn();
     plugin.wait_for_event("get_info", EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("observed", EVENT_TIMEOUT, |l| {
-            l.message() == "plugin observed" && l.field_is("plugin_name", "csi.example.com")
+        .wait_for_event(Mark(0), "observed", EVENT_TIMEOUT, |l| {
+            seen::observed(plugin.socket())(l) && l.field_is("plugin", "CSIPlugin/csi.example.com")
         })
         .await;
     let listed = admin::list(&dir.root().with_file_name("admin.sock"));
@@ -45,11 +48,12 @@ async fn with_no_handler_the_agent_observes_asks_get_info_and_never_notifies() {
         plugin.events_since(Mark(0), "notify").is_empty(),
         "{test}: observe mode never notifies"
     );
-    let mark = agent.mark();
+    let mark = agent.event_mark();
+    let socket = plugin.socket().to_path_buf();
     plugin.stop().await;
     agent
-        .wait_for_log_after(mark, "the removal", EVENT_TIMEOUT, |l| {
-            l.message() == "observed plugin's socket removed"
+        .wait_for_event(mark, "the removal", EVENT_TIMEOUT, |l| {
+            seen::deregistered(&socket)(l) && l.field_is("detail", "observed: no handler to tell")
         })
         .await;
 }
@@ -70,9 +74,12 @@ async fn observe_mode_without_contact_never_connects_to_a_plugin() {
     let plugin = plugin!(dir.path("quiet.sock")).spawn();
     plugin.wait_for_event("serving", EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("observed", EVENT_TIMEOUT, |l| {
-            l.message() == "plugin observed"
-        })
+        .wait_for_event(
+            Mark(0),
+            "observed",
+            EVENT_TIMEOUT,
+            seen::observed(plugin.socket()),
+        )
         .await;
     let listed = admin::list(&dir.root().with_file_name("admin.sock"));
     let entry = listed.get(plugin.socket()).expect("listed");
@@ -128,6 +135,7 @@ async fn register_mode_on_a_directory_a_running_kubelet_watches_warns() {
         AgentOptions::new(Source::Inotify, &registry).handlers(&["CSIPlugin=accept-all"]);
     options.extra = vec!["--mode".into(), "register".into()];
     let agent = AgentProcess::start(test, options).await.expect("inotify");
+    // The warning in the log is the feature: it is how the conflict is told.
     let warning = agent
         .wait_for_log("the conflict", EVENT_TIMEOUT, |l| {
             l.message()
@@ -182,15 +190,18 @@ async fn an_observer_beside_a_registering_agent_never_notifies_and_reports_the_f
     csi.wait_for_notify(true, EVENT_TIMEOUT).await;
     dra.wait_for_notify(false, EVENT_TIMEOUT).await;
     for plugin in [&csi, &dra] {
-        let socket = plugin.socket().to_string_lossy().into_owned();
+        let socket = plugin.socket();
         observer
-            .wait_for_log("the observation", EVENT_TIMEOUT, |l| {
-                l.message() == "plugin observed" && l.field_is("socket_path", &socket)
-            })
+            .wait_for_event(
+                Mark(0),
+                "the observation",
+                EVENT_TIMEOUT,
+                seen::observed(socket),
+            )
             .await;
         observer
-            .wait_for_log("the first contact", EVENT_TIMEOUT, |l| {
-                l.message() == "plugin socket first contacted" && l.field_is("socket_path", &socket)
+            .wait_for_event(Mark(0), "the first contact", EVENT_TIMEOUT, |l| {
+                seen::about(socket)(l) && l.field_is("kind", "first_contact")
             })
             .await;
     }
@@ -277,12 +288,15 @@ async fn an_observer_beside_a_registering_agent_never_notifies_and_reports_the_f
 
     // Liveness in observe mode: the CSI plugin dies (its socket stays); the observer says so.
     let csi_socket = csi.socket().to_path_buf();
-    let mark = observer.mark();
+    let mark = observer.event_mark();
     csi.kill().await;
     observer
-        .wait_for_log_after(mark, "the plugin's death", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("plugin unserved")
-        })
+        .wait_for_event(
+            mark,
+            "the plugin's death",
+            EVENT_TIMEOUT,
+            seen::unserved(&csi_socket),
+        )
         .await;
     let listed = admin::list_json(&options.admin_socket);
     assert_eq!(listed[&csi_socket]["state"], "unserved", "{test}");

@@ -18,7 +18,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use plugin_agent_tests::env::skip;
 use plugin_agent_tests::http::{http_get, metrics_addr};
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, PluginDir, Source, logs, plugin,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, logs, plugin, seen,
 };
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -238,7 +238,12 @@ async fn prometheus_scrapes_the_kubelet_gauge_and_registration_metrics_of_a_regi
     let plugin = plugin!(&socket).name("csi.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
 
     let socket_text = socket.to_string_lossy().into_owned();
@@ -357,7 +362,12 @@ async fn traces_of_a_registration_arrive_over_otlp_as_discovery_register_and_ste
     let plugin = plugin!(&socket).name("traced.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     // SIGTERM flushes the batch: the spans are sent now rather than at the next batch tick.
     let status = agent.stop().await;
@@ -463,10 +473,16 @@ async fn an_unserved_plugin_s_span_and_log_line_are_in_its_socket_s_trace() {
     let plugin = plugin!(&socket).name("dies.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     plugin.kill().await;
     let socket_text = socket.to_string_lossy().into_owned();
+    // The log line is the subject here: it must carry the socket's trace.
     let line = agent
         .wait_for_log("unserved", EVENT_TIMEOUT, |l| {
             l.message() == "plugin unserved: not registered until its socket changes"
@@ -474,7 +490,12 @@ async fn an_unserved_plugin_s_span_and_log_line_are_in_its_socket_s_trace() {
         })
         .await;
     agent
-        .wait_for_log("deregistered", EVENT_TIMEOUT, logs::deregistered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "deregistered",
+            EVENT_TIMEOUT,
+            seen::deregistered(&socket),
+        )
         .await;
     let status = agent.stop().await;
     assert!(status.success(), "{status:?}");
@@ -557,7 +578,12 @@ async fn registration_times(agent: &AgentProcess, dir: &PluginDir, n: usize) -> 
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         times.push(started.elapsed());
         agent
-            .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+            .wait_for_event(
+                Mark(0),
+                "registered",
+                EVENT_TIMEOUT,
+                seen::registered(&socket),
+            )
             .await;
         plugins.push(plugin);
     }
@@ -594,7 +620,7 @@ async fn a_dead_collector_does_not_slow_registration() {
     );
     assert!(
         agent
-            .logs_since(plugin_agent_tests::Mark(0), logs::any_registration_failed)
+            .events_since(Mark(0), seen::any_registration_failed)
             .is_empty()
     );
 }
@@ -610,8 +636,9 @@ async fn log_lines_about_a_plugin_carry_its_socket_path_and_name() {
     agent
         .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
         .await;
-    // Every line after GetInfo answered, inside the registration, names the plugin.
-    let lines = agent.logs_since(plugin_agent_tests::Mark(0), logs::mentions(&socket));
+    // The log lines are the subject here. Every line after GetInfo answered, inside the
+    // registration, names the plugin.
+    let lines = agent.logs_since(Mark(0), logs::mentions(&socket));
     let answered = lines
         .iter()
         .position(|l| l.message() == "GetInfo answered")
@@ -666,6 +693,7 @@ async fn a_latency_exemplar_in_prometheus_names_a_trace_the_collector_received_a
     let socket = dir.path("exemplar.sock");
     let plugin = plugin!(&socket).name("exemplar.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    // The log line is the subject: it carries the trace the exemplar names.
     let registered = agent
         .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
         .await;
@@ -769,6 +797,7 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
     fast_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     slow_plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     failed_plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    // The log lines are the subject: each carries its registration's trace id, or none.
     let slow_line = agent
         .wait_for_log("slow registered", EVENT_TIMEOUT, logs::registered(&slow))
         .await;
@@ -936,9 +965,8 @@ async fn with_ebpf_the_trace_starts_at_the_kernel_s_bind_and_shows_the_first_con
     drop(std::os::unix::net::UnixStream::connect(&socket).expect("connect to the plugin"));
     let socket_text = socket.to_string_lossy().into_owned();
     agent
-        .wait_for_log("the first contact", EVENT_TIMEOUT, |l| {
-            l.message() == "plugin socket first contacted"
-                && l.field_is("socket_path", &socket_text)
+        .wait_for_event(Mark(0), "the first contact", EVENT_TIMEOUT, |l| {
+            l.field_is("kind", "first_contact") && l.field_is("socket_path", &socket_text)
         })
         .await;
     assert!(agent.stop().await.success());

@@ -27,11 +27,7 @@ async fn keeps_only_dac_capabilities_and_still_registers_plugins_in_private_dire
     let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
         return;
     };
-    agent
-        .wait_for_log("the capability drop", EVENT_TIMEOUT, |l| {
-            l.message() == "capabilities dropped after start"
-        })
-        .await;
+    // Started: the admin API that said so is served only once the capabilities are dropped.
     let pid = agent.pid().expect("running");
     let caps = procfs::caps(pid).expect("read /proc/<pid>/status");
     assert_eq!(
@@ -66,10 +62,11 @@ async fn keeps_only_dac_capabilities_and_still_registers_plugins_in_private_dire
         .expect("chmod socket");
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            plugin_agent_tests::Mark(0),
             "the private plugin registered",
             EVENT_TIMEOUT,
-            plugin_agent_tests::logs::registered(&socket),
+            plugin_agent_tests::seen::registered(&socket),
         )
         .await;
     assert_eq!(

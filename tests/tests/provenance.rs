@@ -11,8 +11,8 @@ use plugin_agent_tests::cgroup::TestCgroup;
 use plugin_agent_tests::env::privileged;
 use plugin_agent_tests::http::{http_get, metrics_addr};
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, PluginDir, Source, admin, logs, per_source, plugin,
-    test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, admin, per_source, plugin,
+    seen, test_name,
 };
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -96,7 +96,12 @@ async fn the_creator_and_the_server_are_named_with_their_cgroup(source: Source) 
         .spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let registered = agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
+        .wait_for_event(
+            Mark(0),
+            "registered",
+            EVENT_TIMEOUT,
+            seen::registered(&socket),
+        )
         .await;
     let pid = plugin.pid().expect("the plugin runs");
 
@@ -122,10 +127,10 @@ async fn the_creator_and_the_server_are_named_with_their_cgroup(source: Source) 
             assert!(why.contains("inotify"), "{provenance}");
         }
     }
-    let said = registered.field("server").unwrap_or_default();
+    let said = &registered.0["provenance"]["server"];
     assert!(
-        said.contains(&format!("pid {pid}")) && said.contains(group.path()),
-        "the log line names the server: {registered}"
+        said["pid"] == pid && said["cgroup"] == group.path(),
+        "the registered event names the server: {registered}"
     );
 }
 
@@ -167,7 +172,7 @@ async fn an_impostor_from_a_disallowed_cgroup_is_refused_while_the_real_plugin_s
         .spawn();
     real.wait_for_notify(true, EVENT_TIMEOUT).await;
 
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let fake_socket = dir.path("fake.sock");
     let fake = plugin!(&fake_socket)
         .name("ebs.csi.example.com")
@@ -180,13 +185,20 @@ async fn an_impostor_from_a_disallowed_cgroup_is_refused_while_the_real_plugin_s
             && error.contains(&format!("served by uid 0 cgroup {}", elsewhere.path())),
         "{refused}"
     );
-    agent
-        .wait_for_log_after(mark, "the refusal's warning", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("plugin rejected by policy")
-                && l.field_is("rule", "example-csi")
-                && logs::mentions(&fake_socket)(l)
-        })
+    let rejected = agent
+        .wait_for_event(
+            mark,
+            "the refusal",
+            EVENT_TIMEOUT,
+            seen::rejected(&fake_socket),
+        )
         .await;
+    assert!(
+        rejected
+            .field("error")
+            .is_some_and(|e| e.starts_with("rejected by policy: example-csi (cgroup ")),
+        "the rejected event carries the refusal: {rejected}"
+    );
 
     let fake_row = listed(&dir, &fake_socket);
     assert_eq!(fake_row["state"], "rejected", "{fake_row}");
@@ -194,11 +206,20 @@ async fn an_impostor_from_a_disallowed_cgroup_is_refused_while_the_real_plugin_s
     assert_eq!(fake_row["name"], "ebs.csi.example.com", "{fake_row}");
     assert_eq!(fake_row["provenance"]["server"]["cgroup"], elsewhere.path());
     assert_eq!(listed(&dir, &real_socket)["state"], "registered");
+    // A handler that heard of it would have registered it, or failed it (and rolled back):
+    // every event about the impostor is a refusal.
+    let heard: Vec<_> = agent
+        .events_since(mark, seen::about(&fake_socket))
+        .into_iter()
+        .filter(|e| {
+            seen::registered(&fake_socket)(e)
+                || seen::registration_failed(&fake_socket)(e)
+                || seen::deregistered(&fake_socket)(e)
+        })
+        .collect();
     assert!(
-        agent
-            .logs_since(mark, logs::handler_registered(&fake_socket))
-            .is_empty(),
-        "the handler never heard of the impostor"
+        heard.is_empty(),
+        "the handler never heard of the impostor: {heard:?}"
     );
     assert!(
         fake.events_since(plugin_agent_tests::Mark(0), "notify")
@@ -407,7 +428,7 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
     let plugin = plugin!(&socket).name("reloaded.example.com").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
 
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     std::fs::write(&config, allow(4242)).expect("rewrite the configuration");
     let (ok, said, errors) = policy_reload(&dir);
     assert!(ok, "policy reload failed: {errors}");
@@ -416,11 +437,11 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
         "policy reload says what it did: {said}"
     );
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the handler's DeRegister",
             EVENT_TIMEOUT,
-            logs::handler_deregistered(&socket),
+            seen::deregistered(&socket),
         )
         .await;
     let row = listed(&dir, &socket);
@@ -441,6 +462,7 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
         nix::sys::signal::Signal::SIGHUP,
     )
     .expect("SIGHUP");
+    // No event says a reload was refused (the reloader is the agent's): its log line does.
     agent
         .wait_for_log_after(mark, "the refused reload", EVENT_TIMEOUT, |l| {
             l.message() == "policy not reloaded: keeping the policy in force"

@@ -11,7 +11,7 @@ use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::host::PluginHost;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, admin,
-    logs, per_source, plugin, test_name,
+    per_source, plugin, seen, test_name,
 };
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -96,12 +96,12 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
     }
     // The agent reports a registration only once its state journal has it.
     first
-        .wait_for_logs(
+        .wait_for_events(
             Mark(0),
             plugins + 3,
             "every registration reported",
             CONVERGE_TIMEOUT,
-            |l| l.message() == "plugin registered",
+            seen::any_registered,
         )
         .await;
 
@@ -119,15 +119,10 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
     let new = dra_plugin(&dir, "new");
     new.wait_for_event("serving", EVENT_TIMEOUT).await;
 
+    // Started: the state file was restored before the first walk, which is over.
     let second = AgentProcess::start(&test, options.clone())
         .await
         .expect("it started once");
-    second
-        .wait_for_log("carried on from the state file", EVENT_TIMEOUT, |l| {
-            l.message()
-                .starts_with("carrying on from the previous agent's state")
-        })
-        .await;
     replaced.wait_for_notify(true, EVENT_TIMEOUT).await;
     new.wait_for_notify(true, EVENT_TIMEOUT).await;
     handler
@@ -150,13 +145,8 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
             |l| l.field_is("call", "register"),
         )
         .await;
-    // The first walk is over (the changes above came from it); it marked nothing else, so no
-    // call for an unchanged plugin can still be on its way.
-    second
-        .wait_for_log("the first walk", EVENT_TIMEOUT, |l| {
-            l.message() == "scanned plugin directory"
-        })
-        .await;
+    // The first walk was over when `start` returned (the changes above came from it); it marked
+    // nothing else, so no call for an unchanged plugin can still be on its way.
 
     // The exact final state: every plugin listed and registered, the gone one absent.
     let listed = admin::list(&options.admin_socket);
@@ -229,14 +219,15 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
         .arg("--versions")
         .arg("v1.DRAPlugin")
         .spawn();
-    // GetInfo answered: the handler's ValidatePlugin (1.5 s) and RegisterPlugin (1.5 s) are next.
-    agent
-        .wait_for_log("GetInfo answered", EVENT_TIMEOUT, |l| {
-            l.message() == "GetInfo answered"
+    // GetInfo answered: the handler's ValidatePlugin (1.5 s, under way) and RegisterPlugin
+    // (1.5 s) are next.
+    handler
+        .wait_for_count(Mark(0), 1, "ValidatePlugin", EVENT_TIMEOUT, |l| {
+            l.field_is("event", "received") && l.field_is("method", "validate")
         })
         .await;
     let stopping = Instant::now();
-    let mark = agent.mark();
+    let (mark, events) = (agent.event_mark(), agent.events().clone());
     let log = agent.log().clone();
     let status = agent.stop().await;
     let stopped_after = stopping.elapsed();
@@ -272,14 +263,13 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
             log.tail(40)
         ),
     }
+    // The event stream ended with the agent (`stop` waits for that): it carried the outcome.
+    let outcomes = events.matching_since(mark, |l| {
+        seen::registered(&socket)(l) || seen::registration_failed(&socket)(l)
+    });
     assert!(
-        log.matching_since(mark, |l| l.message() == "plugin registered")
-            .len()
-            + log
-                .matching_since(mark, |l| l.message() == "plugin registration failed")
-                .len()
-            == 1,
-        "{test}: the agent logged the outcome before exiting:\n{}",
+        outcomes.len() == 1,
+        "{test}: the agent reported the outcome before exiting: {outcomes:?}\n{}",
         log.tail(40)
     );
 }
@@ -322,6 +312,7 @@ async fn registrations_a_kill_interrupted_are_deregistered_if_their_sockets_went
     let second = AgentProcess::start(test, options.clone())
         .await
         .expect("it started once");
+    // How many registrations a kill interrupted is said only by the restore's log line.
     let carried = second
         .wait_for_log("carried on from the state file", EVENT_TIMEOUT, |l| {
             l.message()
@@ -391,6 +382,7 @@ async fn a_corrupt_or_foreign_state_file_is_a_warning_and_every_plugin_registers
         let agent = AgentProcess::start(&test, options)
             .await
             .expect("inotify needs no privileges");
+        // The warning in the log is the feature: it is how an unusable state file is told.
         let warning = agent
             .wait_for_log("the state file warning", EVENT_TIMEOUT, |l| {
                 l.message().starts_with("ignoring the state file")
@@ -401,13 +393,8 @@ async fn a_corrupt_or_foreign_state_file_is_a_warning_and_every_plugin_registers
             warning.field("error").unwrap_or_default()
         );
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-        agent
-            .wait_for_log(
-                "registered",
-                EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
-            )
-            .await;
+        // There before the agent: its registration may precede the event stream.
+        agent.wait_listed(plugin.socket(), "registered").await;
         // And the agent replaced it with its own.
         assert!(agent.stop().await.success());
         let written = std::fs::read_to_string(&state_file).expect("the agent's state file");
@@ -436,13 +423,7 @@ async fn with_reregister_on_restart_an_unchanged_plugin_is_registered_again() {
         .await
         .expect("inotify needs no privileges");
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    first
-        .wait_for_log(
-            "registered",
-            EVENT_TIMEOUT,
-            logs::registered(plugin.socket()),
-        )
-        .await;
+    first.wait_listed(plugin.socket(), "registered").await;
     first.stop().await;
     let (handler_mark, plugin_mark) = (handler.mark(), plugin.mark());
     options.extra.push("--reregister-on-restart".into());

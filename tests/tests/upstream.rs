@@ -2,8 +2,8 @@
 //! e2e suite), run end to end against the real agent, once per event source.
 
 use plugin_agent_tests::{
-    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, admin, logs,
-    per_source, plugin, test_name,
+    AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source, admin,
+    per_source, plugin, seen, test_name,
 };
 use std::path::{Path, PathBuf};
 
@@ -20,17 +20,18 @@ per_source!(
     recovers_after_get_info_errors_are_cleared,
 );
 
-/// Asserts the plugin at `socket` is registered exactly once after `mark`, and never failed.
+/// Asserts the plugin at `socket` is registered exactly once after the event `mark`, and never
+/// failed.
 fn assert_registered_once(agent: &AgentProcess, mark: Mark, socket: &Path) {
-    let handler_calls = agent.logs_since(mark, logs::handler_registered(socket));
-    if handler_calls.len() != 1 {
+    let registrations = agent.events_since(mark, seen::registered(socket));
+    if registrations.len() != 1 {
         agent.fail(&format!(
-            "{}: {} handler registrations, want 1",
+            "{}: {} registrations, want 1: {registrations:?}",
             socket.display(),
-            handler_calls.len()
+            registrations.len()
         ));
     }
-    let failures = agent.logs_since(mark, logs::registration_failed(socket));
+    let failures = agent.events_since(mark, seen::registration_failed(socket));
     if !failures.is_empty() {
         agent.fail(&format!(
             "{}: registration failed: {}",
@@ -67,10 +68,11 @@ async fn registers_plugins_at_depth_0_1_and_2(source: Source) {
             "{test}: registered with an error"
         );
         agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 &format!("{} registered", socket.display()),
                 EVENT_TIMEOUT,
-                logs::registered(socket),
+                seen::registered(socket),
             )
             .await;
     }
@@ -92,17 +94,17 @@ async fn registers_and_deregisters_a_plugin_over_10_serve_stop_rounds(source: So
     };
     let socket = dir.path("rounds.sock");
     for round in 0..10 {
-        let mark = agent.mark();
+        let mark = agent.event_mark();
         let plugin = plugin!(&socket)
             .name(&format!("round-{round}.example.com"))
             .spawn();
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
-            .wait_for_log_after(
+            .wait_for_event(
                 mark,
                 &format!("round {round}: registered"),
                 EVENT_TIMEOUT,
-                logs::registered(&socket),
+                seen::registered(&socket),
             )
             .await;
         plugin.stop().await;
@@ -111,11 +113,11 @@ async fn registers_and_deregisters_a_plugin_over_10_serve_stop_rounds(source: So
             "{test}: the plugin left its socket behind"
         );
         agent
-            .wait_for_log_after(
+            .wait_for_event(
                 mark,
                 &format!("round {round}: deregistered"),
                 EVENT_TIMEOUT,
-                logs::deregistered(&socket),
+                seen::deregistered(&socket),
             )
             .await;
         assert_registered_once(&agent, mark, &socket);
@@ -136,10 +138,11 @@ async fn tracks_10_plugins_with_the_same_name_on_different_sockets(source: Sourc
     for (plugin, socket) in plugins.iter().zip(&sockets) {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         agent
-            .wait_for_log(
+            .wait_for_event(
+                Mark(0),
                 &format!("{} registered", socket.display()),
                 EVENT_TIMEOUT,
-                logs::registered(socket),
+                seen::registered(socket),
             )
             .await;
     }
@@ -149,13 +152,13 @@ async fn tracks_10_plugins_with_the_same_name_on_different_sockets(source: Sourc
 
     // Handler contract since kubelet 1.33 (kubernetes PR 129832): every registered socket's
     // deletion deregisters it, with its own endpoint, also when others carry the same name.
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     for plugin in plugins {
         plugin.stop().await;
     }
     let gone = agent
-        .wait_for_logs(mark, 10, "10 sockets deregistered", EVENT_TIMEOUT, |l| {
-            l.message() == "plugin deregistered"
+        .wait_for_events(mark, 10, "10 sockets deregistered", EVENT_TIMEOUT, |l| {
+            l.field_is("kind", "deregistered")
         })
         .await;
     let sockets: std::collections::BTreeSet<String> =
@@ -177,21 +180,26 @@ async fn re_registers_one_socket_path_10_times_with_a_new_name_each_time(source:
     let mut generations = Vec::new();
     for round in 0..10 {
         let name = format!("rereg-{round}.example.com");
-        let mark = agent.mark();
+        let mark = agent.event_mark();
         // The new plugin replaces the socket while the old one still runs (a plugin upgrade).
         let plugin = plugin!(&socket).name(&name).spawn();
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
         let registered = agent
-            .wait_for_log_after(mark, &format!("{name} registered"), EVENT_TIMEOUT, |l| {
-                logs::registered(&socket)(l) && l.field_is("plugin_name", &name)
+            .wait_for_event(mark, &format!("{name} registered"), EVENT_TIMEOUT, |l| {
+                seen::registered(&socket)(l) && l.field_is("plugin", &format!("CSIPlugin/{name}"))
             })
             .await;
-        generations.push(registered.field("generation").unwrap_or_default());
+        // The registration `list` shows now is this one (the next round has not begun).
+        let listed = admin::list_json(agent.admin_socket());
+        let row = &listed[&socket];
+        assert_eq!(row["name"], name.as_str(), "{test}: {row}");
+        generations.push(row["generation"].as_str().unwrap_or_default().to_string());
         if round > 0 {
             let old = format!("rereg-{}.example.com", round - 1);
             let deregistered = agent
-                .wait_for_log_after(mark, &format!("{old} deregistered"), EVENT_TIMEOUT, |l| {
-                    logs::deregistered(&socket)(l) && l.field_is("plugin_name", &old)
+                .wait_for_event(mark, &format!("{old} deregistered"), EVENT_TIMEOUT, |l| {
+                    seen::deregistered(&socket)(l)
+                        && l.field_is("plugin", &format!("CSIPlugin/{old}"))
                 })
                 .await;
             if deregistered.position() > registered.position() {
@@ -240,17 +248,24 @@ async fn registers_10_sockets_that_exist_before_the_agent_starts(source: Source)
     let Some(agent) = AgentProcess::start_default(&test, source, &dir.root()).await else {
         return;
     };
+    // Registered by the start walk, maybe before the test could follow the agent's events:
+    // `list` says it, and each plugin's own record says it was told once.
     for plugin in &plugins {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-        agent
-            .wait_for_log(
-                "registered",
-                EVENT_TIMEOUT,
-                logs::registered(plugin.socket()),
-            )
-            .await;
-        assert_registered_once(&agent, Mark(0), plugin.socket());
+        agent.wait_listed(plugin.socket(), "registered").await;
+        assert_notified_once(&test, plugin, Mark(0));
     }
+}
+
+/// Asserts `plugin` was told once after `mark` (its own record), and that it is registered: a
+/// failed attempt would have told it `false` first.
+fn assert_notified_once(test: &str, plugin: &PluginProcess, mark: Mark) {
+    let told: Vec<_> = plugin.events_since(mark, "notify");
+    assert!(
+        told.len() == 1 && told[0].flag("registered") == Some(true),
+        "{test}: {} should be told once that it is registered: {told:?}",
+        plugin.socket().display()
+    );
 }
 
 /// Kubelet's scenario: the plugin is registered again after the agent restarts. That is
@@ -282,9 +297,8 @@ async fn restart_with(source: Source, reregister: bool) {
         return;
     };
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
-    agent
-        .wait_for_log("registered", EVENT_TIMEOUT, logs::registered(&socket))
-        .await;
+    // The plugin was there before the agent: its registration may precede the event stream.
+    agent.wait_listed(&socket, "registered").await;
     let status = agent.stop().await;
     assert!(
         status.success(),
@@ -302,28 +316,13 @@ async fn restart_with(source: Source, reregister: bool) {
         plugin
             .wait_for_notify_after(mark, true, EVENT_TIMEOUT)
             .await;
-        agent
-            .wait_for_log(
-                "registered after restart",
-                EVENT_TIMEOUT,
-                logs::registered(&socket),
-            )
-            .await;
-        assert_registered_once(&agent, Mark(0), &socket);
+        // Registered by the start walk: `list` says it, whenever the test began to follow.
+        agent.wait_listed(&socket, "registered").await;
+        assert_notified_once(&test, &plugin, mark);
         return;
     }
-    agent
-        .wait_for_log("the state file restored", EVENT_TIMEOUT, |l| {
-            l.message()
-                .starts_with("carrying on from the previous agent's state")
-                && l.field_is("restored", "1")
-        })
-        .await;
-    agent
-        .wait_for_log("the first walk", EVENT_TIMEOUT, |l| {
-            l.message() == "scanned plugin directory"
-        })
-        .await;
+    // Started: the state file was restored before the start walk, which is done; the entry
+    // carried on is registered without a call.
     let listed = admin::list(&options.admin_socket);
     assert_eq!(
         listed.get(&socket).map(|p| p.state.as_str()),
@@ -357,26 +356,27 @@ async fn registers_again_after_the_plugin_restarts(source: Source) {
     let first = start("dra.example.com");
     first.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "first registration",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
     // A crash: the socket stays behind, and the restarted plugin replaces it.
     first.kill().await;
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     let second = start("dra.example.com");
     second.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "registration after the plugin restarted",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
-    let failures = agent.logs_since(mark, logs::registration_failed(&socket));
+    let failures = agent.events_since(mark, seen::registration_failed(&socket));
     if !failures.is_empty() {
         agent.fail(&format!(
             "the restarted plugin's registration failed first: {}",
@@ -398,13 +398,14 @@ async fn recovers_after_get_info_errors_are_cleared(source: Source) {
         .spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "registered after GetInfo errors",
             EVENT_TIMEOUT,
-            logs::registered(&socket),
+            seen::registered(&socket),
         )
         .await;
-    let failures = agent.logs_since(Mark(0), logs::registration_failed(&socket));
+    let failures = agent.events_since(Mark(0), seen::registration_failed(&socket));
     assert_eq!(
         failures.len(),
         2,
@@ -432,41 +433,43 @@ async fn deregisters_each_socket_of_a_re_registered_name_when_it_goes(source: So
     let old = plugin!(&old_socket).name("moving.example.com").spawn();
     old.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the old socket registered",
             EVENT_TIMEOUT,
-            logs::registered(&old_socket),
+            seen::registered(&old_socket),
         )
         .await;
     let new = plugin!(&new_socket).name("moving.example.com").spawn();
     new.wait_for_notify(true, EVENT_TIMEOUT).await;
     agent
-        .wait_for_log(
+        .wait_for_event(
+            Mark(0),
             "the new socket registered",
             EVENT_TIMEOUT,
-            logs::registered(&new_socket),
+            seen::registered(&new_socket),
         )
         .await;
 
     // Deleting the old socket deregisters that socket only (kubelet 1.33+)...
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     old.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the old socket's removal deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&old_socket),
+            seen::deregistered(&old_socket),
         )
         .await;
     // ...and deleting the new one deregisters it too.
     new.stop().await;
     agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the new socket's removal deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&new_socket),
+            seen::deregistered(&new_socket),
         )
         .await;
 }

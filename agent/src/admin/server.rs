@@ -161,6 +161,7 @@ impl AdminService {
                 })
                 .collect(),
             watched_directories: self.stats.watched_dirs.load(Relaxed),
+            walks_completed: self.stats.walks_completed.load(Relaxed),
             problems: {
                 let problems = self.stats.health.get();
                 problems
@@ -339,6 +340,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::Rejected => api::EventKind::Rejected,
         EventKind::Rescan => api::EventKind::Rescan,
         EventKind::FirstContact => api::EventKind::FirstContact,
+        EventKind::Walked => api::EventKind::Walked,
     };
     api::AgentEvent {
         time_unix_nanos: unix_nanos(event.at),
@@ -356,6 +358,18 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .contact
             .as_ref()
             .map(|contact| contact_to_api(contact, event.latency)),
+        walk: event.walk.as_ref().map(walk_to_api),
+    }
+}
+
+/// The wire form of a finished walk.
+fn walk_to_api(walk: &crate::notifications::Walk) -> api::Walk {
+    api::Walk {
+        reason: walk.reason.clone(),
+        directories: walk.directories,
+        sockets: walk.sockets,
+        removed: walk.removed,
+        kept_unread: walk.kept_unread,
     }
 }
 

@@ -17,6 +17,9 @@ struct PluginRow {
     supported_versions: Vec<String>,
     socket_dev: u64,
     socket_ino: u64,
+    /// The registration's identity (a UUID per registration), while registered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation: Option<String>,
     registered_at: Option<String>,
     last_error: Option<String>,
     next_retry: Option<String>,
@@ -47,6 +50,7 @@ impl From<api::PluginEntry> for PluginRow {
             supported_versions: plugin.supported_versions,
             socket_dev: e.socket_dev,
             socket_ino: e.socket_ino,
+            generation: (!e.generation.is_empty()).then_some(e.generation),
             registered_at: (e.registered_unix_ms > 0).then(|| timestamp(e.registered_unix_ms)),
             last_error: (!e.last_error.is_empty()).then_some(e.last_error),
             next_retry: (e.next_retry_unix_ms > 0).then(|| timestamp(e.next_retry_unix_ms)),

@@ -20,6 +20,7 @@ struct StatusView {
     rescans: u64,
     loss_rescans: u64,
     watched_directories: u64,
+    walks_completed: u64,
     problems: Vec<String>,
     handlers: Vec<HandlerView>,
     kernel: String,
@@ -64,6 +65,7 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         rescans: s.rescans,
         loss_rescans: s.loss_rescans,
         watched_directories: s.watched_directories,
+        walks_completed: s.walks_completed,
         problems: s.problems,
         handlers: s
             .handlers

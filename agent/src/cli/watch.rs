@@ -24,6 +24,30 @@ struct EventRow {
     provenance: Option<ProvenanceRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     contact: Option<ContactRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    walk: Option<WalkRow>,
+}
+
+/// A finished walk, as `watch` prints it (the wire's `Walk`).
+#[derive(Debug, serde::Serialize)]
+struct WalkRow {
+    reason: String,
+    directories: u64,
+    sockets: u64,
+    removed: u64,
+    kept_unread: u64,
+}
+
+impl From<api::Walk> for WalkRow {
+    fn from(walk: api::Walk) -> Self {
+        WalkRow {
+            reason: walk.reason,
+            directories: walk.directories,
+            sockets: walk.sockets,
+            removed: walk.removed,
+            kept_unread: walk.kept_unread,
+        }
+    }
 }
 
 pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
@@ -53,6 +77,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             detail: (!event.detail.is_empty()).then_some(event.detail),
             provenance: event.provenance.map(ProvenanceRow::from),
             contact: event.contact.map(ContactRow::from),
+            walk: event.walk.map(WalkRow::from),
         };
         match output {
             Output::Json => out!("{}", serde_json::to_string(&row)?),
@@ -71,6 +96,12 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                 }
                 if let Some(c) = &row.contact {
                     line += &format!(" by={:?}", c.summary());
+                }
+                if let Some(w) = &row.walk {
+                    line += &format!(
+                        " reason={:?} directories={} sockets={} removed={} kept_unread={}",
+                        w.reason, w.directories, w.sockets, w.removed, w.kept_unread
+                    );
                 }
                 if let Some(l) = row.latency_us {
                     line += &format!(" latency={:.3}ms", l as f64 / 1000.0);

@@ -54,6 +54,8 @@ pub struct Telemetry {
 pub struct WatcherStats {
     /// Full walks of the tree, start and safety passes included.
     pub rescans: AtomicU64,
+    /// Full walks finished (status's readiness: the start walk is the first).
+    pub walks_completed: AtomicU64,
     /// Rescans caused by events the source lost (overflow, ring buffer drops, a reader stopping).
     pub loss_rescans: AtomicU64,
     /// Directories watched now.

@@ -3,7 +3,7 @@
 
 use super::{Watcher, ensure_root};
 use crate::event_source::{Entry, Observed, RescanReason, WatchedDir};
-use crate::notifications::{AgentEvent, EventKind};
+use crate::notifications::{AgentEvent, EventKind, Walk};
 use crate::state::EntryKind;
 use crate::telemetry::discovery::Via;
 use crate::watch_health::WalkReport;
@@ -377,6 +377,24 @@ impl Watcher {
         // Last: whoever sees the walk's problems (status, /readyz) then sees the watched set and
         // desired state it left, not the ones before it.
         self.telemetry.watcher.health.set(root_problem, &report);
+        let walk = Walk {
+            reason: reason.to_string(),
+            directories: self.dirs.len() as u64,
+            sockets: self.desired.len() as u64,
+            removed: removed as u64,
+            kept_unread: report.kept.len() as u64,
+        };
+        self.walked(walk);
+    }
+
+    /// Says a walk finished: counted for status before the event, so a client that subscribed
+    /// and then read status sees it one way or the other.
+    fn walked(&self, walk: Walk) {
+        let stats = &self.telemetry.watcher;
+        stats.walks_completed.fetch_add(1, Ordering::Relaxed);
+        let mut event = AgentEvent::new(EventKind::Walked, &self.root);
+        event.walk = Some(walk);
+        self.notifications.publish(event);
     }
 
     /// True if the root is the directory being watched as the root (same identity).
