@@ -106,37 +106,7 @@ impl AgentProcess {
         let binary = options.binary.clone().unwrap_or_else(agent_bin);
         // A wrapper may run the agent as another user, who may not reach the checkout.
         let shared = (!options.wrapper.is_empty()).then(|| SharedBinary::new(&binary));
-        let mut command = match options.wrapper.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command
-                    .args(args)
-                    .arg(shared.as_ref().map_or(binary.as_path(), SharedBinary::path));
-                command
-            }
-            None => Command::new(binary),
-        };
-        command
-            .args([
-                "--log-format",
-                "json",
-                "--log-level",
-                "plugin_agent=debug",
-                "run",
-                "--plugin-dir",
-            ])
-            .arg(&options.plugin_dir)
-            .args(["--source", options.source.as_arg()]);
-        for handler in &options.handlers {
-            command.args(["--handler", handler]);
-        }
-        command
-            .env("PLUGIN_AGENT_ADMIN_SOCKET", &options.admin_socket)
-            .envs(options.env.iter().map(|(k, v)| (k, v)))
-            .args(&options.extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        let mut command = agent_command(&options, binary, shared.as_ref());
         let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("{test}: cannot start plugin-agent: {e}"));
@@ -619,4 +589,45 @@ pub mod seen {
             .and_then(|v| v.as_u64())
             .unwrap_or_else(|| panic!("no walk.{field} in {line}"))
     }
+}
+
+/// The command line `start` runs: the agent (through the wrapper, if any, on the binary's shared
+/// copy) with JSON debug logs, `options`' plugin directory, source, handlers and extra arguments.
+fn agent_command(
+    options: &AgentOptions,
+    binary: PathBuf,
+    shared: Option<&SharedBinary>,
+) -> Command {
+    let mut command = match options.wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command
+                .args(args)
+                .arg(shared.map_or(binary.as_path(), SharedBinary::path));
+            command
+        }
+        None => Command::new(binary),
+    };
+    command
+        .args([
+            "--log-format",
+            "json",
+            "--log-level",
+            "plugin_agent=debug",
+            "run",
+            "--plugin-dir",
+        ])
+        .arg(&options.plugin_dir)
+        .args(["--source", options.source.as_arg()]);
+    for handler in &options.handlers {
+        command.args(["--handler", handler]);
+    }
+    command
+        .env("PLUGIN_AGENT_ADMIN_SOCKET", &options.admin_socket)
+        .envs(options.env.iter().map(|(k, v)| (k, v)))
+        .args(&options.extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    command
 }

@@ -47,7 +47,7 @@ pub fn cleanup(
     let done = if all {
         ebpf::remove_all_pins(&runtime_dir, force)?
     } else {
-        let dir = plugin_dir.unwrap_or_else(|| PathBuf::from(super::DEFAULT_PLUGIN_DIR));
+        let dir = plugin_dir.unwrap_or_else(|| PathBuf::from(super::run::DEFAULT_PLUGIN_DIR));
         let owner = ebpf::PinOwner {
             tree: std::path::absolute(&dir)?,
             runtime_dir: runtime_dir.clone(),

@@ -1,9 +1,29 @@
 //! `plugin-agent handler add|remove`: changes which handler consumes a plugin type, at run time.
 
-use super::HandlerCommand;
 use crate::admin;
+use clap::Subcommand;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::path::Path;
+
+/// `plugin-agent handler ...`.
+#[derive(Subcommand, Debug)]
+pub enum HandlerCommand {
+    /// Install or replace the handler for a plugin type; waiting plugins register at once.
+    #[command(
+        after_help = "Example:\n  plugin-agent handler add DRAPlugin unix:///run/dra-handler.sock"
+    )]
+    Add {
+        /// Plugin type, e.g. CSIPlugin, DevicePlugin, DRAPlugin.
+        plugin_type: String,
+        /// `accept-all`, `unix:///path.sock` or `http://host:port`.
+        target: String,
+    },
+    /// Remove the handler for a plugin type (registered plugins stay until their sockets go).
+    Remove {
+        /// Plugin type.
+        plugin_type: String,
+    },
+}
 
 /// Sends the handler change to the agent at `socket` and says what it did.
 pub(super) async fn execute(socket: &Path, command: HandlerCommand) -> anyhow::Result<()> {

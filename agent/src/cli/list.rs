@@ -1,6 +1,6 @@
 //! `plugin-agent list`: every socket the agent knows, with its state, as a table, JSON or YAML.
 
-use super::Output;
+use super::output::Output;
 use super::render::{ContactRow, ProvenanceRow, print_structured, print_table, timestamp};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;

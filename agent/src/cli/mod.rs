@@ -5,7 +5,7 @@
 //! One file per subcommand, as bpfman's CLI: this file holds the clap definitions and the
 //! dispatch; [`run`] merges flags, the configuration file and defaults and runs the agent;
 //! [`list`], [`watch`], [`status`], [`handler`] and [`policy`] are admin API clients; [`render`] holds the
-//! output helpers they share (tables, JSON/YAML, timestamps).
+//! output helpers they share (tables, JSON/YAML, timestamps), [`output`] the `-o` format and stdout.
 
 /// `println!` for what the operator commands print: a reader that goes away early
 /// (`plugin-agent list | head`) ends the command quietly, as it ends any Unix tool, instead of the
@@ -26,6 +26,7 @@ macro_rules! out_raw {
 mod cleanup;
 mod handler;
 mod list;
+mod output;
 mod policy;
 mod probe;
 mod render;
@@ -33,29 +34,15 @@ pub mod run;
 mod status;
 mod watch;
 
-/// Writes to stdout; a closed pipe exits with success (nothing is left to say to anyone), any
-/// other write error with failure, saying why on stderr.
-pub(crate) fn write_stdout(text: std::fmt::Arguments<'_>) {
-    use std::io::Write as _;
-    match std::io::stdout().lock().write_fmt(text) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
-        Err(e) => {
-            eprintln!("plugin-agent: cannot write to stdout: {e}");
-            std::process::exit(1);
-        }
-    }
-}
-
 use crate::admin;
 use crate::config::ConfigFile;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
-pub use run::{RunArgs, RunSettings};
-
-/// Kubelet's plugin registration directory.
-pub const DEFAULT_PLUGIN_DIR: &str = "/var/lib/kubelet/plugins_registry";
+pub use handler::HandlerCommand;
+pub use output::Output;
+pub(crate) use output::write_stdout;
+pub use run::{DEFAULT_PLUGIN_DIR, RunArgs, RunSettings};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -97,17 +84,6 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
-}
-
-/// Output format of the operator commands.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum Output {
-    /// A table (list) or text (status, watch).
-    Table,
-    /// JSON.
-    Json,
-    /// YAML.
-    Yaml,
 }
 
 #[derive(Subcommand, Debug)]
@@ -185,26 +161,6 @@ pub enum Command {
     Completions {
         /// The shell.
         shell: clap_complete::Shell,
-    },
-}
-
-/// `plugin-agent handler ...`.
-#[derive(Subcommand, Debug)]
-pub enum HandlerCommand {
-    /// Install or replace the handler for a plugin type; waiting plugins register at once.
-    #[command(
-        after_help = "Example:\n  plugin-agent handler add DRAPlugin unix:///run/dra-handler.sock"
-    )]
-    Add {
-        /// Plugin type, e.g. CSIPlugin, DevicePlugin, DRAPlugin.
-        plugin_type: String,
-        /// `accept-all`, `unix:///path.sock` or `http://host:port`.
-        target: String,
-    },
-    /// Remove the handler for a plugin type (registered plugins stay until their sockets go).
-    Remove {
-        /// Plugin type.
-        plugin_type: String,
     },
 }
 

@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use super::Output;
+use super::output::Output;
 use super::render::print_table;
 use crate::event_source::ebpf::{self, HookFamily};
 use crate::kernel::{self, FentryFinding};

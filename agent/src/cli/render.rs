@@ -1,7 +1,7 @@
 //! Output helpers shared by the admin subcommands: structured output (JSON, YAML), aligned
 //! tables, and timestamps.
 
-use super::Output;
+use super::output::Output;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
 

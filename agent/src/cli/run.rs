@@ -1,7 +1,6 @@
 //! `plugin-agent run`: the settings from flags, the configuration file and defaults (flags win),
 //! handed to the agent (`agent::run`), which assembles and runs the process.
 
-use super::DEFAULT_PLUGIN_DIR;
 use crate::admin;
 use crate::agent::AgentConfig;
 pub use crate::agent::RunSettings;
@@ -139,6 +138,9 @@ pub struct RunArgs {
     #[arg(long)]
     pub keep_capabilities: bool,
 }
+
+/// Kubelet's plugin registration directory.
+pub const DEFAULT_PLUGIN_DIR: &str = "/var/lib/kubelet/plugins_registry";
 
 /// `--mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -1,6 +1,6 @@
 //! `plugin-agent status`: the event source, rescans, plugin counts and handler health.
 
-use super::Output;
+use super::output::Output;
 use super::render::{print_structured, timestamp};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
@@ -52,49 +52,63 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         .get_status(api::GetStatusRequest {})
         .await?
         .into_inner();
-    let view = StatusView {
-        version: s.version,
-        plugin_dir: s.plugin_dir,
-        source: s.source,
-        source_description: s.source_description,
-        reconcile_mode: s.reconcile_mode,
-        mode: s.mode,
-        started_at: timestamp(s.started_unix_ms),
-        plugins_desired: s.plugins_desired,
-        plugins_registered: s.plugins_registered,
-        rescans: s.rescans,
-        loss_rescans: s.loss_rescans,
-        watched_directories: s.watched_directories,
-        walks_completed: s.walks_completed,
-        problems: s.problems,
-        handlers: s
-            .handlers
-            .into_iter()
-            .map(|h| HandlerView {
-                plugin_type: h.plugin_type,
-                target: h.target,
-                healthy: h.healthy,
-                last_error: (!h.last_error.is_empty()).then_some(h.last_error),
-            })
-            .collect(),
-        kernel: s.kernel,
-        kernel_features: s
-            .kernel_features
-            .into_iter()
-            .map(|f| KernelFeatureView {
-                feature: f.feature,
-                available: f.available,
-                since: f.since,
-                detail: f.detail,
-                without: f.without,
-            })
-            .collect(),
-    };
+    let started_unix_ms = s.started_unix_ms;
+    let view = StatusView::from(s);
     if output != Output::Table {
         return print_structured(&view, output);
     }
+    print_table(&view, started_unix_ms);
+    Ok(())
+}
+
+impl From<api::AgentStatus> for StatusView {
+    /// The agent's answer as shown: timestamps as text, empty errors as none.
+    fn from(s: api::AgentStatus) -> Self {
+        StatusView {
+            version: s.version,
+            plugin_dir: s.plugin_dir,
+            source: s.source,
+            source_description: s.source_description,
+            reconcile_mode: s.reconcile_mode,
+            mode: s.mode,
+            started_at: timestamp(s.started_unix_ms),
+            plugins_desired: s.plugins_desired,
+            plugins_registered: s.plugins_registered,
+            rescans: s.rescans,
+            loss_rescans: s.loss_rescans,
+            watched_directories: s.watched_directories,
+            walks_completed: s.walks_completed,
+            problems: s.problems,
+            handlers: s
+                .handlers
+                .into_iter()
+                .map(|h| HandlerView {
+                    plugin_type: h.plugin_type,
+                    target: h.target,
+                    healthy: h.healthy,
+                    last_error: (!h.last_error.is_empty()).then_some(h.last_error),
+                })
+                .collect(),
+            kernel: s.kernel,
+            kernel_features: s
+                .kernel_features
+                .into_iter()
+                .map(|f| KernelFeatureView {
+                    feature: f.feature,
+                    available: f.available,
+                    since: f.since,
+                    detail: f.detail,
+                    without: f.without,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The table `status` prints by default.
+fn print_table(view: &StatusView, started_unix_ms: i64) {
     let uptime = SystemTime::now()
-        .duration_since(UNIX_EPOCH + Duration::from_millis(s.started_unix_ms.max(0) as u64))
+        .duration_since(UNIX_EPOCH + Duration::from_millis(started_unix_ms.max(0) as u64))
         .unwrap_or_default();
     out!(
         "plugin-agent {}  up {}",
@@ -162,5 +176,4 @@ pub(super) async fn status(socket: &std::path::Path, output: Output) -> anyhow::
         );
         out!("{}", crate::text::escape(&line));
     }
-    Ok(())
 }

@@ -1,6 +1,6 @@
 //! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
 
-use super::Output;
+use super::output::Output;
 use super::render::{ContactRow, ProvenanceRow};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;

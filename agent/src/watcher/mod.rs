@@ -46,10 +46,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+mod name_hints;
 mod names;
 mod walk;
 
-use names::NameHints;
+use name_hints::NameHints;
 
 /// Most events handled per wake-up before desired-state changes are published to the reconciler
 /// (bounds latency under a storm while still batching).
@@ -172,84 +173,91 @@ impl Watcher {
                     }
                 }
             }
-            self.telemetry
-                .watcher
-                .hints
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            // A rescan in the batch covers every hint beside it: each was committed before the
-            // watcher received it, so before the walk. Checking them one by one first would
-            // only delay the walk, which under a flood is what makes progress.
-            let rescan = batch.iter().rev().find_map(|event| match event {
-                FsEvent::Rescan { reason } => Some(RescanReason::EventLoss(reason.clone())),
-                _ => None,
-            });
-            if rescan.is_some() {
-                // Contacts describe sockets the walk will find: they are kept for after it.
-                batch.retain(|event| matches!(event, FsEvent::Contacted { .. }));
-            }
-            let mut names = NameHints::default();
-            let mut contacts = Vec::new();
-            let mut releases = Vec::new();
-            for event in batch.drain(..) {
-                match event {
-                    FsEvent::Created { path, observed } => self.check_created(&path, observed),
-                    FsEvent::Removed { path, observed } => self.check(&path, observed),
-                    FsEvent::NameChanged {
-                        name,
-                        parent,
-                        observed,
-                    } => {
-                        // Name hints are checked once per batch, together: a burst of them (a
-                        // `mkdir -p` of thousands by absolute path) costs one pass over the
-                        // tree, not one per name.
-                        names.add(name, parent, observed);
+            self.handle_batch(&mut batch);
+        }
+    }
+
+    /// One wake-up's hints, in the order that makes each cheap: the checks of created and
+    /// removed paths, the batch's name hints together, a rescan if one was asked for, then the
+    /// listeners closed and the first contacts.
+    fn handle_batch(&mut self, batch: &mut Vec<FsEvent>) {
+        self.telemetry
+            .watcher
+            .hints
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        // A rescan in the batch covers every hint beside it: each was committed before the
+        // watcher received it, so before the walk. Checking them one by one first would
+        // only delay the walk, which under a flood is what makes progress.
+        let rescan = batch.iter().rev().find_map(|event| match event {
+            FsEvent::Rescan { reason } => Some(RescanReason::EventLoss(reason.clone())),
+            _ => None,
+        });
+        if rescan.is_some() {
+            // Contacts describe sockets the walk will find: they are kept for after it.
+            batch.retain(|event| matches!(event, FsEvent::Contacted { .. }));
+        }
+        let mut names = NameHints::default();
+        let mut contacts = Vec::new();
+        let mut releases = Vec::new();
+        for event in batch.drain(..) {
+            match event {
+                FsEvent::Created { path, observed } => self.check_created(&path, observed),
+                FsEvent::Removed { path, observed } => self.check(&path, observed),
+                FsEvent::NameChanged {
+                    name,
+                    parent,
+                    observed,
+                } => {
+                    // Name hints are checked once per batch, together: a burst of them (a
+                    // `mkdir -p` of thousands by absolute path) costs one pass over the
+                    // tree, not one per name.
+                    names.add(name, parent, observed);
+                }
+                FsEvent::Rescan { .. } => {}
+                FsEvent::Serving {
+                    path,
+                    listening,
+                    observed,
+                } => {
+                    if listening && !self.desired.contains(&path) {
+                        // Served now: also a socket the watcher may not know yet (bound in
+                        // a directory not watched at the time). A known one was looked at
+                        // when its bind was reported, and a socket bound there since has a
+                        // bind event of its own: looking again would be a `statx` and a
+                        // `name_to_handle_at` per plugin for nothing.
+                        self.check_created(&path, observed);
                     }
-                    FsEvent::Rescan { .. } => {}
-                    FsEvent::Serving {
-                        path,
-                        listening,
-                        observed,
-                    } => {
-                        if listening && !self.desired.contains(&path) {
-                            // Served now: also a socket the watcher may not know yet (bound in
-                            // a directory not watched at the time). A known one was looked at
-                            // when its bind was reported, and a socket bound there since has a
-                            // bind event of its own: looking again would be a `statx` and a
-                            // `name_to_handle_at` per plugin for nothing.
-                            self.check_created(&path, observed);
-                        }
-                        if listening {
-                            self.serving_hint(&path, true);
-                        } else {
-                            releases.push(path);
-                        }
+                    if listening {
+                        self.serving_hint(&path, true);
+                    } else {
+                        releases.push(path);
                     }
-                    FsEvent::Contacted { path, observed } => contacts.push((path, observed)),
                 }
+                FsEvent::Contacted { path, observed } => contacts.push((path, observed)),
             }
-            if !names.is_empty() {
-                self.check_names(&names);
+        }
+        if !names.is_empty() {
+            self.check_names(&names);
+        }
+        if let Some(reason) = rescan {
+            self.rescan(reason);
+            if let Some(liveness) = &self.liveness {
+                liveness.hints_lost();
             }
-            if let Some(reason) = rescan {
-                self.rescan(reason);
-                if let Some(liveness) = &self.liveness {
-                    liveness.hints_lost();
-                }
+        }
+        // After the removals beside them: a plugin going away unlinks its socket, then closes
+        // its listener, and a socket already forgotten needs no check of who serves it (its
+        // deregistration is under way). A storm's hundred removals were a hundred probe tasks
+        // competing with their own deregistrations.
+        for path in releases {
+            if self.desired.contains(&path) {
+                self.serving_hint(&path, false);
             }
-            // After the removals beside them: a plugin going away unlinks its socket, then closes
-            // its listener, and a socket already forgotten needs no check of who serves it (its
-            // deregistration is under way). A storm's hundred removals were a hundred probe tasks
-            // competing with their own deregistrations.
-            for path in releases {
-                if self.desired.contains(&path) {
-                    self.serving_hint(&path, false);
-                }
-            }
-            // After every entry of the batch and any walk: the socket contacted is desired by now
-            // if it is in the tree at all (its bind came before its first contact).
-            for (path, observed) in contacts {
-                self.first_contact(&path, observed);
-            }
+        }
+        // After every entry of the batch and any walk: the socket contacted is desired by now
+        // if it is in the tree at all (its bind came before its first contact).
+        for (path, observed) in contacts {
+            self.first_contact(&path, observed);
         }
     }
 

@@ -6,8 +6,8 @@
 //! [`Watcher::check_names`]).
 
 use super::Watcher;
-use crate::event_source::Observed;
-use std::collections::{HashMap, HashSet};
+use super::name_hints::NameHints;
+use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -15,53 +15,6 @@ use std::path::{Path, PathBuf};
 /// Up to this many distinct name hints in a batch are checked by `stat` in every watched
 /// directory; more, by one read of each directory (see `Watcher::check_names`).
 const FEW_NAMES: usize = 4;
-
-/// The name hints of one batch: names the source placed in a directory of a known name, by that
-/// name, and names that may be in any watched directory; each with what its latest hint recorded
-/// (when, and by whom). A hint keeps its own: two sockets moved in by two processes in one batch
-/// each keep their creator (and their removal's timestamp), not the batch's first hint's, and so
-/// does `csi.sock` moved into two drivers' directories.
-#[derive(Default)]
-pub(super) struct NameHints {
-    in_dirs_named: HashMap<OsString, HashMap<OsString, Observed>>,
-    anywhere: HashMap<OsString, Observed>,
-}
-
-impl NameHints {
-    pub(super) fn add(&mut self, name: OsString, parent: Option<OsString>, observed: Observed) {
-        // The latest: the look that follows sees the state the latest change left.
-        match parent {
-            Some(parent) => {
-                self.in_dirs_named
-                    .entry(parent)
-                    .or_default()
-                    .insert(name, observed);
-            }
-            None => {
-                self.anywhere.insert(name, observed);
-            }
-        }
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.in_dirs_named.is_empty() && self.anywhere.is_empty()
-    }
-
-    /// What the latest hint naming `path` said of its change: one with `path`'s parent directory's
-    /// name, else one without a parent (nothing for a path no hint named).
-    fn observed_for(&self, path: &Path) -> Observed {
-        let Some(name) = path.file_name() else {
-            return Observed::default();
-        };
-        path.parent()
-            .and_then(Path::file_name)
-            .and_then(|parent| self.in_dirs_named.get(parent))
-            .and_then(|names| names.get(name))
-            .or_else(|| self.anywhere.get(name))
-            .copied()
-            .unwrap_or_default()
-    }
-}
 
 impl Watcher {
     /// Each of `names` changed in some watched directory, which the source could not name.

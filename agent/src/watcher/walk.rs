@@ -123,32 +123,8 @@ impl Watcher {
                 return false;
             }
         };
-        // A directory replaced by another at the same path (re-created, mounted over) is watched
-        // by its new identity.
-        if self.dirs.get(dir) != Some(&watched) {
-            if let Some(old) = self.dirs.remove(dir) {
-                self.source.unwatch(&old);
-            }
-            if let Err(e) = self.source.watch(&watched) {
-                warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
-            }
-            self.dirs.insert(dir.to_path_buf(), watched.clone());
-            self.telemetry
-                .watcher
-                .watched_dirs
-                .store(self.dirs.len() as u64, Ordering::Relaxed);
-        }
-        // Every walk re-announces the directory, like every rescan re-announces every socket;
-        // announced before it is read, so a removal after the read is matched by name.
-        match (&pending_dir.parent, dir.file_name()) {
-            (Some(parent), Some(name)) => {
-                self.source
-                    .entry_present(&parent.watched, name, Entry::Directory);
-            }
-            _ => {
-                self.announce(dir, Entry::Directory);
-            }
-        }
+        self.watch_dir(dir, &watched);
+        self.announce_dir(pending_dir);
         let opened = Arc::new(Opened {
             fd: handle,
             watched,
@@ -211,6 +187,40 @@ impl Watcher {
         }
         self.look_at(&opened, dir, &mut chunk, found, pending, report);
         true
+    }
+
+    /// Watches `dir` by its identity `watched`, unless it already is: a directory replaced by
+    /// another at the same path (re-created, mounted over) is watched by its new identity.
+    fn watch_dir(&mut self, dir: &Path, watched: &WatchedDir) {
+        if self.dirs.get(dir) != Some(watched) {
+            if let Some(old) = self.dirs.remove(dir) {
+                self.source.unwatch(&old);
+            }
+            if let Err(e) = self.source.watch(watched) {
+                warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
+            }
+            self.dirs.insert(dir.to_path_buf(), watched.clone());
+            self.telemetry
+                .watcher
+                .watched_dirs
+                .store(self.dirs.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Announces the directory about to be read to the source.
+    fn announce_dir(&mut self, pending_dir: &Pending) {
+        let dir = pending_dir.path.as_path();
+        // Every walk re-announces the directory, like every rescan re-announces every socket;
+        // announced before it is read, so a removal after the read is matched by name.
+        match (&pending_dir.parent, dir.file_name()) {
+            (Some(parent), Some(name)) => {
+                self.source
+                    .entry_present(&parent.watched, name, Entry::Directory);
+            }
+            _ => {
+                self.announce(dir, Entry::Directory);
+            }
+        }
     }
 
     /// Announces the sockets among `chunk` (entries of `dir`, read from it with their types) to

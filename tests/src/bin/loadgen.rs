@@ -179,21 +179,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
 
     let mut agent_args = args.agent_args.clone();
     let (announce, _handler) = handler_for(args, &work.path, &mut agent_args).await?;
-    let spans = match args.otlp_sink {
-        true => {
-            let (endpoint, mut received) = plugin_agent_tests::otlp::receiver().await?;
-            agent_args.extend(["--otlp-endpoint".into(), endpoint]);
-            let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let counted = count.clone();
-            tokio::spawn(async move {
-                while received.recv().await.is_some() {
-                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            });
-            Some(count)
-        }
-        false => None,
-    };
+    let spans = otlp_sink(args.otlp_sink, &mut agent_args).await?;
 
     let (ledger, reports_tx) = ledger_fed_by_workers();
     let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
@@ -244,16 +230,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let end_ns = now_ns();
     pool.shutdown().await?;
     agent.stop().await?;
-    // The eBPF agent leaves its programs pinned for the next one (and its state file); this
-    // run's tree is going, so they go too.
-    let _ = std::process::Command::new(&args.agent)
-        .arg("--admin-socket")
-        .arg(&agent.admin_socket)
-        .args(["cleanup", "--plugin-dir"])
-        .arg(&plugin_dir)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status();
+    cleanup(&args.agent, &agent.admin_socket, &plugin_dir);
 
     let totals = {
         let l = ledger.lock();
@@ -280,6 +257,43 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         // Received by --otlp-sink once the stopped agent flushed (null: traces off).
         "spans_exported": spans.map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
     }))
+}
+
+/// With `sink`, points the agent at an OTLP receiver of this process (`--otlp-endpoint` added to
+/// `agent_args`) and returns the count of spans it received.
+async fn otlp_sink(
+    sink: bool,
+    agent_args: &mut Vec<String>,
+) -> anyhow::Result<Option<std::sync::Arc<std::sync::atomic::AtomicU64>>> {
+    let spans = match sink {
+        true => {
+            let (endpoint, mut received) = plugin_agent_tests::otlp::receiver().await?;
+            agent_args.extend(["--otlp-endpoint".into(), endpoint]);
+            let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let counted = count.clone();
+            tokio::spawn(async move {
+                while received.recv().await.is_some() {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            Some(count)
+        }
+        false => None,
+    };
+    Ok(spans)
+}
+
+/// The eBPF agent leaves its programs pinned for the next one (and its state file); this run's
+/// tree is going, so they go too.
+fn cleanup(agent: &Path, admin_socket: &Path, plugin_dir: &Path) {
+    let _ = std::process::Command::new(agent)
+        .arg("--admin-socket")
+        .arg(admin_socket)
+        .args(["cleanup", "--plugin-dir"])
+        .arg(plugin_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
 }
 
 /// Starts the example DRA handler (`dra-handler`, beside this binary) with `--delay`; returns it

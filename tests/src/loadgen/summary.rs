@@ -172,6 +172,37 @@ fn duplicate_registrations(p: &PluginRecord) -> usize {
     per_lifetime.values().map(|n| n.saturating_sub(1)).sum()
 }
 
+/// A deregistration seen before the plugin stopped (same clock, a reading apart: an event within
+/// 1 ms before the stop is the stop's).
+fn early_deregistration(p: &PluginRecord) -> bool {
+    let stopped = p.stopped_ns.unwrap_or(u64::MAX);
+    p.deregistered_events
+        .iter()
+        .any(|&at| at.saturating_add(1_000_000) < stopped)
+}
+
+/// One plugin's row of the per-plugin CSV (see `per_plugin_csv`).
+fn write_row(
+    file: &mut impl Write,
+    id: u64,
+    p: &PluginRecord,
+    reg_us: Option<u64>,
+    dereg_us: Option<u64>,
+) -> anyhow::Result<()> {
+    let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+    writeln!(
+        file,
+        "{id},{},{},{},{},{},{}",
+        opt(p.serving_ns),
+        opt(reg_us),
+        opt(p.stopped_ns),
+        opt(dereg_us),
+        p.notified.len(),
+        p.registered_events.len()
+    )?;
+    Ok(())
+}
+
 pub fn summarize(
     ledger: &Ledger,
     ids: impl Iterator<Item = u64>,
@@ -225,26 +256,11 @@ pub fn summarize(
             totals.stale += 1;
         }
         totals.duplicates += duplicate_registrations(p);
-        let stopped = p.stopped_ns.unwrap_or(u64::MAX);
-        // Same clock, a reading apart: an event within 1 ms before the stop is the stop's.
-        if p.deregistered_events
-            .iter()
-            .any(|&at| at.saturating_add(1_000_000) < stopped)
-        {
+        if early_deregistration(p) {
             totals.early_deregistrations += 1;
         }
         if let Some(file) = csv.as_mut() {
-            let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
-            writeln!(
-                file,
-                "{id},{},{},{},{},{},{}",
-                opt(p.serving_ns),
-                opt(reg_us),
-                opt(p.stopped_ns),
-                opt(dereg_us),
-                p.notified.len(),
-                p.registered_events.len()
-            )?;
+            write_row(file, id, p, reg_us, dereg_us)?;
         }
     }
     if let Some(mut file) = csv {
