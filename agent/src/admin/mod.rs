@@ -5,6 +5,7 @@
 //! checks the caller's credentials (`SO_PEERCRED`): only root or the agent's own user may use it.
 
 pub mod client;
+mod convert;
 mod served;
 pub mod server;
 

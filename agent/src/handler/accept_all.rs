@@ -2,7 +2,7 @@
 //! logs each outcome at info), for operators who only
 //! need discovery, and for benchmarks that measure the agent rather than a handler.
 
-use super::{HandlerError, Plugin, PluginHandler};
+use super::contract::{HandlerError, Plugin, PluginHandler};
 
 /// Accepts every plugin of the type it is installed for.
 #[derive(Debug, Default, Clone, Copy)]

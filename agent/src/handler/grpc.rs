@@ -7,7 +7,7 @@
 //! short schedule (50 ms doubling to 2 s, only while it is down); when the probe succeeds the
 //! handler reports healthy and the registry retries the plugins that were waiting for it.
 
-use super::{HandlerError, Plugin, PluginHandler};
+use super::contract::{HandlerError, Plugin, PluginHandler};
 use api::plugin_handler_client::PluginHandlerClient;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::path::PathBuf;

@@ -18,7 +18,8 @@
 //! and a raw newline would forge a log line, an escape sequence drive a terminal. JSON lines need
 //! no such help (JSON escapes control characters) and stay exact.
 
-use super::otlp::{self, Traces};
+use super::otlp;
+use super::traces::{self, Traces};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -83,7 +84,7 @@ pub fn init(
         }
     };
     let (traces, failure) = if traces_allowed && otlp::wanted(otlp_endpoint) {
-        match otlp::install(otlp_endpoint) {
+        match traces::install(otlp_endpoint) {
             Ok(traces) => (Some(traces), None),
             Err(e) => (None, Some(format!("{e:#}"))),
         }

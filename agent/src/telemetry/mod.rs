@@ -29,13 +29,17 @@ pub mod logging;
 pub mod metrics;
 pub mod otlp;
 pub mod sampling;
+pub mod traces;
+mod watcher_stats;
 
 use crate::event_source::{RescanReason, SourceKind};
 use crate::provenance::Contact;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+pub use watcher_stats::WatcherStats;
 
 /// The telemetry the watcher and the executor write to; one per agent, shared.
 #[derive(Debug)]
@@ -46,24 +50,6 @@ pub struct Telemetry {
     pub discovery: discovery::Discoveries,
     /// The watcher's counters, read by status and metrics.
     pub watcher: Arc<WatcherStats>,
-}
-
-/// Watcher counters, written by the watcher and read by the admin API's status and by metrics.
-/// They live here, not in the watcher, so that readers need not import the watcher.
-#[derive(Debug, Default)]
-pub struct WatcherStats {
-    /// Full walks of the tree, start and safety passes included.
-    pub rescans: AtomicU64,
-    /// Full walks finished (status's readiness: the start walk is the first).
-    pub walks_completed: AtomicU64,
-    /// Rescans caused by events the source lost (overflow, ring buffer drops, a reader stopping).
-    pub loss_rescans: AtomicU64,
-    /// Directories watched now.
-    pub watched_dirs: AtomicU64,
-    /// Hints received from the event source.
-    pub hints: AtomicU64,
-    /// What the last full walk could not see (status, `/readyz`).
-    pub health: crate::watch_health::WatchHealth,
 }
 
 impl Telemetry {

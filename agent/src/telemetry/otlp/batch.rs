@@ -401,7 +401,7 @@ impl SpanProcessor for BatchProcessor {
         }
         let client = Client {
             grpc,
-            envelope: Envelope::new(resource, super::SCOPE),
+            envelope: Envelope::new(resource, encode::SCOPE),
             config: pending.config,
             last_warning: None,
             failing: false,

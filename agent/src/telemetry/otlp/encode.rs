@@ -32,6 +32,10 @@ use prost::Message as _;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// The instrumentation scope of every span the agent makes (its tracer's name); the batch
+/// exporter's envelope names it.
+pub const SCOPE: &str = "plugin-agent";
+
 /// `Span.flags`: the context's "is remote" bit is known (OTLP's `SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK`).
 const FLAG_HAS_IS_REMOTE: u32 = 0x100;
 /// `Span.flags`: the parent is remote (`SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK`).

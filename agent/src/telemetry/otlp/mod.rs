@@ -28,19 +28,18 @@
 //!
 //! A collector that is down never slows registration: ending a span only appends it to the
 //! queue, the export runs in its own task with the exporter's timeout, and a full queue drops
-//! spans. [`install`] must be called inside the agent's tokio runtime, where the task runs.
+//! spans. [`super::traces::install`] must be called inside the agent's tokio runtime, where the
+//! task runs.
 
 mod batch;
 mod config;
 mod encode;
 
-use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::SdkTracerProvider;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
-pub use encode::SpanRecord;
+pub use batch::BatchProcessor;
+pub use encode::{SCOPE, SpanRecord};
 
 /// The installed exporter's queue, for the spans the agent encodes itself.
 static SENDER: OnceLock<batch::Sender> = OnceLock::new();
@@ -64,16 +63,10 @@ pub fn export_sdk_span(span: opentelemetry_sdk::trace::SpanData) {
 /// tracer provider is.
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
-/// The instrumentation scope of every span the agent makes (its tracer's name).
-pub const SCOPE: &str = "plugin-agent";
-
 /// The agent's tracer, from the installed provider.
 pub fn tracer() -> opentelemetry::global::BoxedTracer {
     opentelemetry::global::tracer(SCOPE)
 }
-
-/// How long shutdown waits to flush the last spans, so a dead collector cannot hold up exit.
-const SHUTDOWN_FLUSH: Duration = Duration::from_secs(3);
 
 /// Whether traces are exported (see the module docs).
 pub fn enabled() -> bool {
@@ -94,42 +87,16 @@ pub fn wanted(endpoint: Option<&str>) -> bool {
         || env("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
 }
 
-/// The installed pipeline; [`Traces::shutdown`] flushes what is queued.
-#[derive(Debug)]
-pub struct Traces {
-    provider: SdkTracerProvider,
-}
-
-impl Traces {
-    /// Sends the queued spans (for at most a few seconds, and never past the SIGTERM deadline)
-    /// and stops the exporter: a collector that accepts and never answers does not hold up exit.
-    pub fn shutdown(self) {
-        // Within the SIGTERM deadline: what is left of it, less room for the runtime and the exit.
-        let budget = SHUTDOWN_FLUSH
-            .min(crate::shutdown::remaining().saturating_sub(Duration::from_millis(750)));
-        if let Err(e) = self.provider.shutdown_with_timeout(budget) {
-            tracing::debug!(error = %e, ?budget, "trace flush at shutdown");
-        }
-    }
-}
-
-/// Builds the exporter and batch processor, and makes the provider the global one (the discovery
-/// spans use it). `endpoint` overrides the environment's. Must run inside the tokio runtime.
-pub fn install(endpoint: Option<&str>) -> anyhow::Result<Traces> {
-    let processor = batch::BatchProcessor::new(config::from_env(endpoint)?)?;
+/// Builds the exporter and its batch processor from the environment (`endpoint` overrides it),
+/// and makes its queue the one [`export`] sends to. Must run inside the tokio runtime.
+pub fn start(endpoint: Option<&str>) -> anyhow::Result<BatchProcessor> {
+    let processor = BatchProcessor::new(config::from_env(endpoint)?)?;
     // Installed once per process (the agent's `run`); the tracer provider is as global.
     let _ = SENDER.set(processor.sender());
-    let mut resource = Resource::builder();
-    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
-        resource = resource.with_service_name("plugin-agent");
-    }
-    // Every span is recorded; the head sampler and the tail rule decide what is exported.
-    let provider = SdkTracerProvider::builder()
-        .with_sampler(super::sampling::RecordEverything::from_env())
-        .with_span_processor(super::sampling::TailProcessor::new(processor))
-        .with_resource(resource.build())
-        .build();
-    opentelemetry::global::set_tracer_provider(provider.clone());
+    Ok(processor)
+}
+
+/// Marks the pipeline installed: from now on spans are worth making ([`enabled`]).
+pub fn mark_enabled() {
     ENABLED.store(true, Ordering::Relaxed);
-    Ok(Traces { provider })
 }
