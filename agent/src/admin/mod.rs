@@ -6,6 +6,7 @@
 
 pub mod client;
 mod convert;
+mod event_feed;
 mod served;
 pub mod server;
 

@@ -19,9 +19,9 @@ use std::pin::Pin;
 /// hundred bytes each: a page stays far below the 16 MiB message limit).
 const DEFAULT_PAGE: usize = 1_000;
 const MAX_PAGE: usize = 5_000;
+use super::event_feed::Fed;
 use std::sync::Arc;
 use std::time::SystemTime;
-use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::UdsConnectInfo;
@@ -210,20 +210,19 @@ impl api::agent_server::Agent for AdminService {
         request: Request<api::WatchEventsRequest>,
     ) -> Result<Response<EventStream>, Status> {
         self.authorize(&request)?;
-        let stream = tokio_stream::wrappers::BroadcastStream::new(self.notifications.subscribe())
-            .map(|item| {
-                Ok(match item {
-                    Ok(event) => event_to_api(&event),
-                    Err(BroadcastStreamRecvError::Lagged(missed)) => api::AgentEvent {
-                        time_unix_nanos: unix_nanos(SystemTime::now()),
-                        kind: api::EventKind::Lagged as i32,
-                        detail: format!("{missed} events dropped: this watcher fell behind"),
-                        ..Default::default()
-                    },
-                })
-            });
         let stream =
-            futures::StreamExt::take_until(stream, self.shutdown.clone().cancelled_owned());
+            super::event_feed::until_stopped(self.notifications.subscribe(), self.shutdown.clone())
+                .map(|fed| {
+                    Ok(match fed {
+                        Fed::Event(event) => event_to_api(&event),
+                        Fed::Lagged(missed) => api::AgentEvent {
+                            time_unix_nanos: unix_nanos(SystemTime::now()),
+                            kind: api::EventKind::Lagged as i32,
+                            detail: format!("{missed} events dropped: this watcher fell behind"),
+                            ..Default::default()
+                        },
+                    })
+                });
         Ok(Response::new(Box::pin(stream)))
     }
 
