@@ -407,35 +407,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     timings.btf = started.elapsed();
     let started = Instant::now();
-    let config = Config {
-        offsets,
-        wakeup_bytes: params.wakeup_bytes,
-        batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
-        syscalls: syscall_numbers(),
-        vfs: vfs.clone().unwrap_or_default(),
-        ..Config::UNSET
-    };
-    // A loss counter per possible CPU and reason (see `stats::LossCounters`).
-    let possible_cpus = aya::util::nr_cpus().map_err(|(file, err)| {
-        anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
-    })?;
-    let loss_slots = u32::try_from(possible_cpus)
-        .ok()
-        .and_then(|cpus| cpus.checked_mul(agent_ebpf::loss::COUNT))
-        .context("too many possible CPUs for the loss counters")?;
-    // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
-    // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
-    // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
-    // dropped here. The fentry/fexit loads parse their own when that family is tried.
-    let mut ebpf = EbpfLoader::new()
-        .btf(None)
-        .override_global(names::CONFIG, &config, true)
-        .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
-        .map_max_entries(names::WATCHED, params.watched_capacity)
-        .map_max_entries(names::NAMES, params.names_capacity)
-        .map_max_entries(names::LOSSES, loss_slots)
-        .load(object)
-        .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+    let mut ebpf = load_object(object, params, offsets, &vfs)?;
     timings.object = started.elapsed();
 
     let mut mounted_tracefs = false;
@@ -463,19 +435,13 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     links.retain(|link| link.family() == selection.family);
     let mut attached = attached;
     mounted_tracefs |= tracefs::ensure_mounted()?;
-    let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
-    let sockets = match selection.family {
-        HookFamily::Fentry => sockets.chain(SHUTDOWN_HOOKS).collect::<Vec<_>>(),
-        HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
-    };
-    for hook in sockets {
-        attached.extend(attach_tracepoints(
-            &mut ebpf,
-            std::slice::from_ref(hook),
-            &mut timings,
-            &mut links,
-        )?);
-    }
+    attach_sockets(
+        &mut ebpf,
+        selection.family,
+        &mut attached,
+        &mut timings,
+        &mut links,
+    )?;
     Ok(Loaded {
         ebpf,
         links,
@@ -484,6 +450,70 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         timings,
         hooks: selection,
     })
+}
+
+/// Loads the object with `params`' sizes and the kernel's layout in its CONFIG; attaches nothing.
+fn load_object(
+    object: &[u8],
+    params: &LoadParams,
+    offsets: agent_ebpf::KernelOffsets,
+    vfs: &Result<VfsArgs, String>,
+) -> anyhow::Result<Ebpf> {
+    let config = Config {
+        offsets,
+        wakeup_bytes: params.wakeup_bytes,
+        batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
+        syscalls: syscall_numbers(),
+        vfs: vfs.clone().unwrap_or_default(),
+        ..Config::UNSET
+    };
+    // A loss counter per possible CPU and reason (see `stats::LossCounters`).
+    let possible_cpus = aya::util::nr_cpus().map_err(|(file, err)| {
+        anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
+    })?;
+    let loss_slots = u32::try_from(possible_cpus)
+        .ok()
+        .and_then(|cpus| cpus.checked_mul(agent_ebpf::loss::COUNT))
+        .context("too many possible CPUs for the loss counters")?;
+    // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
+    // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
+    // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
+    // dropped here. The fentry/fexit loads parse their own when that family is tried.
+    let ebpf = EbpfLoader::new()
+        .btf(None)
+        .override_global(names::CONFIG, &config, true)
+        .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
+        .map_max_entries(names::WATCHED, params.watched_capacity)
+        .map_max_entries(names::NAMES, params.names_capacity)
+        .map_max_entries(names::LOSSES, loss_slots)
+        .load(object)
+        .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+    Ok(ebpf)
+}
+
+/// Attaches the socket tracepoints both families use (listen, connect, and shutdown with
+/// fentry or close with the tracepoints), adding their names to `attached`.
+fn attach_sockets(
+    ebpf: &mut Ebpf,
+    family: HookFamily,
+    attached: &mut Vec<String>,
+    timings: &mut LoadTimings,
+    links: &mut Vec<LinkId>,
+) -> anyhow::Result<()> {
+    let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
+    let sockets = match family {
+        HookFamily::Fentry => sockets.chain(SHUTDOWN_HOOKS).collect::<Vec<_>>(),
+        HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
+    };
+    for hook in sockets {
+        attached.extend(attach_tracepoints(
+            ebpf,
+            std::slice::from_ref(hook),
+            timings,
+            links,
+        )?);
+    }
+    Ok(())
 }
 
 /// Loads and attaches the fentry/fexit programs; fails at the first the kernel refuses.

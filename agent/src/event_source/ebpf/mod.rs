@@ -216,11 +216,26 @@ pub fn open(
             tracing::info!(removed = ?orphans, "removed pinned eBPF programs nobody will use again (trees gone, earlier runs of this instance)");
         }
     }
-    if let (Some(dir), Some(identity)) = (&pin_dir, &identity) {
+    if let Some((adopted, how)) = adopt_or_load_child(&params, &options, &pin_dir, &identity)? {
+        return start_adopted(adopted, how, sink, cancel, &options, &runtime);
+    }
+    open_loaded(
+        &params, &options, pin_dir, &identity, sink, cancel, &runtime,
+    )
+}
+
+/// The pinned set to carry on with: a previous agent's, or one the load child loads and pins
+/// now; none when there is nothing to adopt (not pinned, or the child could not pin), and the
+/// agent loads the programs itself. Fails when the child found the programs do not load.
+fn adopt_or_load_child(
+    params: &LoadParams,
+    options: &EbpfOptions,
+    pin_dir: &Option<PathBuf>,
+    identity: &Option<pins::Identity>,
+) -> anyhow::Result<Option<(pins::Adopted, Adoption)>> {
+    if let (Some(dir), Some(identity)) = (pin_dir, identity) {
         match pins::adopt(dir, identity) {
-            Ok(Some(adopted)) => {
-                return start_adopted(adopted, Adoption::Restart, sink, cancel, &options, &runtime);
-            }
+            Ok(Some(adopted)) => return Ok(Some((adopted, Adoption::Restart))),
             Ok(None) => {}
             Err(e) => tracing::warn!(
                 pins = %dir.display(), error = format!("{e:#}"),
@@ -228,13 +243,13 @@ pub fn open(
             ),
         }
     }
-    if let (Some(dir), Some(identity), Some(owner)) = (&pin_dir, &identity, &options.pins) {
-        match load_child::load_and_pin(&params, owner) {
+    if let (Some(dir), Some(identity), Some(owner)) = (pin_dir, identity, &options.pins) {
+        match load_child::load_and_pin(params, owner) {
             Ok(load_child::Outcome::Pinned { selection, timings }) => {
                 match pins::adopt(dir, identity) {
                     Ok(Some(adopted)) => {
                         let how = Adoption::LoadedByChild { selection, timings };
-                        return start_adopted(adopted, how, sink, cancel, &options, &runtime);
+                        return Ok(Some((adopted, how)));
                     }
                     Ok(None) => tracing::warn!(
                         pins = %dir.display(),
@@ -257,29 +272,25 @@ pub fn open(
             ),
         }
     }
-    let mut loaded = loader::load(&params)?;
+    Ok(None)
+}
+
+/// Loads the programs in the agent and starts the source over them, pinned when the options
+/// say so and pinning works.
+fn open_loaded(
+    params: &LoadParams,
+    options: &EbpfOptions,
+    pin_dir: Option<PathBuf>,
+    identity: &Option<pins::Identity>,
+    sink: Sender<FsEvent>,
+    cancel: CancellationToken,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<EbpfSource> {
+    let mut loaded = loader::load(params)?;
     // Parsing the kernel's BTF for fentry/fexit targets takes tens of MiB for a moment; glibc
     // would keep them mapped for the agent's life.
     crate::memory::trim();
-    let held = match (&pin_dir, &identity, &options.pins) {
-        (Some(dir), Some(identity), Some(owner)) => {
-            match pin_loaded(&mut loaded, dir, identity, owner)
-                .and_then(|set| pin_guard::Held::open(&set))
-            {
-                Ok(held) => Some(held),
-                Err(e) => {
-                    // Links taken out and not pinned are gone: load again, unpinned.
-                    tracing::warn!(
-                        pins = %dir.display(), error = format!("{e:#}"),
-                        "cannot pin the eBPF programs: running unpinned (a restart loads them again)"
-                    );
-                    loaded = loader::load(&params)?;
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
+    let held = pin_or_reload(&mut loaded, params, options, &pin_dir, identity)?;
     let pinned = held.is_some();
     let pins = pin_dir
         .as_deref()
@@ -287,34 +298,8 @@ pub fn open(
         .map(|dir| dir.display().to_string());
     let object = loader::object_hash().unwrap_or_default();
     tracing::info!(timings = %loaded.timings, pinned, pins, object, "eBPF programs loaded");
-    let ebpf = &mut loaded.ebpf;
-    let agent = pins::set_agent(take_map(ebpf, names::AGENT)?)?;
-    let maps = Maps {
-        agent,
-        watched: take_map(ebpf, names::WATCHED)?,
-        names: take_map(ebpf, names::NAMES)?,
-        ring: Ring::from_map(
-            ebpf.take_map(names::EVENTS)
-                .context("the eBPF object has no map EVENTS")?,
-        )?,
-        losses: take_map(ebpf, names::LOSSES)?,
-    };
-    let description = format!(
-        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{}{})",
-        loaded.hooks,
-        loaded.attached.join(", "),
-        options.ring_buffer_bytes / 1024,
-        options.batch_delay,
-        if loaded.mounted_tracefs {
-            "; mounted tracefs"
-        } else {
-            ""
-        },
-        match &pin_dir {
-            Some(dir) if pinned => format!("; pinned in {}", dir.display()),
-            _ => String::new(),
-        }
-    );
+    let maps = loaded_maps(&mut loaded.ebpf)?;
+    let description = describe_loaded(&loaded, options, pin_dir.as_deref().filter(|_| pinned));
     // Pinned links keep the programs attached: the object (instructions, relocations, the
     // programs' own file descriptors) is not needed any more.
     let ebpf = (!pinned).then_some(loaded.ebpf);
@@ -330,8 +315,78 @@ pub fn open(
         },
         sink,
         cancel,
-        &options,
-        &runtime,
+        options,
+        runtime,
+    )
+}
+
+/// Pins what was loaded as the tree's new set and holds it, when the options say so; when that
+/// fails, loads the programs again, unpinned.
+fn pin_or_reload(
+    loaded: &mut loader::Loaded,
+    params: &LoadParams,
+    options: &EbpfOptions,
+    pin_dir: &Option<PathBuf>,
+    identity: &Option<pins::Identity>,
+) -> anyhow::Result<Option<pin_guard::Held>> {
+    Ok(match (pin_dir, identity, &options.pins) {
+        (Some(dir), Some(identity), Some(owner)) => {
+            match pin_loaded(loaded, dir, identity, owner)
+                .and_then(|set| pin_guard::Held::open(&set))
+            {
+                Ok(held) => Some(held),
+                Err(e) => {
+                    // Links taken out and not pinned are gone: load again, unpinned.
+                    tracing::warn!(
+                        pins = %dir.display(), error = format!("{e:#}"),
+                        "cannot pin the eBPF programs: running unpinned (a restart loads them again)"
+                    );
+                    *loaded = loader::load(params)?;
+                    None
+                }
+            }
+        }
+        _ => None,
+    })
+}
+
+/// Takes the maps the source reads and steers out of a loaded object.
+fn loaded_maps(ebpf: &mut aya::Ebpf) -> anyhow::Result<Maps> {
+    let agent = pins::set_agent(take_map(ebpf, names::AGENT)?)?;
+    Ok(Maps {
+        agent,
+        watched: take_map(ebpf, names::WATCHED)?,
+        names: take_map(ebpf, names::NAMES)?,
+        ring: Ring::from_map(
+            ebpf.take_map(names::EVENTS)
+                .context("the eBPF object has no map EVENTS")?,
+        )?,
+        losses: take_map(ebpf, names::LOSSES)?,
+    })
+}
+
+/// What a load in the agent says of itself: "eBPF <hooks>: <attached> (<ring, batch>[; mounted
+/// tracefs][; pinned in <dir>])"; `pinned_in`: the pin directory, when pinned.
+fn describe_loaded(
+    loaded: &loader::Loaded,
+    options: &EbpfOptions,
+    pinned_in: Option<&std::path::Path>,
+) -> String {
+    format!(
+        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{}{})",
+        loaded.hooks,
+        loaded.attached.join(", "),
+        options.ring_buffer_bytes / 1024,
+        options.batch_delay,
+        if loaded.mounted_tracefs {
+            "; mounted tracefs"
+        } else {
+            ""
+        },
+        match pinned_in {
+            Some(dir) => format!("; pinned in {}", dir.display()),
+            None => String::new(),
+        }
     )
 }
 
@@ -442,41 +497,12 @@ fn start_adopted(
         ..LoadTimings::default()
     };
     let tree_dir = options.pins.as_ref().map(PinOwner::dir).unwrap_or_default();
-    let pins = tree_dir.display().to_string();
-    // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
-    let object = loader::object_hash().unwrap_or_default();
-    // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
     let fentry = match &how {
         Adoption::LoadedByChild { selection, .. } => hooks::fentry_finding(family, selection),
         Adoption::Restart => hooks::fentry_finding(family, ""),
     };
-    let (hooks, how) = match &how {
-        Adoption::Restart => {
-            tracing::info!(
-                pins,
-                object,
-                opened_in = ?adopted.opened_in,
-                saved_load_ms = adopted.meta.load_ms,
-                backlog_bytes = backlog,
-                "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
-            );
-            (format!("{family} (adopted)"), String::new())
-        }
-        Adoption::LoadedByChild { selection, timings } => {
-            tracing::info!(
-                timings,
-                pinned = true,
-                pins,
-                object,
-                loaded_in = "a child process",
-                "eBPF programs loaded"
-            );
-            (
-                selection.clone(),
-                format!("; loaded in a child process, pinned in {pins}"),
-            )
-        }
-    };
+    let (hooks, how) = announce_adoption(&adopted, &how, family, &tree_dir, backlog);
+    // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
     let description = format!(
         "eBPF {hooks}: {} (ring buffer {} KiB, batch delay {:?}{how})",
         adopted.meta.attached.join(", "),
@@ -511,6 +537,47 @@ fn start_adopted(
         options,
         runtime,
     )
+}
+
+/// Logs how the pinned programs came to be adopted; returns what the description says of their
+/// hooks and of how they were loaded.
+fn announce_adoption(
+    adopted: &pins::Adopted,
+    how: &Adoption,
+    family: HookFamily,
+    tree_dir: &std::path::Path,
+    backlog: u64,
+) -> (String, String) {
+    let pins = tree_dir.display().to_string();
+    // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
+    let object = loader::object_hash().unwrap_or_default();
+    match how {
+        Adoption::Restart => {
+            tracing::info!(
+                pins,
+                object,
+                opened_in = ?adopted.opened_in,
+                saved_load_ms = adopted.meta.load_ms,
+                backlog_bytes = backlog,
+                "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
+            );
+            (format!("{family} (adopted)"), String::new())
+        }
+        Adoption::LoadedByChild { selection, timings } => {
+            tracing::info!(
+                timings,
+                pinned = true,
+                pins,
+                object,
+                loaded_in = "a child process",
+                "eBPF programs loaded"
+            );
+            (
+                selection.clone(),
+                format!("; loaded in a child process, pinned in {pins}"),
+            )
+        }
+    }
 }
 
 /// Builds the source over `maps` and starts its reader.
