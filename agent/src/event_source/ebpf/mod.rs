@@ -45,6 +45,7 @@ mod btf;
 mod child;
 mod filters;
 mod fnv;
+mod hook_table;
 mod hooks;
 mod layout;
 mod load_child;
