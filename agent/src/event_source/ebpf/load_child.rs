@@ -15,7 +15,7 @@
 //! agent --spawn /proc/self/exe __plugin-agent-load ROOT RUNTIME_DIR ring wakeup batch_ns watched names hooks-->
 //!        child: loader::load (kernel layout read here, BTF, verifier, attach), pins::pin
 //!       <--stdout: "OK\n" selection "\n" timings | "ER\n" load error | "NP\n" pin error--
-//! agent: pins::adopt -> the reader, as after a restart
+//! agent: adopt::adopt -> the reader, as after a restart
 //! ```
 //!
 //! If the child cannot run (no `/proc`, a seccomp profile without `execve`) or could not pin, the

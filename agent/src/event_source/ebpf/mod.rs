@@ -40,6 +40,7 @@
 //! [`FsEvent::NameChanged`]: crate::event_source::FsEvent::NameChanged
 //! [`FsEvent::Rescan`]: crate::event_source::FsEvent::Rescan
 
+mod adopt;
 mod batched;
 mod btf;
 mod child;

@@ -21,8 +21,8 @@ use super::reader::Reader;
 use super::ring::Ring;
 use super::stats::{DeliveryStats, LossCounters, RingOccupancy};
 use super::{
-    EbpfOptions, EbpfSource, PinOwner, batched, load_child, name_holders, pin_guard, pin_owners,
-    pins,
+    EbpfOptions, EbpfSource, PinOwner, adopt, batched, load_child, name_holders, pin_guard,
+    pin_owners, pins,
 };
 use crate::event_source::FsEvent;
 
@@ -101,9 +101,9 @@ fn adopt_or_load_child(
     options: &EbpfOptions,
     pin_dir: &Option<PathBuf>,
     identity: &Option<pins::Identity>,
-) -> anyhow::Result<Option<(pins::Adopted, Adoption)>> {
+) -> anyhow::Result<Option<(adopt::Adopted, Adoption)>> {
     if let (Some(dir), Some(identity)) = (pin_dir, identity) {
-        match pins::adopt(dir, identity) {
+        match adopt::adopt(dir, identity) {
             Ok(Some(adopted)) => return Ok(Some((adopted, Adoption::Restart))),
             Ok(None) => {}
             Err(e) => tracing::warn!(
@@ -115,7 +115,7 @@ fn adopt_or_load_child(
     if let (Some(dir), Some(identity), Some(owner)) = (pin_dir, identity, &options.pins) {
         match load_child::load_and_pin(params, owner) {
             Ok(load_child::Outcome::Pinned { selection, timings }) => {
-                match pins::adopt(dir, identity) {
+                match adopt::adopt(dir, identity) {
                     Ok(Some(adopted)) => {
                         let how = Adoption::LoadedByChild { selection, timings };
                         return Ok(Some((adopted, how)));
@@ -291,7 +291,7 @@ struct Started {
 /// Carries on with the programs a previous agent pinned: no BTF, no verifier; what they wrote
 /// while no agent ran is in the ring, and the reader drains it first.
 fn start_adopted(
-    adopted: pins::Adopted,
+    adopted: adopt::Adopted,
     how: Adoption,
     sink: Sender<FsEvent>,
     cancel: CancellationToken,
@@ -355,7 +355,7 @@ fn start_adopted(
 /// Logs how the pinned programs came to be adopted; returns what the description says of their
 /// hooks and of how they were loaded.
 fn announce_adoption(
-    adopted: &pins::Adopted,
+    adopted: &adopt::Adopted,
     how: &Adoption,
     family: HookFamily,
     tree_dir: &std::path::Path,
