@@ -30,13 +30,9 @@
 //! Linux 5.13 an unprivileged group works too, but only with the bounded queue (the kernel then
 //! reports other processes' pids as 0 and still reports ours, so the own-pid filter holds).
 
-use std::collections::HashMap;
-use std::ffi::OsStr;
-use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context as _;
 use nix::errno::Errno;
@@ -48,11 +44,13 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::{EventSource, FsEvent, Observed, SourceKind, WatchedDir};
+use super::{EventSource, FsEvent, SourceKind, WatchedDir};
 
+mod handles;
 mod reader;
 mod records;
 
+use handles::{DirHandle, DirTable, Group, lock};
 use reader::Reader;
 
 /// How the fanotify group is set up; [`open`] uses the default.
@@ -82,13 +80,6 @@ fn mark_mask() -> MaskFlags {
         | MaskFlags::FAN_MOVE_SELF
         | MaskFlags::FAN_ONDIR
 }
-
-/// Most events turned into [`FsEvent`]s before they are handed on, so that a flood is read in
-/// bounded batches rather than all at once.
-const MAX_BATCH: usize = 4096;
-
-/// One `read(2)` worth of events; the largest event (metadata + handle + name) is well below this.
-const READ_BUF: usize = 64 * 1024;
 
 /// Opens a fanotify source with the default options (unbounded queue when allowed).
 ///
@@ -150,15 +141,6 @@ enum QueueLimit {
         max_events: Option<u64>,
         why: &'static str,
     },
-}
-
-/// The group fd, in a form `AsyncFd` accepts.
-struct Group(Fanotify);
-
-impl AsRawFd for Group {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_fd().as_raw_fd()
-    }
 }
 
 fn init_group(unlimited: bool) -> anyhow::Result<(Fanotify, QueueLimit)> {
@@ -315,85 +297,4 @@ fn mark_error(errno: Errno, path: &Path) -> anyhow::Error {
         path.display(),
         errno.desc().to_lowercase()
     )
-}
-
-fn lock(dirs: &Mutex<DirTable>) -> MutexGuard<'_, DirTable> {
-    // A panic while holding the lock leaves a consistent map (single inserts/removes).
-    dirs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Watched directories by the identity fanotify reports them with.
-#[derive(Debug, Default)]
-struct DirTable {
-    by_handle: HashMap<DirHandle, WatchedDir>,
-}
-
-/// A directory's identity in fanotify records: filesystem id plus file handle.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct DirHandle {
-    fsid: [u8; 8],
-    handle_type: i32,
-    handle: Vec<u8>,
-}
-
-impl DirHandle {
-    /// The handle of the open directory `fd`, encoded the way fanotify encodes it.
-    fn of(fd: BorrowedFd<'_>) -> anyhow::Result<Self> {
-        let statfs = nix::sys::statfs::fstatfs(fd).context("fstatfs")?;
-        let fsid = statfs.filesystem_id();
-        // SAFETY: `fsid_t` is two `c_int`s (8 bytes, no padding) whose fields libc keeps private;
-        // the kernel reports the same 8 bytes in every fanotify record.
-        let fsid: [u8; 8] = unsafe { std::mem::transmute::<libc::fsid_t, [u8; 8]>(fsid) };
-        // AT_HANDLE_FID (Linux 6.5) asks for the same encoding fanotify uses even on filesystems
-        // that cannot be NFS-exported; older kernels reject the flag and use the export encoding,
-        // which is what fanotify used there too.
-        let (handle_type, handle) =
-            match name_to_handle(fd, libc::AT_EMPTY_PATH | libc::AT_HANDLE_FID) {
-                Err(Errno::EINVAL) => name_to_handle(fd, libc::AT_EMPTY_PATH),
-                other => other,
-            }
-            .map_err(|errno| match errno {
-                Errno::EOPNOTSUPP => anyhow::anyhow!(
-                    "name_to_handle_at: the filesystem does not support file handles"
-                ),
-                errno => anyhow::anyhow!("name_to_handle_at: {}", errno.desc().to_lowercase()),
-            })?;
-        Ok(DirHandle {
-            fsid,
-            handle_type,
-            handle,
-        })
-    }
-}
-
-/// `name_to_handle_at(fd, "", flags)`: (handle type, handle bytes). nix does not wrap it.
-fn name_to_handle(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<(i32, Vec<u8>), Errno> {
-    /// `struct file_handle` with room for the largest handle the kernel hands out.
-    #[repr(C)]
-    struct HandleBuf {
-        handle_bytes: libc::c_uint,
-        handle_type: libc::c_int,
-        f_handle: [u8; libc::MAX_HANDLE_SZ as usize],
-    }
-    let mut buf = HandleBuf {
-        handle_bytes: libc::MAX_HANDLE_SZ as libc::c_uint,
-        handle_type: 0,
-        f_handle: [0; libc::MAX_HANDLE_SZ as usize],
-    };
-    let mut mount_id: libc::c_int = 0;
-    // SAFETY: `buf` is a `struct file_handle` header followed by `handle_bytes` bytes of storage,
-    // the path is a NUL-terminated empty string (AT_EMPTY_PATH: the handle of `fd` itself), and
-    // `mount_id` is a valid out-pointer; all outlive the call.
-    let rc = unsafe {
-        libc::name_to_handle_at(
-            fd.as_raw_fd(),
-            c"".as_ptr(),
-            (&raw mut buf).cast::<libc::file_handle>(),
-            &raw mut mount_id,
-            flags,
-        )
-    };
-    Errno::result(rc)?;
-    let len = (buf.handle_bytes as usize).min(buf.f_handle.len());
-    Ok((buf.handle_type, buf.f_handle[..len].to_vec()))
 }

@@ -125,7 +125,7 @@ enum Answer {
 
 fn in_child(probe_fentry: bool) -> anyhow::Result<Answer> {
     let args = std::iter::once(CHILD_ARG).chain(probe_fentry.then_some(PROBE_FENTRY_ARG));
-    decode(&super::run_child("kernel layout", args)?)
+    decode(&super::child::run_child("kernel layout", args)?)
 }
 
 fn encode(answer: &Result<KernelLayout, String>) -> Vec<u8> {

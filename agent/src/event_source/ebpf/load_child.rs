@@ -15,7 +15,7 @@
 //! agent --spawn /proc/self/exe __plugin-agent-load ROOT RUNTIME_DIR ring wakeup batch_ns watched names hooks-->
 //!        child: loader::load (kernel layout read here, BTF, verifier, attach), pins::pin
 //!       <--stdout: "OK\n" selection "\n" timings | "ER\n" load error | "NP\n" pin error--
-//! agent: pins::adopt -> the reader, as after a restart
+//! agent: adopt::adopt -> the reader, as after a restart
 //! ```
 //!
 //! If the child cannot run (no `/proc`, a seccomp profile without `execve`) or could not pin, the
@@ -64,7 +64,7 @@ pub(super) fn load_and_pin(params: &LoadParams, owner: &PinOwner) -> anyhow::Res
             .into_iter()
             .map(std::ffi::OsString::from),
     );
-    let stdout = super::run_child("eBPF load", args)?;
+    let stdout = super::child::run_child("eBPF load", args)?;
     decode(&String::from_utf8_lossy(&stdout))
 }
 
@@ -81,14 +81,14 @@ pub fn child_main() -> std::process::ExitCode {
 }
 
 fn load_in_child(owner: &PinOwner, params: &LoadParams) -> String {
-    let Some(identity) = super::identity(params) else {
+    let Some(identity) = super::pin_load::identity(params) else {
         return format!("{LOAD_ERROR}\nthis plugin-agent was built without the eBPF event source");
     };
     let mut loaded = match loader::load(params) {
         Ok(loaded) => loaded,
         Err(err) => return format!("{LOAD_ERROR}\n{err:#}"),
     };
-    match super::pin_loaded(&mut loaded, &owner.dir(), &identity, owner) {
+    match super::pin_load::pin_loaded(&mut loaded, &owner.dir(), &identity, owner) {
         Ok(_) => format!("{OK}\n{}\n{}", loaded.hooks, loaded.timings),
         Err(err) => format!("{PIN_ERROR}\n{err:#}"),
     }
@@ -174,8 +174,8 @@ mod tests {
         assert_eq!(owner.tree, Path::new("/var/lib/kubelet/plugins_registry"));
         assert_eq!(owner.runtime_dir, Path::new("/run/plugin-agent"));
         assert_eq!(
-            super::super::identity_settings(&decoded),
-            super::super::identity_settings(&params),
+            super::super::pin_load::identity_settings(&decoded),
+            super::super::pin_load::identity_settings(&params),
             "the child pins under the identity the agent adopts"
         );
     }

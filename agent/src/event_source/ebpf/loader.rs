@@ -21,6 +21,10 @@ use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
+use super::hook_table::{
+    CLOSE_HOOKS, CONNECT_HOOKS, FUNCTION_HOOKS, LISTEN_HOOKS, SHUTDOWN_HOOKS, TRACEPOINT_HOOKS,
+    TracepointHook,
+};
 use super::hooks::{self, HookChoice, HookFamily, Selection};
 use super::layout::{self, KernelLayout};
 use super::tracefs;
@@ -40,165 +44,6 @@ static OBJECT: Option<&[u8]> = None;
 static OBJECT_HASH: Option<&str> = Some(env!("PLUGIN_AGENT_EBPF_OBJ_FNV"));
 #[cfg(not(ebpf_object))]
 static OBJECT_HASH: Option<&str> = None;
-
-/// A syscall tracepoint program and the tracepoints it is attached to.
-struct TracepointHook {
-    program: &'static str,
-    tracepoints: &'static [&'static str],
-}
-
-/// Every program in the object and where it goes. One program serves every syscall whose entry
-/// (or exit) it handles alike, told apart by `__syscall_nr`: each program is verified once, and
-/// the path scan is most of the verifier's work.
-const TRACEPOINT_HOOKS: &[TracepointHook] = &[
-    TracepointHook {
-        program: "bind_enter",
-        tracepoints: &["sys_enter_bind"],
-    },
-    TracepointHook {
-        program: "bind_exit",
-        tracepoints: &["sys_exit_bind"],
-    },
-    TracepointHook {
-        program: "path_enter",
-        tracepoints: &[
-            "sys_enter_unlink",
-            "sys_enter_rmdir",
-            "sys_enter_unlinkat",
-            "sys_enter_mknod",
-            "sys_enter_mknodat",
-            "sys_enter_mkdir",
-            "sys_enter_mkdirat",
-            "sys_enter_rename",
-            "sys_enter_renameat",
-            "sys_enter_renameat2",
-        ],
-    },
-    TracepointHook {
-        program: "rename_target_enter",
-        tracepoints: &[
-            "sys_enter_rename",
-            "sys_enter_renameat",
-            "sys_enter_renameat2",
-        ],
-    },
-    TracepointHook {
-        program: "path_exit",
-        tracepoints: &[
-            "sys_exit_unlink",
-            "sys_exit_unlinkat",
-            "sys_exit_rmdir",
-            "sys_exit_mknod",
-            "sys_exit_mknodat",
-            "sys_exit_mkdir",
-            "sys_exit_mkdirat",
-            "sys_exit_rename",
-            "sys_exit_renameat",
-            "sys_exit_renameat2",
-        ],
-    },
-];
-
-/// The liveness hint `listen` of a bound socket, attached in every family (no VFS function to
-/// prefer).
-const LISTEN_HOOKS: &[TracepointHook] = &[
-    TracepointHook {
-        program: "listen_enter",
-        tracepoints: &["sys_enter_listen"],
-    },
-    TracepointHook {
-        program: "listen_exit",
-        tracepoints: &["sys_exit_listen"],
-    },
-];
-
-/// Who first contacts a plugin socket (`kind::CONNECT`), attached in every family: the socket a
-/// `connect` reached is known only once it returned.
-const CONNECT_HOOKS: &[TracepointHook] = &[
-    TracepointHook {
-        program: "connect_enter",
-        tracepoints: &["sys_enter_connect"],
-    },
-    TracepointHook {
-        program: "connect_exit",
-        tracepoints: &["sys_exit_connect"],
-    },
-];
-
-/// The tracepoint family's release hints: a `close` of a listening socket's descriptor (the
-/// fentry family has `unix_release` instead, which also sees exits), and a `shutdown` of it (the
-/// process keeps the descriptor, and every connect is refused from then on). The programs read
-/// the descriptor alike from both calls' first argument.
-const CLOSE_HOOKS: &[TracepointHook] = &[
-    TracepointHook {
-        program: "close_enter",
-        tracepoints: &["sys_enter_close", "sys_enter_shutdown"],
-    },
-    TracepointHook {
-        program: "close_exit",
-        tracepoints: &["sys_exit_close", "sys_exit_shutdown"],
-    },
-];
-
-/// The fentry family's `shutdown` hint (`unix_release` sees no shutdown: the socket lives on).
-const SHUTDOWN_HOOKS: &[TracepointHook] = &[
-    TracepointHook {
-        program: "close_enter",
-        tracepoints: &["sys_enter_shutdown"],
-    },
-    TracepointHook {
-        program: "close_exit",
-        tracepoints: &["sys_exit_shutdown"],
-    },
-];
-
-/// An fentry or fexit program of the preferred family and the kernel function it traces.
-struct FunctionHook {
-    program: &'static str,
-    /// fexit (after the function returned, with its result) or fentry (before it ran).
-    exit: bool,
-    function: &'static str,
-}
-
-/// The fentry/fexit event programs: one per VFS function that makes or removes an entry. Unix
-/// `bind` creates its socket inode through `vfs_mknod`.
-const FUNCTION_HOOKS: &[FunctionHook] = &[
-    FunctionHook {
-        program: "vfs_mknod_exit",
-        exit: true,
-        function: "vfs_mknod",
-    },
-    FunctionHook {
-        program: "vfs_mkdir_exit",
-        exit: true,
-        function: "vfs_mkdir",
-    },
-    FunctionHook {
-        program: "vfs_unlink_exit",
-        exit: true,
-        function: "vfs_unlink",
-    },
-    FunctionHook {
-        program: "vfs_rmdir_exit",
-        exit: true,
-        function: "vfs_rmdir",
-    },
-    FunctionHook {
-        program: "vfs_rename_enter",
-        exit: false,
-        function: "vfs_rename",
-    },
-    FunctionHook {
-        program: "vfs_rename_exit",
-        exit: true,
-        function: "vfs_rename",
-    },
-    FunctionHook {
-        program: "unix_release_enter",
-        exit: false,
-        function: "unix_release",
-    },
-];
 
 /// Why fentry/fexit on `functions` would miss calls on this kernel, if they would: the compiler
 /// split or cloned one of them (`vfs_rmdir.part.0`, `.isra.N`, `.constprop.N` in
@@ -407,35 +252,7 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     timings.btf = started.elapsed();
     let started = Instant::now();
-    let config = Config {
-        offsets,
-        wakeup_bytes: params.wakeup_bytes,
-        batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
-        syscalls: syscall_numbers(),
-        vfs: vfs.clone().unwrap_or_default(),
-        ..Config::UNSET
-    };
-    // A loss counter per possible CPU and reason (see `stats::LossCounters`).
-    let possible_cpus = aya::util::nr_cpus().map_err(|(file, err)| {
-        anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
-    })?;
-    let loss_slots = u32::try_from(possible_cpus)
-        .ok()
-        .and_then(|cpus| cpus.checked_mul(agent_ebpf::loss::COUNT))
-        .context("too many possible CPUs for the loss counters")?;
-    // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
-    // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
-    // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
-    // dropped here. The fentry/fexit loads parse their own when that family is tried.
-    let mut ebpf = EbpfLoader::new()
-        .btf(None)
-        .override_global(names::CONFIG, &config, true)
-        .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
-        .map_max_entries(names::WATCHED, params.watched_capacity)
-        .map_max_entries(names::NAMES, params.names_capacity)
-        .map_max_entries(names::LOSSES, loss_slots)
-        .load(object)
-        .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+    let mut ebpf = load_object(object, params, offsets, &vfs)?;
     timings.object = started.elapsed();
 
     let mut mounted_tracefs = false;
@@ -463,19 +280,13 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     links.retain(|link| link.family() == selection.family);
     let mut attached = attached;
     mounted_tracefs |= tracefs::ensure_mounted()?;
-    let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
-    let sockets = match selection.family {
-        HookFamily::Fentry => sockets.chain(SHUTDOWN_HOOKS).collect::<Vec<_>>(),
-        HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
-    };
-    for hook in sockets {
-        attached.extend(attach_tracepoints(
-            &mut ebpf,
-            std::slice::from_ref(hook),
-            &mut timings,
-            &mut links,
-        )?);
-    }
+    attach_sockets(
+        &mut ebpf,
+        selection.family,
+        &mut attached,
+        &mut timings,
+        &mut links,
+    )?;
     Ok(Loaded {
         ebpf,
         links,
@@ -484,6 +295,70 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         timings,
         hooks: selection,
     })
+}
+
+/// Loads the object with `params`' sizes and the kernel's layout in its CONFIG; attaches nothing.
+fn load_object(
+    object: &[u8],
+    params: &LoadParams,
+    offsets: agent_ebpf::KernelOffsets,
+    vfs: &Result<VfsArgs, String>,
+) -> anyhow::Result<Ebpf> {
+    let config = Config {
+        offsets,
+        wakeup_bytes: params.wakeup_bytes,
+        batch_ns: u64::try_from(params.batch_delay.as_nanos()).unwrap_or(u64::MAX),
+        syscalls: syscall_numbers(),
+        vfs: vfs.clone().unwrap_or_default(),
+        ..Config::UNSET
+    };
+    // A loss counter per possible CPU and reason (see `stats::LossCounters`).
+    let possible_cpus = aya::util::nr_cpus().map_err(|(file, err)| {
+        anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
+    })?;
+    let loss_slots = u32::try_from(possible_cpus)
+        .ok()
+        .and_then(|cpus| cpus.checked_mul(agent_ebpf::loss::COUNT))
+        .context("too many possible CPUs for the loss counters")?;
+    // No kernel BTF for aya's relocations: the object has none (offsets come from the layout
+    // above, into CONFIG). `EbpfLoader::new()` has parsed vmlinux's BTF all the same (aya 0.14
+    // has no constructor that does not; ~17 MiB for a moment, trimmed after the load); it is
+    // dropped here. The fentry/fexit loads parse their own when that family is tried.
+    let ebpf = EbpfLoader::new()
+        .btf(None)
+        .override_global(names::CONFIG, &config, true)
+        .map_max_entries(names::EVENTS, params.ring_buffer_bytes)
+        .map_max_entries(names::WATCHED, params.watched_capacity)
+        .map_max_entries(names::NAMES, params.names_capacity)
+        .map_max_entries(names::LOSSES, loss_slots)
+        .load(object)
+        .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
+    Ok(ebpf)
+}
+
+/// Attaches the socket tracepoints both families use (listen, connect, and shutdown with
+/// fentry or close with the tracepoints), adding their names to `attached`.
+fn attach_sockets(
+    ebpf: &mut Ebpf,
+    family: HookFamily,
+    attached: &mut Vec<String>,
+    timings: &mut LoadTimings,
+    links: &mut Vec<LinkId>,
+) -> anyhow::Result<()> {
+    let sockets = LISTEN_HOOKS.iter().chain(CONNECT_HOOKS);
+    let sockets = match family {
+        HookFamily::Fentry => sockets.chain(SHUTDOWN_HOOKS).collect::<Vec<_>>(),
+        HookFamily::Tracepoints => sockets.chain(CLOSE_HOOKS).collect(),
+    };
+    for hook in sockets {
+        attached.extend(attach_tracepoints(
+            ebpf,
+            std::slice::from_ref(hook),
+            timings,
+            links,
+        )?);
+    }
+    Ok(())
 }
 
 /// Loads and attaches the fentry/fexit programs; fails at the first the kernel refuses.

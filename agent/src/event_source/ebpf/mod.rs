@@ -34,18 +34,28 @@
 //! - any record the kernel could not queue: [`FsEvent::Rescan`].
 //!
 //! The agent's own process is filtered out in the kernel.
+//!
+//! [`FsEvent::Created`]: crate::event_source::FsEvent::Created
+//! [`FsEvent::Removed`]: crate::event_source::FsEvent::Removed
+//! [`FsEvent::NameChanged`]: crate::event_source::FsEvent::NameChanged
+//! [`FsEvent::Rescan`]: crate::event_source::FsEvent::Rescan
 
+mod adopt;
 mod batched;
 mod btf;
+mod child;
 mod filters;
 mod fnv;
+mod hook_table;
 mod hooks;
 mod layout;
 mod load_child;
 mod loader;
 mod mapping;
 mod name_holders;
+mod open;
 mod pin_guard;
+mod pin_load;
 mod pin_owners;
 mod pins;
 mod reader;
@@ -54,30 +64,23 @@ mod ring;
 mod stats;
 mod tracefs;
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agent_ebpf::{DirKey, names};
-use anyhow::Context;
-use aya::maps::{Array, HashMap as BpfHashMap, MapData};
-use ring::Ring;
-use tokio::sync::mpsc::Sender;
 use tokio_util::sync::CancellationToken;
 
 pub use self::btf::{KernelBtf, Member, resolve_offsets};
-use self::filters::{Capacities, Filters};
+use self::filters::Filters;
 pub use self::hooks::{HOOKS_ENV, HookChoice, HookFamily};
 pub use self::layout::{
     CHILD_ARG as KERNEL_LAYOUT_CHILD_ARG, child_main as kernel_layout_child_main,
 };
 pub use self::load_child::{CHILD_ARG as LOAD_CHILD_ARG, child_main as load_child_main};
-use self::loader::LoadParams;
 pub use self::loader::LoadTimings;
-use self::reader::Reader;
-use self::stats::{DeliveryStats, LossCounters, RingOccupancy};
-use crate::event_source::{Entry, EventSource, FsEvent, SourceKind, SourceStats, WatchedDir};
+pub use self::open::{FamilyProbe, open, probe_family};
+use self::stats::DeliveryStats;
+use crate::event_source::{Entry, EventSource, SourceKind, SourceStats, WatchedDir};
 
 /// Tuning of the eBPF source; [`Default`] suits a node with a few hundred plugins.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,38 +136,6 @@ impl EbpfOptions {
     }
 }
 
-/// One hook family loaded and attached on its own, then detached: `plugin-agent probe`'s report
-/// of what this kernel's verifier accepts.
-pub struct FamilyProbe {
-    pub family: HookFamily,
-    /// Where the load's time went, or why the family does not load here.
-    pub result: Result<LoadTimings, String>,
-}
-
-/// Loads and attaches `family`'s programs with the default sizes, in this process, and detaches
-/// them again.
-pub fn probe_family(family: HookFamily) -> FamilyProbe {
-    let params = load_params(&EbpfOptions::default(), HookChoice::Only(family), true);
-    // Dropping what was loaded detaches it.
-    let result = loader::load(&params)
-        .map(|loaded| loaded.timings)
-        .map_err(|e| format!("{e:#}"));
-    FamilyProbe { family, result }
-}
-
-/// What a load of the programs is sized and tuned with (`layout_here`: see [`LoadParams`]).
-fn load_params(options: &EbpfOptions, hooks: HookChoice, layout_here: bool) -> LoadParams {
-    LoadParams {
-        ring_buffer_bytes: options.ring_buffer_bytes,
-        wakeup_bytes: u64::from(options.ring_buffer_bytes / 8),
-        batch_delay: options.batch_delay,
-        watched_capacity: options.watched_capacity,
-        names_capacity: options.names_capacity,
-        hooks,
-        layout_here,
-    }
-}
-
 /// The running eBPF source. Dropping it detaches the programs and stops its reader.
 pub struct EbpfSource {
     filters: Arc<Filters>,
@@ -189,407 +160,10 @@ pub struct EbpfSource {
     stop_reader: CancellationToken,
 }
 
-/// Loads and attaches the kernel programs and starts the reader task, which sends into `sink` until
-/// `cancel` fires. Must be called inside a tokio runtime.
-///
-/// Fails, in operator terms, when the agent was built without the kernel object, the kernel has no
-/// BTF or an unsupported layout, or the agent lacks the privileges (CAP_BPF, CAP_PERFMON, and
-/// CAP_SYS_ADMIN if tracefs has to be mounted); the caller then falls back to another source.
-pub fn open(
-    sink: Sender<FsEvent>,
-    cancel: CancellationToken,
-    options: EbpfOptions,
-) -> anyhow::Result<EbpfSource> {
-    options.validate()?;
-    let runtime = tokio::runtime::Handle::try_current()
-        .context("the eBPF event source must be opened inside the tokio runtime")?;
-    let hooks = match options.hooks {
-        Some(choice) => choice,
-        None => HookChoice::from_env()?,
-    };
-    let params = load_params(&options, hooks, false);
-    let identity = identity(&params);
-    let pin_dir = options.pins.as_ref().map(PinOwner::dir);
-    if let Some(owner) = &options.pins {
-        let orphans = pin_owners::remove_orphans(owner);
-        if !orphans.is_empty() {
-            tracing::info!(removed = ?orphans, "removed pinned eBPF programs nobody will use again (trees gone, earlier runs of this instance)");
-        }
-    }
-    if let (Some(dir), Some(identity)) = (&pin_dir, &identity) {
-        match pins::adopt(dir, identity) {
-            Ok(Some(adopted)) => {
-                return start_adopted(adopted, Adoption::Restart, sink, cancel, &options, &runtime);
-            }
-            Ok(None) => {}
-            Err(e) => tracing::warn!(
-                pins = %dir.display(), error = format!("{e:#}"),
-                "cannot adopt the pinned eBPF programs: loading them anew"
-            ),
-        }
-    }
-    if let (Some(dir), Some(identity), Some(owner)) = (&pin_dir, &identity, &options.pins) {
-        match load_child::load_and_pin(&params, owner) {
-            Ok(load_child::Outcome::Pinned { selection, timings }) => {
-                match pins::adopt(dir, identity) {
-                    Ok(Some(adopted)) => {
-                        let how = Adoption::LoadedByChild { selection, timings };
-                        return start_adopted(adopted, how, sink, cancel, &options, &runtime);
-                    }
-                    Ok(None) => tracing::warn!(
-                        pins = %dir.display(),
-                        "the programs the load child pinned are not there: loading them in the agent"
-                    ),
-                    Err(e) => tracing::warn!(
-                        pins = %dir.display(), error = format!("{e:#}"),
-                        "cannot adopt the programs the load child pinned: loading them in the agent"
-                    ),
-                }
-            }
-            Ok(load_child::Outcome::LoadFailed(error)) => anyhow::bail!("{error}"),
-            Ok(load_child::Outcome::NotPinned(error)) => tracing::warn!(
-                pins = %dir.display(), %error,
-                "the load child could not pin the eBPF programs: loading them in the agent"
-            ),
-            Err(e) => tracing::debug!(
-                error = format!("{e:#}"),
-                "the eBPF load child did not run: loading the programs in the agent"
-            ),
-        }
-    }
-    let mut loaded = loader::load(&params)?;
-    // Parsing the kernel's BTF for fentry/fexit targets takes tens of MiB for a moment; glibc
-    // would keep them mapped for the agent's life.
-    crate::memory::trim();
-    let held = match (&pin_dir, &identity, &options.pins) {
-        (Some(dir), Some(identity), Some(owner)) => {
-            match pin_loaded(&mut loaded, dir, identity, owner)
-                .and_then(|set| pin_guard::Held::open(&set))
-            {
-                Ok(held) => Some(held),
-                Err(e) => {
-                    // Links taken out and not pinned are gone: load again, unpinned.
-                    tracing::warn!(
-                        pins = %dir.display(), error = format!("{e:#}"),
-                        "cannot pin the eBPF programs: running unpinned (a restart loads them again)"
-                    );
-                    loaded = loader::load(&params)?;
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
-    let pinned = held.is_some();
-    let pins = pin_dir
-        .as_deref()
-        .filter(|_| pinned)
-        .map(|dir| dir.display().to_string());
-    let object = loader::object_hash().unwrap_or_default();
-    tracing::info!(timings = %loaded.timings, pinned, pins, object, "eBPF programs loaded");
-    let ebpf = &mut loaded.ebpf;
-    let agent = pins::set_agent(take_map(ebpf, names::AGENT)?)?;
-    let maps = Maps {
-        agent,
-        watched: take_map(ebpf, names::WATCHED)?,
-        names: take_map(ebpf, names::NAMES)?,
-        ring: Ring::from_map(
-            ebpf.take_map(names::EVENTS)
-                .context("the eBPF object has no map EVENTS")?,
-        )?,
-        losses: take_map(ebpf, names::LOSSES)?,
-    };
-    let description = format!(
-        "eBPF {}: {} (ring buffer {} KiB, batch delay {:?}{}{})",
-        loaded.hooks,
-        loaded.attached.join(", "),
-        options.ring_buffer_bytes / 1024,
-        options.batch_delay,
-        if loaded.mounted_tracefs {
-            "; mounted tracefs"
-        } else {
-            ""
-        },
-        match &pin_dir {
-            Some(dir) if pinned => format!("; pinned in {}", dir.display()),
-            _ => String::new(),
-        }
-    );
-    // Pinned links keep the programs attached: the object (instructions, relocations, the
-    // programs' own file descriptors) is not needed any more.
-    let ebpf = (!pinned).then_some(loaded.ebpf);
-    start(
-        maps,
-        Started {
-            family: loaded.hooks.family,
-            fentry: loaded.hooks.fentry(),
-            description,
-            timings: loaded.timings,
-            ebpf,
-            held: held.zip(pin_dir),
-        },
-        sink,
-        cancel,
-        &options,
-        &runtime,
-    )
-}
-
-/// The maps the source reads and steers.
-struct Maps {
-    agent: Array<MapData, u32>,
-    watched: BpfHashMap<MapData, DirKey, u8>,
-    names: name_holders::NameTable,
-    ring: Ring,
-    losses: Array<MapData, u64>,
-}
-
-/// Runs this executable (`/proc/self/exe`: the running binary, even after an upgrade replaced
-/// the file) with `args` as one of the loader's short-lived children (`what` names it in errors),
-/// and returns its stdout once it exited 0.
-fn run_child<S: AsRef<std::ffi::OsStr>>(
-    what: &str,
-    args: impl IntoIterator<Item = S>,
-) -> anyhow::Result<Vec<u8>> {
-    let output = std::process::Command::new("/proc/self/exe")
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run the {what} child"))?;
-    if !output.status.success() {
-        anyhow::bail!("the {what} child exited with {}", output.status);
-    }
-    Ok(output.stdout)
-}
-
-/// The settings a pinned set was loaded with, part of its identity: a set loaded with others is
-/// not adopted.
-fn identity_settings(params: &LoadParams) -> String {
-    format!(
-        "ring={} wakeup={} batch_ns={} watched={} names={} hooks={:?}",
-        params.ring_buffer_bytes,
-        params.wakeup_bytes,
-        params.batch_delay.as_nanos(),
-        params.watched_capacity,
-        params.names_capacity,
-        params.hooks,
-    )
-}
-
-/// The identity of the set this agent's object loads with `params`; none without an object.
-fn identity(params: &LoadParams) -> Option<pins::Identity> {
-    loader::object_hash().map(|hash| pins::Identity::new(hash, identity_settings(params)))
-}
-
-/// How pinned programs came to be adopted.
-enum Adoption {
-    /// A previous agent pinned them.
-    Restart,
-    /// This agent's load child loaded and pinned them just now (see `load_child`).
-    LoadedByChild { selection: String, timings: String },
-}
-
-/// What the load (or the adoption) says about the programs.
-struct Started {
-    family: HookFamily,
-    /// What became of fentry/fexit, for the kernel's feature report.
-    fentry: crate::kernel::FentryFinding,
-    description: String,
-    timings: LoadTimings,
-    ebpf: Option<aya::Ebpf>,
-    /// The pinned set's objects and its tree's pin directory, for `pin_guard`.
-    held: Option<(pin_guard::Held, PathBuf)>,
-}
-
-/// Takes the links out of `loaded` and pins them with its maps as the tree's new set; returns
-/// the set's directory.
-fn pin_loaded(
-    loaded: &mut loader::Loaded,
-    dir: &std::path::Path,
-    identity: &pins::Identity,
-    owner: &PinOwner,
-) -> anyhow::Result<PathBuf> {
-    let links = loader::take_links(&mut loaded.ebpf, std::mem::take(&mut loaded.links))?;
-    let family = match loaded.hooks.family {
-        HookFamily::Fentry => "fentry",
-        HookFamily::Tracepoints => "tracepoints",
-    };
-    let mut meta = pins::Meta::new(identity, owner, family, loaded.attached.clone());
-    meta.load_ms = u64::try_from(loaded.timings.total().as_millis()).unwrap_or(u64::MAX);
-    pins::pin(&mut loaded.ebpf, links, dir, &meta)
-}
-
-/// Carries on with the programs a previous agent pinned: no BTF, no verifier; what they wrote
-/// while no agent ran is in the ring, and the reader drains it first.
-fn start_adopted(
-    adopted: pins::Adopted,
-    how: Adoption,
-    sink: Sender<FsEvent>,
-    cancel: CancellationToken,
-    options: &EbpfOptions,
-    runtime: &tokio::runtime::Handle,
-) -> anyhow::Result<EbpfSource> {
-    let backlog = RingOccupancy::new(&adopted.events)
-        .map(|ring| ring.used_bytes())
-        .unwrap_or(0);
-    let family = match adopted.meta.family.as_str() {
-        "fentry" => HookFamily::Fentry,
-        _ => HookFamily::Tracepoints,
-    };
-    let timings = LoadTimings {
-        adopted: Some(adopted.opened_in),
-        ..LoadTimings::default()
-    };
-    let tree_dir = options.pins.as_ref().map(PinOwner::dir).unwrap_or_default();
-    let pins = tree_dir.display().to_string();
-    // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
-    let object = loader::object_hash().unwrap_or_default();
-    // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
-    let fentry = match &how {
-        Adoption::LoadedByChild { selection, .. } => hooks::fentry_finding(family, selection),
-        Adoption::Restart => hooks::fentry_finding(family, ""),
-    };
-    let (hooks, how) = match &how {
-        Adoption::Restart => {
-            tracing::info!(
-                pins,
-                object,
-                opened_in = ?adopted.opened_in,
-                saved_load_ms = adopted.meta.load_ms,
-                backlog_bytes = backlog,
-                "adopted the pinned eBPF programs: no load, nothing detached while no agent ran"
-            );
-            (format!("{family} (adopted)"), String::new())
-        }
-        Adoption::LoadedByChild { selection, timings } => {
-            tracing::info!(
-                timings,
-                pinned = true,
-                pins,
-                object,
-                loaded_in = "a child process",
-                "eBPF programs loaded"
-            );
-            (
-                selection.clone(),
-                format!("; loaded in a child process, pinned in {pins}"),
-            )
-        }
-    };
-    let description = format!(
-        "eBPF {hooks}: {} (ring buffer {} KiB, batch delay {:?}{how})",
-        adopted.meta.attached.join(", "),
-        options.ring_buffer_bytes / 1024,
-        options.batch_delay,
-    );
-    // What the previous agent watched and named is redone by this agent's first walk (watch,
-    // then read; announce, then look): entries for directories gone since would only fill the
-    // maps.
-    let mut adopted = adopted;
-    batched::empty(&mut adopted.watched);
-    batched::empty(&mut adopted.names);
-    let maps = Maps {
-        agent: adopted.agent,
-        watched: adopted.watched,
-        names: adopted.names,
-        ring: adopted.events,
-        losses: adopted.losses,
-    };
-    start(
-        maps,
-        Started {
-            family,
-            fentry,
-            description,
-            timings,
-            ebpf: None,
-            held: Some((adopted.held, tree_dir)),
-        },
-        sink,
-        cancel,
-        options,
-        runtime,
-    )
-}
-
-/// Builds the source over `maps` and starts its reader.
-fn start(
-    maps: Maps,
-    started: Started,
-    sink: Sender<FsEvent>,
-    cancel: CancellationToken,
-    options: &EbpfOptions,
-    runtime: &tokio::runtime::Handle,
-) -> anyhow::Result<EbpfSource> {
-    let losses = Arc::new(LossCounters::new(&maps.losses)?);
-    let ring_occupancy = RingOccupancy::new(&maps.ring)?;
-    let filters = Arc::new(Filters::new(
-        maps.watched,
-        maps.names,
-        maps.agent,
-        Capacities {
-            watched: options.watched_capacity,
-            names: options.names_capacity,
-        },
-    ));
-    let stop_reader = cancel.child_token();
-    let stats = DeliveryStats {
-        losses: Arc::clone(&losses),
-        ring: ring_occupancy,
-        ring_buffer_bytes: options.ring_buffer_bytes,
-    };
-    let problems = Arc::new(crate::event_source::ProblemReport::default());
-    let pins_restored = started.held.map(|(held, tree_dir)| {
-        let restored = Arc::new(AtomicU64::new(0));
-        runtime.spawn(pin_guard::guard(
-            held,
-            tree_dir,
-            Arc::clone(&problems),
-            Arc::clone(&restored),
-            stop_reader.clone(),
-        ));
-        restored
-    });
-    runtime.spawn(
-        Reader {
-            ring: maps.ring,
-            losses,
-            filters: Arc::clone(&filters),
-            sink,
-            cancel: stop_reader.clone(),
-            batch_delay: options.batch_delay,
-        }
-        .run(),
-    );
-    Ok(EbpfSource {
-        filters,
-        family: started.family,
-        fentry: started.fentry,
-        description: started.description,
-        stats,
-        timings: started.timings,
-        _ebpf: Mutex::new(started.ebpf),
-        problems,
-        pins_restored,
-        stop_reader,
-    })
-}
-
 pub use pin_owners::{
     Cleanup as PinCleanup, remove_all as remove_all_pins, remove_own as remove_own_pins,
 };
 pub use pins::Owner as PinOwner;
-
-fn take_map<T>(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<T>
-where
-    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
-{
-    let map = ebpf
-        .take_map(name)
-        .with_context(|| format!("the eBPF object has no map {name}"))?;
-    T::try_from(map).with_context(|| format!("eBPF map {name} has an unexpected type"))
-}
 
 impl EbpfSource {
     /// Where this source's load time went (BTF, verifier per program, attach): every agent start

@@ -2,8 +2,28 @@
 //! watched directory, and turns records into [`FsEvent`]s for the watcher (a queue overflow or a
 //! record that does not parse into a rescan).
 
-use super::*;
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::handles::{DirHandle, DirTable, Group, lock};
+use super::records;
+use crate::event_source::{FsEvent, Observed};
 use crate::provenance::Actor;
+
+/// Most events turned into [`FsEvent`]s before they are handed on, so that a flood is read in
+/// bounded batches rather than all at once.
+const MAX_BATCH: usize = 4096;
+
+/// One `read(2)` worth of events; the largest event (metadata + handle + name) is well below this.
+const READ_BUF: usize = 64 * 1024;
 
 /// The task that drains the group and feeds the watcher.
 pub(super) struct Reader {
