@@ -6,21 +6,11 @@ use plugin_agent_proto::pluginregistration::registration_client::RegistrationCli
 use plugin_agent_tests::{EVENT_TIMEOUT, PluginDir, plugin};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// A registration client on `socket`, as the agent or kubelet dials it.
 async fn client(socket: &Path) -> RegistrationClient<Channel> {
-    let path = socket.to_path_buf();
-    // The URI is required by tonic but unused: the connector dials the socket.
-    let channel = Endpoint::from_static("http://plugin.invalid")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                tokio::net::UnixStream::connect(path)
-                    .await
-                    .map(hyper_util::rt::TokioIo::new)
-            }
-        }))
+    let channel = plugin_agent::unix_channel::connect(socket.to_path_buf())
         .await
         .expect("connects to the plugin");
     RegistrationClient::new(channel)

@@ -1841,16 +1841,7 @@ async fn a_flood_of_watch_streams_from_one_process_leaves_the_operator_s_watch_a
     // The flood: this process, one connection per stream, each stream live.
     let mut flood = Vec::new();
     for _ in 0..60 {
-        let path = admin_socket.clone();
-        let channel = tonic::transport::Endpoint::from_static("http://agent.invalid")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    tokio::net::UnixStream::connect(path)
-                        .await
-                        .map(hyper_util::rt::TokioIo::new)
-                }
-            }))
+        let channel = plugin_agent::unix_channel::connect(admin_socket.clone())
             .await
             .expect("connect");
         let mut client = api::agent_client::AgentClient::new(channel);
