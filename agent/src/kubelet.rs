@@ -1,7 +1,8 @@
 //! Is a kubelet running on this node, and which registration directory does it watch? Read from
 //! `/proc`, with no call to any API: a process whose command name is `kubelet`, its `--root-dir`
-//! flag (default `/var/lib/kubelet`), and so its `<root-dir>/plugins_registry`. A root directory
-//! set only in kubelet's config file (`--config`) is not seen: the default is assumed then.
+//! flag (default `/var/lib/kubelet`), and so its `<root-dir>/plugins_registry`. The root
+//! directory is a command-line flag only: kubelet's configuration file (`--config`,
+//! `KubeletConfiguration`) has no field for it, so the command line is the whole answer.
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +16,8 @@ pub struct RunningKubelet {
     pub pid: u32,
     /// `<root-dir>/plugins_registry`.
     pub plugins_registry: PathBuf,
+    /// `--root-dir`, or `default` when the flag is not given.
+    pub root_dir_from: &'static str,
 }
 
 /// Every running kubelet (normally none or one), from `proc` (`/proc`).
@@ -35,27 +38,32 @@ pub fn running(proc: &Path) -> Vec<RunningKubelet> {
                 .split(|b| *b == 0)
                 .map(|a| String::from_utf8_lossy(a).into_owned())
                 .collect();
+            let (root, from) = match root_dir(&args) {
+                Some(root) => (root, "--root-dir"),
+                None => (PathBuf::from(DEFAULT_ROOT_DIR), "default"),
+            };
             Some(RunningKubelet {
                 pid,
-                plugins_registry: root_dir(&args).join("plugins_registry"),
+                plugins_registry: root.join("plugins_registry"),
+                root_dir_from: from,
             })
         })
         .collect()
 }
 
 /// The `--root-dir` of a kubelet command line (`--root-dir=X`, `--root-dir X`; the last wins).
-fn root_dir(args: &[String]) -> PathBuf {
-    let mut root = PathBuf::from(DEFAULT_ROOT_DIR);
+fn root_dir(args: &[String]) -> Option<PathBuf> {
+    let mut root = None;
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         let arg = arg.strip_prefix("--").or_else(|| arg.strip_prefix('-'));
         match arg.map(|a| a.split_once('=').unwrap_or((a, ""))) {
             Some(("root-dir", "")) => {
                 if let Some(value) = args.next() {
-                    root = PathBuf::from(value);
+                    root = Some(PathBuf::from(value));
                 }
             }
-            Some(("root-dir", value)) => root = PathBuf::from(value),
+            Some(("root-dir", value)) => root = Some(PathBuf::from(value)),
             _ => {}
         }
     }
@@ -83,17 +91,14 @@ mod tests {
 
     #[test]
     fn reads_the_root_dir_flag_in_both_forms_and_defaults_without_it() {
-        assert_eq!(
-            root_dir(&args("kubelet --v=2")),
-            PathBuf::from(DEFAULT_ROOT_DIR)
-        );
+        assert_eq!(root_dir(&args("kubelet --v=2")), None);
         assert_eq!(
             root_dir(&args("kubelet --root-dir=/data/k")),
-            PathBuf::from("/data/k")
+            Some(PathBuf::from("/data/k"))
         );
         assert_eq!(
             root_dir(&args("kubelet --root-dir /data/k --v=2")),
-            PathBuf::from("/data/k")
+            Some(PathBuf::from("/data/k"))
         );
     }
 
@@ -119,6 +124,7 @@ mod tests {
             [RunningKubelet {
                 pid: 42,
                 plugins_registry: PathBuf::from("/srv/kubelet/plugins_registry"),
+                root_dir_from: "--root-dir",
             }]
         );
         assert!(watching(&found, Path::new("/srv/kubelet/plugins_registry")).is_some());

@@ -101,6 +101,8 @@ pub struct RunningAgent {
     pub config: AgentConfig,
     /// When it started.
     pub started_at: std::time::SystemTime,
+    /// What the node says, for the verdicts (`state::verdict`).
+    circumstances: Arc<crate::state::verdict::Circumstances>,
     cancel: CancellationToken,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
     /// The state on disk, flushed last: after running operations ended, so it says what they did.
@@ -179,6 +181,7 @@ impl RunningAgent {
             ready,
             notifications: stages.notifications,
             telemetry: stages.telemetry,
+            circumstances: stages.circumstances,
             metrics_addr,
             config,
             started_at: std::time::SystemTime::now(),
@@ -194,6 +197,7 @@ impl RunningAgent {
             desired: self.desired.clone(),
             actual: self.actual.clone(),
             backoff: self.executor.backoffs(),
+            circumstances: self.circumstances.clone(),
         }
     }
 

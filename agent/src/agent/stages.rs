@@ -16,6 +16,7 @@ use crate::state::actual::ActualState;
 use crate::state::backoff::BackoffTable;
 use crate::state::desired::DesiredState;
 use crate::state::queue::ReconcileQueue;
+use crate::state::verdict::{Circumstances, Kubelet};
 use crate::state::view::StateView;
 use crate::telemetry::Telemetry;
 use crate::watcher::Watcher;
@@ -34,6 +35,8 @@ pub(super) struct Stages {
     pub(super) watcher: Watcher,
     pub(super) reconciler: Reconciler<OperationExecutor>,
     pub(super) provenance: Arc<Resolver>,
+    /// What the node says, for every view's verdict (`state::verdict`).
+    pub(super) circumstances: Arc<Circumstances>,
 }
 
 /// The tables every stage shares.
@@ -51,6 +54,7 @@ impl Stages {
             desired: self.desired.clone(),
             actual: self.actual.clone(),
             backoff: self.backoff.clone(),
+            circumstances: self.circumstances.clone(),
         }
     }
 
@@ -96,6 +100,11 @@ impl Stages {
         };
         let notifications = NotificationBus::default();
         let telemetry = Telemetry::new(source.kind());
+        let circumstances = Arc::new(Circumstances::new(
+            config.executor.mode.observes(),
+            source.kind().reports_contacts(),
+            running_kubelets,
+        ));
         let (runner, executor, liveness) = Self::operations(
             &tables,
             handlers,
@@ -140,6 +149,7 @@ impl Stages {
             watcher,
             reconciler,
             provenance,
+            circumstances,
         }
     }
 
@@ -185,4 +195,16 @@ impl Stages {
         let executor = OperationExecutor::new(runner.clone(), parts, &config, cancel.child_token());
         (runner, executor, liveness)
     }
+}
+
+/// The node's running kubelets, read from `/proc`, for the verdict's directory check.
+fn running_kubelets() -> Vec<Kubelet> {
+    crate::kubelet::running(std::path::Path::new("/proc"))
+        .into_iter()
+        .map(|k| Kubelet {
+            pid: k.pid,
+            plugins_registry: k.plugins_registry,
+            root_dir_from: k.root_dir_from,
+        })
+        .collect()
 }

@@ -166,6 +166,11 @@ fn class_of(error: &RegisterFailure, desired: &DesiredPlugin) -> FailureKind {
         {
             FailureKind::SlowNewPlugin
         }
+        RegisterFailure::Plugin(PluginCallError::InvalidInfo(_)) => FailureKind::InvalidInfo,
+        RegisterFailure::Plugin(PluginCallError::Dial { denied: true, .. }) => {
+            FailureKind::PermissionDenied
+        }
+        RegisterFailure::Handler { .. } => FailureKind::HandlerRefused,
         _ => FailureKind::Other,
     }
 }

@@ -25,6 +25,9 @@ pub enum PluginCallError {
         path: PathBuf,
         reason: String,
         elapsed: Duration,
+        /// The socket's mode and owner refused the agent (`EACCES`): a chmod, not a retry,
+        /// fixes it (what `explain` says).
+        denied: bool,
     },
     /// GetInfo failed.
     #[error("GetInfo: {0}")]

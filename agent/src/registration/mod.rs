@@ -455,6 +455,7 @@ fn dial_error(socket: &Path, reason: String, started: Instant) -> PluginCallErro
         path: socket.to_path_buf(),
         reason,
         elapsed: started.elapsed(),
+        denied: false,
     }
 }
 
@@ -558,6 +559,14 @@ async fn connect_when_listening(
             io::ErrorKind::WouldBlock if Instant::now() + pause < budget_end => {
                 waiting.pause(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            io::ErrorKind::PermissionDenied => {
+                return Err(PluginCallError::Dial {
+                    path: socket.to_path_buf(),
+                    reason: error.to_string(),
+                    elapsed: started.elapsed(),
+                    denied: true,
+                });
             }
             _ => return Err(dial_error(socket, error.to_string(), started)),
         }

@@ -56,7 +56,8 @@ pub struct ActualState {
 
 /// Entries by path. Several sockets may carry one plugin name at once (a DRA driver's rolling
 /// update, kubelet 1.33+): each is its own entry, registered and deregistered with its own
-/// endpoint, so nothing here relates entries by name.
+/// endpoint; the index by name only finds them (`explain` by driver name, and a duplicate
+/// driver's verdict), so neither costs a pass over every plugin.
 ///
 /// Memory per registered plugin is what the entry holds plus a table slot: entries are boxed (a
 /// table grows to a power of two, so inline ~300-byte entries cost up to twice that each); the
@@ -64,22 +65,41 @@ pub struct ActualState {
 #[derive(Debug, Default)]
 struct Plugins {
     by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>>,
+    /// The paths registered under each plugin name (`PluginInfo.name`), usually one.
+    by_name: HashMap<Box<str>, Vec<Arc<Path>>>,
 }
 
 impl Plugins {
     fn insert(&mut self, path: Arc<Path>, entry: RegisteredPlugin) {
         // An entry already there keeps its key (and its allocation).
         let path = match self.by_path.remove_entry(&*path) {
-            Some((old_path, _)) => old_path,
+            Some((old_path, old)) => {
+                self.unindex(&old_path, &old.plugin.name);
+                old_path
+            }
             None => path,
         };
+        self.by_name
+            .entry(entry.plugin.name.as_str().into())
+            .or_default()
+            .push(path.clone());
         self.by_path.insert(path, Box::new(entry));
     }
 
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
-        let entry = self.by_path.remove(path)?;
+        let (key, entry) = self.by_path.remove_entry(path)?;
+        self.unindex(&key, &entry.plugin.name);
         crate::memory::shrink_if_sparse(&mut self.by_path);
         Some(*entry)
+    }
+
+    fn unindex(&mut self, path: &Path, name: &str) {
+        if let Some(paths) = self.by_name.get_mut(name) {
+            paths.retain(|p| &**p != path);
+            if paths.is_empty() {
+                self.by_name.remove(name);
+            }
+        }
     }
 }
 
@@ -198,6 +218,22 @@ impl ActualState {
             .by_path
             .iter()
             .map(|(p, e)| (p.to_path_buf(), (**e).clone()))
+            .collect()
+    }
+
+    /// The entries registered under the plugin name `name`, with their paths (a lookup, not a
+    /// pass over every plugin).
+    pub fn named(&self, name: &str) -> Vec<(PathBuf, RegisteredPlugin)> {
+        let plugins = self.lock();
+        let Some(paths) = plugins.by_name.get(name) else {
+            return Vec::new();
+        };
+        paths
+            .iter()
+            .filter_map(|p| {
+                let entry = plugins.by_path.get(p)?;
+                Some((p.to_path_buf(), (**entry).clone()))
+            })
             .collect()
     }
 

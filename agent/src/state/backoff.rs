@@ -78,6 +78,15 @@ pub enum FailureKind {
         /// The end of its wait.
         until: Instant,
     },
+    /// GetInfo answered what no handler should see (an empty type or name, oversized fields):
+    /// retried as any failure; `explain`'s `invalid_info`.
+    InvalidInfo,
+    /// The socket's mode and owner refused the agent's connect (`EACCES`): retried as any
+    /// failure (a chmod fixes it); `explain`'s `socket_permissions`.
+    PermissionDenied,
+    /// The handler refused the plugin (its Validate or Register failed): retried as any
+    /// failure; `explain`'s `handler_refused`.
+    HandlerRefused,
     /// Anything else.
     Other,
 }

@@ -8,6 +8,8 @@
 //!   executor and handler changes; taken by the reconciler);
 //! - [`view`]: a plugin's state (pending, backing off, registered, ...) derived from the three
 //!   tables in one place, for the admin API, the CLI and metrics;
+//! - [`verdict`]: why a plugin is or is not registered (`explain`'s verdict, the `reason` of
+//!   every view), derived from the same tables and what the node says;
 //! - [`safety_pass`]: the safety pass's request to the watcher, and what its parts cost (the
 //!   next pass waits until that is a small share of the CPU).
 //!
@@ -20,6 +22,7 @@ pub mod backoff;
 pub mod desired;
 pub mod queue;
 pub mod safety_pass;
+pub mod verdict;
 pub mod view;
 
 use std::ffi::{CStr, CString};

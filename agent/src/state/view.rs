@@ -25,6 +25,7 @@
 use super::actual::{ActualState, RegisteredPlugin};
 use super::backoff::{Backoff, BackoffTable, FailureKind};
 use super::desired::{DesiredPlugin, DesiredState};
+use super::verdict::{self, Circumstances, Reason};
 use crate::provenance::Provenance;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,6 +83,8 @@ pub struct PluginStatus {
     pub backoff: Option<Backoff>,
     /// The state, from [`derive`].
     pub state: PluginState,
+    /// Why it is in that state, from [`verdict::derive`].
+    pub reason: Reason,
 }
 
 impl PluginStatus {
@@ -181,6 +184,8 @@ pub struct StateView {
     pub actual: Arc<ActualState>,
     /// The executor's backoff table.
     pub backoff: Arc<BackoffTable>,
+    /// What the node says, for the verdict ([`PluginStatus::reason`]).
+    pub circumstances: Arc<Circumstances>,
 }
 
 impl StateView {
@@ -192,12 +197,28 @@ impl StateView {
             .as_ref()
             .and_then(|d| self.backoff.get(path, d.socket));
         let state = derive(desired.as_ref(), registered.as_ref(), backoff.as_ref(), now);
-        PluginStatus {
+        let mut status = PluginStatus {
             path: path.to_path_buf(),
             desired,
             registered,
             backoff,
             state,
+            reason: Reason::Pending,
+        };
+        let duplicates = self.duplicates(&status);
+        status.reason = verdict::derive(&status, &self.circumstances, &duplicates);
+        status
+    }
+
+    /// The other sockets registered with the plugin name of `status`'s (a lookup by name).
+    pub fn duplicates(&self, status: &PluginStatus) -> Vec<verdict::Duplicate> {
+        match &status.registered {
+            Some(registered) if !registered.plugin.name.is_empty() => verdict::duplicates(
+                &status.path,
+                registered,
+                self.actual.named(&registered.plugin.name),
+            ),
+            _ => Vec::new(),
         }
     }
 
@@ -263,6 +284,7 @@ mod tests {
             desired: Arc::new(DesiredState::default()),
             actual: Arc::new(ActualState::default()),
             backoff: Arc::new(BackoffTable::default()),
+            circumstances: Arc::new(Circumstances::default()),
         }
     }
 

@@ -623,6 +623,7 @@ mod tests {
                 desired,
                 actual,
                 backoff: Arc::new(BackoffTable::default()),
+                circumstances: Arc::default(),
             },
             handlers,
             watcher: Arc::new(WatcherStats::default()),
