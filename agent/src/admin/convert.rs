@@ -71,11 +71,12 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
                 .map(|contact| contact_to_api(contact, contact.after_creation(d.kernel_ns)))
         }),
         first_contact_unknown: String::new(),
+        reason: status.reason.label().into(),
     }
 }
 
 /// The wire form of a first contact, `after_creation` the socket's creation when it was timed.
-fn contact_to_api(contact: &Contact, after_creation: Option<Duration>) -> api::Contact {
+pub(super) fn contact_to_api(contact: &Contact, after_creation: Option<Duration>) -> api::Contact {
     api::Contact {
         process: Some(actor_to_api(&contact.by)),
         at_unix_nanos: unix_nanos(contact.at),
@@ -137,7 +138,7 @@ pub(super) fn unix_ms(at: SystemTime) -> i64 {
         .unwrap_or_default()
 }
 
-pub(super) fn unix_nanos(at: SystemTime) -> i64 {
+pub fn unix_nanos(at: SystemTime) -> i64 {
     at.duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as i64)
         .unwrap_or_default()
@@ -193,6 +194,7 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .as_ref()
             .map(|contact| contact_to_api(contact, event.latency)),
         walk: event.walk.as_ref().map(walk_to_api),
+        reason: String::new(),
     }
 }
 

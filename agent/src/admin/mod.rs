@@ -4,9 +4,11 @@
 //! Access control is the socket's: mode 0600 in a directory the agent creates 0700, and every call
 //! checks the caller's credentials (`SO_PEERCRED`): only root or the agent's own user may use it.
 
+mod checks;
 pub mod client;
 mod convert;
 mod event_feed;
+mod explain;
 mod served;
 pub mod server;
 

@@ -212,18 +212,39 @@ impl api::agent_server::Agent for AdminService {
         self.authorize(&request)?;
         let stream =
             super::event_feed::until_stopped(self.notifications.subscribe(), self.shutdown.clone())
-                .map(|fed| {
-                    Ok(match fed {
-                        Fed::Event(event) => event_to_api(&event),
-                        Fed::Lagged(missed) => api::AgentEvent {
-                            time_unix_nanos: unix_nanos(SystemTime::now()),
-                            kind: api::EventKind::Lagged as i32,
-                            detail: format!("{missed} events dropped: this watcher fell behind"),
-                            ..Default::default()
-                        },
-                    })
+                .map({
+                    let state = self.state.clone();
+                    move |fed| {
+                        Ok(match fed {
+                            Fed::Event(event) => with_reason(&state, event_to_api(&event), &event),
+                            Fed::Lagged(missed) => api::AgentEvent {
+                                time_unix_nanos: unix_nanos(SystemTime::now()),
+                                kind: api::EventKind::Lagged as i32,
+                                detail: format!(
+                                    "{missed} events dropped: this watcher fell behind"
+                                ),
+                                ..Default::default()
+                            },
+                        })
+                    }
                 });
         Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn explain(
+        &self,
+        request: Request<api::ExplainRequest>,
+    ) -> Result<Response<api::ExplainResponse>, Status> {
+        self.authorize(&request)?;
+        let target = request.into_inner().target;
+        if target.is_empty() || target.len() > 4096 {
+            return Err(Status::invalid_argument(
+                "target must be a socket path, a plugin name or a socket's file name (1 to 4096 bytes)",
+            ));
+        }
+        let plugin_dir = std::path::PathBuf::from(&self.status.plugin_dir);
+        let answer = super::explain::explain(&self.state, &plugin_dir, &target).await;
+        Ok(Response::new(answer))
     }
 
     async fn get_status(
@@ -282,6 +303,27 @@ impl api::agent_server::Agent for AdminService {
             retried: count(reload.retried),
         }))
     }
+}
+
+/// `wire` with the reason of the socket `event` is about, as `list` shows it now (events about
+/// no socket, or one the agent no longer knows, carry none).
+fn with_reason(
+    state: &StateView,
+    mut wire: api::AgentEvent,
+    event: &crate::notifications::AgentEvent,
+) -> api::AgentEvent {
+    use crate::notifications::EventKind;
+    let about_a_socket = !matches!(
+        event.kind,
+        EventKind::Rescan | EventKind::Walked | EventKind::SocketRemoved
+    );
+    if about_a_socket && !event.socket_path.as_os_str().is_empty() {
+        let status = state.status(&event.socket_path, tokio::time::Instant::now());
+        if status.desired.is_some() || status.registered.is_some() {
+            wire.reason = status.reason.label().into();
+        }
+    }
+    wire
 }
 
 fn validate_type(plugin_type: &str) -> Result<(), Status> {

@@ -83,6 +83,7 @@ impl Stages {
         }
         self.runner.with_admission(self.provenance.clone(), policy);
         self.runner.watch_contacts(self.desired.clone());
+        self.runner.derive_reasons_from(self.state_view());
     }
 
     /// Creates the caches and the stages over them (see the module docs).

@@ -10,6 +10,8 @@ use plugin_agent_proto::pluginagent::v1 as api;
 struct PluginRow {
     socket_path: String,
     state: String,
+    /// Why it is in that state (`plugin-agent explain`'s verdict).
+    reason: String,
     #[serde(rename = "type")]
     plugin_type: String,
     name: String,
@@ -44,6 +46,7 @@ impl From<api::PluginEntry> for PluginRow {
                 .as_str_name()
                 .trim_start_matches("PLUGIN_STATE_")
                 .to_lowercase(),
+            reason: e.reason,
             plugin_type: plugin.r#type,
             name: plugin.name,
             endpoint: plugin.endpoint,
@@ -79,11 +82,12 @@ pub(super) async fn list(
         return print_structured(&rows, output);
     }
     if wide {
-        let table: Vec<[String; 9]> = rows.iter().map(wide_row).collect();
+        let table: Vec<[String; 10]> = rows.iter().map(wide_row).collect();
         print_table(
             &[
                 "SOCKET",
                 "STATE",
+                "REASON",
                 "TYPE",
                 "NAME",
                 "SERVER",
@@ -129,9 +133,9 @@ fn note(r: &PluginRow) -> String {
     }
 }
 
-/// `--wide`: who serves and who created each socket, who first contacted it, and where the
+/// `--wide`: why it is in its state (`explain`'s verdict), who serves and who created each socket, who first contacted it, and where the
 /// server runs (its pod and container, else its cgroup).
-fn wide_row(r: &PluginRow) -> [String; 9] {
+fn wide_row(r: &PluginRow) -> [String; 10] {
     let (server, creator, place) = match &r.provenance {
         Some(p) => (
             p.server_summary(),
@@ -143,6 +147,7 @@ fn wide_row(r: &PluginRow) -> [String; 9] {
     [
         r.socket_path.clone(),
         r.state.clone(),
+        r.reason.clone(),
         r.plugin_type.clone(),
         r.name.clone(),
         server,

@@ -1,5 +1,5 @@
 //! The `plugin-agent` command line: `run` starts the agent; `list`, `watch`, `status`,
-//! `handler` and `policy` talk to a running agent through its admin socket; `completions` prints shell
+//! `explain`, `handler` and `policy` talk to a running agent through its admin socket; `completions` prints shell
 //! completions.
 //!
 //! One file per subcommand, as bpfman's CLI: this file holds the clap definitions and the
@@ -24,6 +24,7 @@ macro_rules! out_raw {
 }
 
 mod cleanup;
+mod explain;
 mod handler;
 mod list;
 mod output;
@@ -119,6 +120,19 @@ pub enum Command {
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Why a plugin is or is not registered: the verdict, the timeline the agent observed for its
+    /// socket, and checks (each passed or failed, with the fix).
+    #[command(after_help = "Examples:\n  \
+        plugin-agent explain /var/lib/kubelet/plugins_registry/csi.example.com-reg.sock\n  \
+        plugin-agent explain csi.example.com        # the driver name GetInfo announced\n  \
+        plugin-agent explain csi.example.com -o json")]
+    Explain {
+        /// A socket path, a plugin (driver) name, or a socket's file name.
+        target: String,
+        /// Output format.
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     /// Add or remove a handler in the running agent.
     #[command(subcommand)]
     Handler(HandlerCommand),
@@ -194,6 +208,7 @@ pub async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::List { output, wide } => list::list(&socket(), output, wide).await,
         Command::Watch { output } => watch::watch(&socket(), output).await,
         Command::Status { output } => status::status(&socket(), output).await,
+        Command::Explain { target, output } => explain::explain(&socket(), &target, output).await,
         Command::Handler(command) => handler::execute(&socket(), command).await,
         Command::Policy(PolicyCommand::Reload) => policy::reload(&socket()).await,
         Command::Cleanup {

@@ -26,6 +26,9 @@ struct EventRow {
     contact: Option<ContactRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     walk: Option<WalkRow>,
+    /// The socket's reason (`explain`'s verdict) as the event was delivered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
 }
 
 /// A finished walk, as `watch` prints it (the wire's `Walk`).
@@ -78,6 +81,7 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             provenance: event.provenance.map(ProvenanceRow::from),
             contact: event.contact.map(ContactRow::from),
             walk: event.walk.map(WalkRow::from),
+            reason: (!event.reason.is_empty()).then_some(event.reason),
         };
         match output {
             Output::Json => out!("{}", serde_json::to_string(&row)?),
@@ -108,6 +112,9 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                 }
                 if let Some(e) = &row.error {
                     line += &format!(" error={e:?}");
+                }
+                if let Some(r) = &row.reason {
+                    line += &format!(" reason={r}");
                 }
                 if let Some(d) = &row.detail {
                     line += &format!(" ({d})");

@@ -128,14 +128,16 @@ fn mark_tail(span: &tracing::Span, failed: bool, took: Duration) -> bool {
 
 /// Records a finished registration attempt: operation outcome, latency since the socket's
 /// discovery (its kernel event when timestamped), and the outcome on the `register` span;
-/// `took` is the operation's own time, for the tail rule.
+/// `took` is the operation's own time, for the tail rule. The span's trace ends with
+/// [`RegisterEnded::finish`], once what the outcome changed is recorded and the socket's reason
+/// (its verdict) is known.
 pub fn register_ended(
     telemetry: &Telemetry,
     source: &'static str,
     desired: &DesiredPlugin,
     result: &Result<Plugin, RegisterFailure>,
     took: Duration,
-) {
+) -> RegisterEnded {
     let outcome = result
         .as_ref()
         .map_or_else(RegisterFailure::outcome, |_| "success");
@@ -148,7 +150,8 @@ pub fn register_ended(
     }
     // A socket waiting to listen is not a failure, and its attempt not the registration.
     let waiting = matches!(outcome, "waiting_to_listen" | "waiting_for_kubelet");
-    let kept = mark_tail(&span, result.is_err() && !waiting, took);
+    let failed = result.is_err() && !waiting;
+    let kept = sampling::tail_reason(failed, took).is_some();
     // A socket that vanished mid-attempt is not a registration that failed: no latency.
     if outcome != "socket_gone" && !waiting {
         let latency = desired
@@ -157,6 +160,29 @@ pub fn register_ended(
             .or_else(|| desired.seen_at.elapsed().ok())
             .unwrap_or_default();
         metrics.registration(source, result.is_ok(), latency, exemplar(kept));
+    }
+    RegisterEnded { failed, took }
+}
+
+/// A registration whose trace is still open (see [`register_ended`]).
+#[must_use]
+pub struct RegisterEnded {
+    failed: bool,
+    took: Duration,
+}
+
+/// The span field (and trace attribute) that carries the socket's reason; a failed operation's
+/// span status says it too.
+pub const REASON_FIELD: &str = "plugin_agent.reason";
+
+impl RegisterEnded {
+    /// Ends the operation's trace with the socket's `reason` (its verdict, `state::verdict`).
+    pub fn finish(self, reason: Option<&'static str>) {
+        let span = tracing::Span::current();
+        if let Some(reason) = reason {
+            record(&span, REASON_FIELD, reason);
+        }
+        mark_tail(&span, self.failed, self.took);
     }
 }
 

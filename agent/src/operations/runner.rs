@@ -67,6 +67,9 @@ pub struct Runner {
     pub(super) steps: crate::registration::StepTimer,
     /// The agent's shutdown: a dial not answered yet is dropped.
     pub(super) cancel: CancellationToken,
+    /// The tables and circumstances a socket's reason is derived from, for the span of each
+    /// registration (set at start; unset: no reason is recorded).
+    verdicts: OnceLock<crate::state::view::StateView>,
 }
 
 impl Runner {
@@ -93,6 +96,7 @@ impl Runner {
             },
             liveness: parts.liveness,
             contacts: OnceLock::new(),
+            verdicts: OnceLock::new(),
             steps: report::step_timer(telemetry),
             cancel,
         })
@@ -106,6 +110,21 @@ impl Runner {
     /// Records operations in `journal` from now on (see `persist`).
     pub fn keep_journal(&self, journal: Arc<crate::persist::Journal>) {
         self.records.keep_journal(journal);
+    }
+
+    /// Derives each registration's reason (its span's) from `view`.
+    pub fn derive_reasons_from(&self, view: crate::state::view::StateView) {
+        let _ = self.verdicts.set(view);
+    }
+
+    /// The reason of the socket at `path` now (see `state::verdict`).
+    pub(super) fn reason_of(&self, path: &std::path::Path) -> Option<&'static str> {
+        let view = self.verdicts.get()?;
+        Some(
+            view.status(path, tokio::time::Instant::now())
+                .reason
+                .label(),
+        )
     }
 
     /// Reads first contacts from `desired`, where the watcher records them (observe mode).

@@ -47,14 +47,17 @@ impl OperationRunner for Runner {
             // The operation's time counts from its request: waiting for a slot is part of what
             // is slow.
             let telemetry = &self.failures.telemetry;
-            report::register_ended(telemetry, source, &desired, &result, queued.elapsed());
-            match result {
+            let report =
+                report::register_ended(telemetry, source, &desired, &result, queued.elapsed());
+            let ended = match result {
                 Ok(plugin) => {
                     self.registered(&desired, plugin, server, started);
                     Ended::Done
                 }
                 Err(error) => self.failures.record(&path, &desired, error),
-            }
+            };
+            report.finish(self.reason_of(&path));
+            ended
         }
         .instrument(span);
         Box::pin(report::in_context(context, operation))
@@ -115,7 +118,7 @@ fn register_span(
             "register", socket_path = %path.display(), generation = %desired.generation,
             plugin_name = Empty, plugin_type = Empty, event_source = source, attempt,
             slot_wait_ms,
-            outcome = Empty, error = Empty, tail_kept = Empty,
+            outcome = Empty, error = Empty, tail_kept = Empty, plugin_agent.reason = Empty,
             process.pid = Empty, process.executable.name = Empty, process.user.id = Empty,
             process.linux.cgroup = Empty, container.id = Empty, k8s.pod.uid = Empty,
             plugin_agent.creator.pid = Empty, plugin_agent.creator.executable.name = Empty,

@@ -418,6 +418,16 @@ impl BackoffTable {
         self.lock().get(&(path.to_path_buf(), socket)).cloned()
     }
 
+    /// The paths of sockets the policy refused whose plugins said they are `name` (`explain`
+    /// by a name no registered plugin carries: one pass over the failed sockets, not the tree).
+    pub fn rejected_named(&self, name: &str) -> Vec<PathBuf> {
+        self.lock()
+            .iter()
+            .filter(|(_, b)| matches!(&b.kind, FailureKind::Rejected { plugin, .. } if plugin.name == name))
+            .map(|((path, _), _)| path.clone())
+            .collect()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Backoff>> {
         self.entries
             .lock()

@@ -134,19 +134,33 @@ impl Reason {
     pub fn verdict(self) -> &'static str {
         match self {
             Reason::Registered => "registered",
-            Reason::Observed => "observed: kubelet contacted it and nothing the agent sees is wrong",
-            Reason::Pending => "pending: registration not attempted yet, under way, or waiting for the socket to listen (or for kubelet)",
-            Reason::Deregistering => "deregistering: its socket is gone, re-created or no longer served",
-            Reason::PathTooLong => "path too long for a unix socket: 108 bytes or more cannot be dialled",
+            Reason::Observed => {
+                "observed: kubelet contacted it and nothing the agent sees is wrong"
+            }
+            Reason::Pending => {
+                "pending: registration not attempted yet, under way, or waiting for the socket to listen (or for kubelet)"
+            }
+            Reason::Deregistering => {
+                "deregistering: its socket is gone, re-created or no longer served"
+            }
+            Reason::PathTooLong => {
+                "path too long for a unix socket: 108 bytes or more cannot be dialled"
+            }
             Reason::NotFound => "no such socket",
             Reason::NotASocket => "not a socket",
             Reason::OutsideWatchedDir => "outside the directory the agent watches",
-            Reason::OutsideKubeletDir => "outside the registration directory the node's kubelet watches",
+            Reason::OutsideKubeletDir => {
+                "outside the registration directory the node's kubelet watches"
+            }
             Reason::ServedByNobody => "served by nobody: the socket exists, nothing listens on it",
-            Reason::StoppedAfterKubeletContact => "stopped serving right after kubelet's first contact: kubelet most likely told it Notify(false)",
+            Reason::StoppedAfterKubeletContact => {
+                "stopped serving right after kubelet's first contact: kubelet most likely told it Notify(false)"
+            }
             Reason::RejectedByPolicy => "rejected by policy",
             Reason::InvalidInfo => "GetInfo answer invalid",
-            Reason::DuplicateDriver => "duplicate driver: a newer socket announces the same driver name",
+            Reason::DuplicateDriver => {
+                "duplicate driver: a newer socket announces the same driver name"
+            }
             Reason::NoHandler => "no handler for its plugin type",
             Reason::HandlerRefused => "refused by its handler",
             Reason::SocketPermissions => "the socket's mode and owner refuse the agent's connect",
@@ -233,7 +247,9 @@ impl Circumstances {
         let kubelets = self.kubelets(false);
         self.observe
             && !kubelets.is_empty()
-            && !kubelets.iter().any(|k| path.starts_with(&k.plugins_registry))
+            && !kubelets
+                .iter()
+                .any(|k| path.starts_with(&k.plugins_registry))
     }
 }
 
@@ -360,9 +376,7 @@ fn described(
     let never_contacted = status.desired.as_ref().is_some_and(|d| {
         d.by_event
             && d.first_contact.is_none()
-            && d.seen_at
-                .elapsed()
-                .is_ok_and(|age| age >= KUBELET_EXPECTED)
+            && d.seen_at.elapsed().is_ok_and(|age| age >= KUBELET_EXPECTED)
     });
     if observe && circumstances.sees_contacts && never_contacted {
         return Reason::KubeletNeverConnected;
@@ -392,4 +406,33 @@ fn stopped_after_contact(status: &PluginStatus, circumstances: &Circumstances) -
     // The contact's wall time is reckoned on its receipt: a second's slack either way.
     let slack = Duration::from_secs(1);
     stopped_at + slack >= contact.at && stopped_at <= contact.at + STOPPED_AFTER_CONTACT + slack
+}
+
+/// What `explain` found at a path the agent does not know (never desired nor registered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unseen {
+    pub exists: bool,
+    pub is_socket: bool,
+    pub fits: bool,
+    pub under_watched_dir: bool,
+    /// One connect's answer; `None` when none was tried.
+    pub listens: Option<bool>,
+}
+
+/// The verdict on a path the agent does not know, from what `explain` found there.
+pub fn unseen(found: Unseen) -> Reason {
+    if !found.fits {
+        Reason::PathTooLong
+    } else if !found.exists {
+        Reason::NotFound
+    } else if !found.is_socket {
+        Reason::NotASocket
+    } else if !found.under_watched_dir {
+        Reason::OutsideWatchedDir
+    } else if found.listens == Some(false) {
+        Reason::ServedByNobody
+    } else {
+        // A socket the agent has not looked at yet (it was just made).
+        Reason::Pending
+    }
 }

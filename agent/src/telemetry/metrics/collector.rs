@@ -4,6 +4,7 @@
 
 use crate::event_source::EventSource;
 use crate::handler::HandlerRegistry;
+use crate::state::verdict::Reason;
 use crate::state::view::{PluginState, PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
 use prometheus_client::collector::Collector;
@@ -60,6 +61,7 @@ impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let plugins = self.state.all(tokio::time::Instant::now());
         self.encode_plugins(&mut encoder, &plugins)?;
+        encode_problems(&mut encoder, &plugins)?;
         self.encode_handlers(&mut encoder)?;
         self.encode_source(&mut encoder)?;
         self.encode_kernel(&mut encoder)?;
@@ -259,6 +261,31 @@ impl StateCollector {
 }
 
 /// `plugin_agent_build_info`.
+/// `plugin_agent_plugin_problems{reason}`: plugins by the reason of a problem (`explain`'s
+/// verdict, `state::verdict`), every reason of the closed list at zero or more.
+fn encode_problems(
+    encoder: &mut DescriptorEncoder,
+    plugins: &[PluginStatus],
+) -> Result<(), std::fmt::Error> {
+    let mut by_reason: BTreeMap<&'static str, i64> = Reason::ALL
+        .iter()
+        .filter(|r| r.is_problem())
+        .map(|r| (r.label(), 0))
+        .collect();
+    for plugin in plugins.iter().filter(|p| p.reason.is_problem()) {
+        *by_reason.entry(plugin.reason.label()).or_default() += 1;
+    }
+    family(
+        encoder,
+        "plugin_agent_plugin_problems",
+        "Plugin sockets with a problem, by reason (the verdict of `plugin-agent explain`; a closed list).",
+        MetricType::Gauge,
+        by_reason
+            .into_iter()
+            .map(|(reason, n)| (vec![("reason", reason.to_string())], ConstGauge::new(n))),
+    )
+}
+
 fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
     let mut info = encoder.encode_descriptor(
         "plugin_agent_build",

@@ -487,6 +487,7 @@ pub fn render_prometheus(registry: &Registry) -> Result<String, std::fmt::Error>
 /// checks.
 pub const EXPORTED: &[&str] = &[
     "plugin_manager_total_plugins",
+    "plugin_agent_plugin_problems",
     "plugin_agent_operations_total",
     "plugin_agent_registration_duration_seconds_bucket",
     "plugin_agent_registration_duration_seconds_sum",

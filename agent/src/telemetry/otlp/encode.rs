@@ -317,8 +317,22 @@ pub struct SpanRecord<'a> {
     pub start: SystemTime,
     pub end: SystemTime,
     pub attributes: &'a [KeyValue],
-    /// Ends with an error status (no description: the `error` attribute says what).
+    /// Ends with an error status, described by the `plugin_agent.reason` attribute when there
+    /// is one (the `error` attribute says what happened).
     pub failed: bool,
+}
+
+/// A failed operation's status description: the socket's reason (the verdict of `plugin-agent
+/// explain`, a closed list), when the operation recorded one.
+fn reason_of(attributes: &[KeyValue]) -> &str {
+    attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == "plugin_agent.reason")
+        .and_then(|kv| match &kv.value {
+            opentelemetry::Value::String(reason) => Some(reason.as_str()),
+            _ => None,
+        })
+        .unwrap_or("")
 }
 
 /// What a span's body is made of, computed once for its length and its writing.
@@ -385,7 +399,11 @@ impl<'a> SpanFields<'a> {
             attributes: span.attributes,
             dropped_attributes: 0,
             flags: span_flags(TraceFlags::SAMPLED, span.parent_is_remote),
-            status: if span.failed { (2, "") } else { (0, "") },
+            status: if span.failed {
+                (2, reason_of(span.attributes))
+            } else {
+                (0, "")
+            },
             sdk: None,
         }
     }
