@@ -147,3 +147,31 @@ impl Drop for Watch {
         let _ = self.child.wait();
     }
 }
+
+/// `plugin-agent explain <target> -o json` against the agent on `admin_socket`: one JSON object
+/// per socket explained (`reason`, `verdict`, `timeline`, `checks`, ...).
+pub fn explain(admin_socket: &Path, target: &str) -> Vec<serde_json::Value> {
+    let output = Command::new(agent_bin())
+        .arg("--admin-socket")
+        .arg(admin_socket)
+        .args(["explain", target, "-o", "json"])
+        .output()
+        .unwrap_or_else(|e| panic!("run plugin-agent explain: {e}"));
+    assert!(
+        output.status.success(),
+        "plugin-agent explain {target} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("plugin-agent explain -o json prints no JSON: {e}"))
+}
+
+/// The check called `name` of one explanation (`explain`'s JSON), as (result, detail, fix).
+pub fn check<'a>(explained: &'a serde_json::Value, name: &str) -> (&'a str, &'a str, &'a str) {
+    let found = explained["checks"]
+        .as_array()
+        .and_then(|checks| checks.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no check {name} in {explained:#}"));
+    let text = |key: &str| found[key].as_str().unwrap_or_default();
+    (text("result"), text("detail"), text("fix"))
+}

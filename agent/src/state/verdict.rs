@@ -11,7 +11,7 @@
 //! registered, socket gone or re-created                       deregistering
 //! refused by the policy                                        rejected_by_policy
 //! observe mode, a kubelet runs, watching another directory     outside_kubelet_dir
-//! unserved, observe mode, within 10 s of kubelet's contact     stopped_after_kubelet_contact
+//! unserved, observe mode, within 15 s of kubelet's contact     stopped_after_kubelet_contact
 //! unserved                                                     served_by_nobody
 //! failed: no handler / GetInfo invalid / EACCES / handler no   no_handler / invalid_info /
 //!                                                              socket_permissions / handler_refused
@@ -38,8 +38,9 @@ use std::time::{Duration, SystemTime};
 pub const SUN_PATH_MAX: usize = 107;
 
 /// A plugin that stops serving this soon after kubelet's first contact most likely heard
-/// kubelet's `Notify(false)` (node-driver-registrar exits on it).
-pub const STOPPED_AFTER_CONTACT: Duration = Duration::from_secs(10);
+/// kubelet's `Notify(false)` (node-driver-registrar exits on it). Longer than the agent's wait
+/// for a new socket to listen (10 s), which can stand between the exit and the agent learning it.
+pub const STOPPED_AFTER_CONTACT: Duration = Duration::from_secs(15);
 
 /// How soon kubelet contacts a new socket: its reconciler looks every second, and an observer
 /// leaves it three before calling itself (`mode::KUBELET_FIRST`).

@@ -141,6 +141,14 @@ struct Args {
     /// expects exactly one caller: kubelet); prints `listener_closed`.
     #[arg(long)]
     serve_once: bool,
+    /// Exit (status 1, the socket left behind) once it has answered a `Notify(false)`, as
+    /// node-driver-registrar does (`os.Exit(1)`): prints `{"event":"exiting"}` first.
+    #[arg(long)]
+    exit_on_notify_false: bool,
+    /// The file mode creation mask to bind under, in octal (`0077`: a socket only its owner, or
+    /// a process with `CAP_DAC_OVERRIDE`, can connect to).
+    #[arg(long, value_parser = parse_octal)]
+    umask: Option<u32>,
     /// Serve the listening socket inherited as this descriptor (the child of `--hand-off`).
     #[arg(long, hide = true)]
     serve_fd: Option<i32>,
@@ -184,6 +192,26 @@ fn emit_heard(heard: Heard) {
     });
 }
 
+fn parse_octal(text: &str) -> Result<u32, std::num::ParseIntError> {
+    u32::from_str_radix(text, 8)
+}
+
+/// Exits with status 1 shortly after a `Notify(false)` (its answer is sent first), without
+/// removing the socket: what node-driver-registrar does when kubelet refuses it.
+fn exit_after_notify_false(heard: &Heard) {
+    let Heard::Notify { status, .. } = heard else {
+        return;
+    };
+    if status.plugin_registered {
+        return;
+    }
+    emit(json!({"event": "exiting", "error": status.error}));
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_millis(50));
+        std::process::exit(1);
+    });
+}
+
 /// The plugin the flags describe.
 fn plugin(args: &Args) -> FakePlugin {
     let name = match args.huge_name_bytes {
@@ -216,7 +244,16 @@ fn plugin(args: &Args) -> FakePlugin {
             error_times: args.notify_error_times,
             ..Faults::default()
         })
-        .on_call(emit_heard)
+        .on_call({
+            let exit = args.exit_on_notify_false;
+            move |heard| {
+                let stops = exit.then(|| heard.clone());
+                emit_heard(heard);
+                if let Some(heard) = stops {
+                    exit_after_notify_false(&heard);
+                }
+            }
+        })
 }
 
 /// Listens on the bound socket after `--listen-delay`, then serves after `--serve-delay`.
@@ -349,6 +386,9 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        if let Some(mask) = args.umask {
+            nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(mask));
+        }
         let bound = match args.serve_fd {
             // SAFETY: the parent handed this descriptor over for this process to own.
             Some(fd) => Ok(unsafe { socket::inherited(fd) }),

@@ -33,8 +33,33 @@ pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
         SockFlag::SOCK_CLOEXEC,
         None,
     )?;
-    nix::sys::socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    if path.as_os_str().len() < MAX_SUN_PATH {
+        nix::sys::socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    } else {
+        bind_long(&fd, path)?;
+    }
     Ok(fd)
+}
+
+/// Bytes of a `sockaddr_un`'s path, its NUL included.
+const MAX_SUN_PATH: usize = 108;
+
+/// Binds `fd` at a path too long for a `sockaddr_un` (108 bytes or more), through its directory's
+/// descriptor: `/proc/self/fd/N/<name>` is short, and the kernel resolves it to the directory.
+/// The socket exists at `path`, where nothing can connect to it by name: what a plugin with too
+/// long a path leaves (kubernetes #139166).
+fn bind_long(fd: &OwnedFd, path: &Path) -> std::io::Result<()> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::other(
+            "a socket path needs a directory and a name",
+        ));
+    };
+    let dir = std::fs::File::open(dir)?;
+    let short = Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(name);
+    nix::sys::socket::bind(fd.as_raw_fd(), &UnixAddr::new(&short)?)?;
+    Ok(())
 }
 
 /// Listens on a bound socket with room for `backlog` waiting connections.
