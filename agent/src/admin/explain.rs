@@ -302,12 +302,22 @@ fn exited(status: &PluginStatus) -> String {
         .as_ref()
         .and_then(|p| p.server.as_ref().and_then(|s| s.pid).or(p.creator.pid()));
     match pid {
-        Some(pid) if Path::new(&format!("/proc/{pid}")).exists() => {
-            format!("; its process {pid} still runs")
-        }
+        Some(pid) if runs(pid) => format!("; its process {pid} still runs"),
         Some(pid) => format!("; its process {pid} has exited"),
         None => String::new(),
     }
+}
+
+/// Whether process `pid` runs: it is in `/proc` and not a zombie waiting for its parent.
+fn runs(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `pid (comm) S ...`: the state follows the command, which may hold spaces and parentheses.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some('Z' | 'X') | None)
 }
 
 /// What the agent observed of the socket, oldest first.
