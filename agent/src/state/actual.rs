@@ -396,7 +396,9 @@ mod tests {
         let plugins = state.lock();
         let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");
         assert!(Arc::ptr_eq(key, &path));
-        // The caller's handle and the key: nothing else holds the path.
-        assert_eq!(Arc::strong_count(&path), 2);
+        // The caller's handle, the key and the name index (the same allocation): nothing else
+        // holds the path.
+        assert_eq!(Arc::strong_count(&path), 3);
+        assert!(Arc::ptr_eq(&plugins.by_name["foo"][0], &path));
     }
 }

@@ -20,6 +20,7 @@
 pub mod actual;
 pub mod backoff;
 pub mod desired;
+pub mod plugin_state;
 pub mod queue;
 pub mod safety_pass;
 pub mod verdict;

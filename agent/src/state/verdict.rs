@@ -27,8 +27,9 @@
 //! [`Reason::NotFound`], [`Reason::NotASocket`] and [`Reason::OutsideWatchedDir`].
 
 use super::actual::RegisteredPlugin;
-use super::backoff::FailureKind;
-use super::view::{PluginState, PluginStatus};
+use super::backoff::{Backoff, FailureKind};
+use super::desired::DesiredPlugin;
+use super::plugin_state::PluginState;
 use crate::handler::Plugin;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -314,10 +315,20 @@ pub fn kubelet_refusal(plugin: &Plugin) -> Option<String> {
     })
 }
 
+/// What the verdict is derived from: a socket's entries and its state (`view`'s `PluginStatus`).
+#[derive(Debug, Clone, Copy)]
+pub struct Seen<'a> {
+    pub path: &'a Path,
+    pub state: PluginState,
+    pub desired: Option<&'a DesiredPlugin>,
+    pub registered: Option<&'a RegisteredPlugin>,
+    pub backoff: Option<&'a Backoff>,
+}
+
 /// The verdict on the socket `status` describes (see the module docs for the rows);
 /// `duplicates` are the other sockets with its plugin's name, when it has one.
 pub fn derive(
-    status: &PluginStatus,
+    status: &Seen<'_>,
     circumstances: &Circumstances,
     duplicates: &[Duplicate],
 ) -> Reason {
@@ -325,7 +336,7 @@ pub fn derive(
     if status.path.as_os_str().as_bytes().len() > SUN_PATH_MAX {
         return Reason::PathTooLong;
     }
-    let kind = status.backoff.as_ref().map(|b| &b.kind);
+    let kind = status.backoff.map(|b| &b.kind);
     match status.state {
         PluginState::Deregistering => return Reason::Deregistering,
         PluginState::Rejected => return Reason::RejectedByPolicy,
@@ -358,13 +369,9 @@ fn failed(kind: &FailureKind) -> Reason {
 }
 
 /// The reason of a registered or observed socket.
-fn described(
-    status: &PluginStatus,
-    circumstances: &Circumstances,
-    duplicates: &[Duplicate],
-) -> Reason {
+fn described(status: &Seen<'_>, circumstances: &Circumstances, duplicates: &[Duplicate]) -> Reason {
     let observe = circumstances.observe;
-    if let Some(registered) = &status.registered
+    if let Some(registered) = status.registered
         && observe
         && !registered.plugin.plugin_type.is_empty()
         && kubelet_refusal(&registered.plugin).is_some()
@@ -374,7 +381,7 @@ fn described(
     if duplicates.iter().any(|d| d.newer) {
         return Reason::DuplicateDriver;
     }
-    let never_contacted = status.desired.as_ref().is_some_and(|d| {
+    let never_contacted = status.desired.is_some_and(|d| {
         d.by_event
             && d.first_contact.is_none()
             && d.seen_at.elapsed().is_ok_and(|age| age >= KUBELET_EXPECTED)
@@ -390,12 +397,9 @@ fn described(
 
 /// Observe mode: the socket stopped being served within [`STOPPED_AFTER_CONTACT`] of kubelet's
 /// first contact.
-fn stopped_after_contact(status: &PluginStatus, circumstances: &Circumstances) -> bool {
-    let contact = status
-        .desired
-        .as_ref()
-        .and_then(|d| d.first_contact.as_ref());
-    let since = status.backoff.as_ref().and_then(|b| match b.kind {
+fn stopped_after_contact(status: &Seen<'_>, circumstances: &Circumstances) -> bool {
+    let contact = status.desired.and_then(|d| d.first_contact.as_ref());
+    let since = status.backoff.and_then(|b| match b.kind {
         FailureKind::Unserved { since, .. } => Some(since),
         _ => None,
     });
@@ -435,5 +439,228 @@ pub fn unseen(found: Unseen) -> Reason {
     } else {
         // A socket the agent has not looked at yet (it was just made).
         Reason::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::SocketId;
+    use crate::state::view::StateView;
+    use std::sync::Arc;
+    use tokio::time::Instant;
+
+    fn socket() -> SocketId {
+        SocketId {
+            dev: 1,
+            ino: 2,
+            birth_ns: None,
+            handle: None,
+        }
+    }
+
+    fn plugin(plugin_type: &str, name: &str, versions: &[&str]) -> Plugin {
+        Plugin {
+            plugin_type: plugin_type.into(),
+            name: name.into(),
+            endpoint: String::new(),
+            supported_versions: versions.iter().map(|v| v.to_string()).collect(),
+            socket_path: String::new(),
+        }
+    }
+
+    fn view(circumstances: Circumstances) -> StateView {
+        StateView {
+            desired: Arc::default(),
+            actual: Arc::default(),
+            backoff: Arc::default(),
+            circumstances: Arc::new(circumstances),
+        }
+    }
+
+    fn reason_of(view: &StateView, path: &Path) -> Reason {
+        view.status(path, Instant::now()).reason
+    }
+
+    #[test]
+    fn every_failure_class_has_its_reason_and_a_path_of_108_bytes_is_too_long_first() {
+        let view = view(Circumstances::default());
+        let cases = [
+            (FailureKind::InvalidInfo, Reason::InvalidInfo),
+            (FailureKind::PermissionDenied, Reason::SocketPermissions),
+            (FailureKind::HandlerRefused, Reason::HandlerRefused),
+            (
+                FailureKind::WaitingForHandler {
+                    plugin_type: "CSIPlugin".into(),
+                },
+                Reason::NoHandler,
+            ),
+            (FailureKind::Other, Reason::RegistrationFailed),
+        ];
+        for (i, (kind, reason)) in cases.into_iter().enumerate() {
+            let path = PathBuf::from(format!("/r/{i}.sock"));
+            view.desired
+                .add_or_update(&path, socket(), None)
+                .expect("desired");
+            view.backoff
+                .fail(&path, socket(), "x".into(), kind, Instant::now());
+            assert_eq!(reason_of(&view, &path), reason, "{}", path.display());
+        }
+        let long = PathBuf::from(format!("/r/{}.sock", "d".repeat(100)));
+        assert_eq!(long.as_os_str().len(), 108);
+        view.desired
+            .add_or_update(&long, socket(), None)
+            .expect("desired");
+        view.backoff.fail(
+            &long,
+            socket(),
+            "x".into(),
+            FailureKind::Other,
+            Instant::now(),
+        );
+        assert_eq!(reason_of(&view, &long), Reason::PathTooLong);
+        let fits = PathBuf::from(format!("/r/{}.sock", "d".repeat(99)));
+        view.desired
+            .add_or_update(&fits, socket(), None)
+            .expect("desired");
+        assert_eq!(reason_of(&view, &fits), Reason::Pending);
+    }
+
+    #[test]
+    fn the_older_of_two_sockets_with_one_driver_name_is_the_duplicate() {
+        let view = view(Circumstances::default());
+        let handler: Arc<dyn crate::handler::PluginHandler> =
+            Arc::new(crate::handler::accept_all::AcceptAll);
+        let (old, new) = (Path::new("/r/old.sock"), Path::new("/r/new.sock"));
+        for path in [old, new] {
+            view.desired
+                .add_or_update(path, socket(), None)
+                .expect("desired");
+            let desired = view.desired.get(path).expect("desired");
+            view.actual.add(
+                desired.path.clone(),
+                desired.generation,
+                socket(),
+                plugin("CSIPlugin", "csi.example.com", &["1.0.0"]),
+                handler.clone(),
+                crate::provenance::Provenance::default(),
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(reason_of(&view, old), Reason::DuplicateDriver);
+        assert_eq!(reason_of(&view, new), Reason::Registered);
+        // Another type with the same name is another driver.
+        let other = Path::new("/r/other.sock");
+        view.desired
+            .add_or_update(other, socket(), None)
+            .expect("desired");
+        let desired = view.desired.get(other).expect("desired");
+        view.actual.add(
+            desired.path.clone(),
+            desired.generation,
+            socket(),
+            plugin("DevicePlugin", "csi.example.com", &["v1beta1"]),
+            handler,
+            crate::provenance::Provenance::default(),
+        );
+        assert_eq!(reason_of(&view, other), Reason::Registered);
+    }
+
+    #[test]
+    fn kubelet_refuses_unknown_types_empty_names_and_versions_it_does_not_speak() {
+        assert_eq!(kubelet_refusal(&plugin("CSIPlugin", "a", &["1.0.0"])), None);
+        assert_eq!(
+            kubelet_refusal(&plugin("CSIPlugin", "a", &["v1.2.0"])),
+            None
+        );
+        assert!(kubelet_refusal(&plugin("CSIPlugin", "a", &["0.3.0", "2.0.0"])).is_some());
+        assert_eq!(
+            kubelet_refusal(&plugin("DevicePlugin", "a", &["v1beta1"])),
+            None
+        );
+        assert_eq!(
+            kubelet_refusal(&plugin("DRAPlugin", "a", &["v1.DRAPlugin"])),
+            None
+        );
+        assert!(kubelet_refusal(&plugin("DRAPlugin", "a", &["1.0.0"])).is_some());
+        assert!(kubelet_refusal(&plugin("FooPlugin", "a", &["1.0.0"])).is_some());
+        assert!(kubelet_refusal(&plugin("CSIPlugin", "", &["1.0.0"])).is_some());
+    }
+
+    #[test]
+    fn a_kubelet_watching_elsewhere_matters_only_in_observe_mode() {
+        let elsewhere = || {
+            vec![Kubelet {
+                pid: 42,
+                plugins_registry: PathBuf::from("/srv/kubelet/plugins_registry"),
+                root_dir_from: "--root-dir",
+            }]
+        };
+        let path = Path::new("/var/lib/kubelet/plugins_registry/a.sock");
+        for (observe, reason) in [(true, Reason::OutsideKubeletDir), (false, Reason::Pending)] {
+            let view = view(Circumstances::new(observe, false, elsewhere));
+            view.desired
+                .add_or_update(path, socket(), None)
+                .expect("desired");
+            assert_eq!(reason_of(&view, path), reason, "observe: {observe}");
+        }
+        let none = view(Circumstances::new(true, false, Vec::new));
+        none.desired
+            .add_or_update(path, socket(), None)
+            .expect("desired");
+        assert_eq!(
+            reason_of(&none, path),
+            Reason::Pending,
+            "no kubelet: cannot tell"
+        );
+    }
+
+    #[test]
+    fn an_unseen_path_is_judged_by_length_existence_type_place_then_listening() {
+        let all = Unseen {
+            exists: true,
+            is_socket: true,
+            fits: true,
+            under_watched_dir: true,
+            listens: Some(true),
+        };
+        assert_eq!(unseen(all), Reason::Pending);
+        assert_eq!(
+            unseen(Unseen {
+                listens: Some(false),
+                ..all
+            }),
+            Reason::ServedByNobody
+        );
+        assert_eq!(
+            unseen(Unseen {
+                under_watched_dir: false,
+                ..all
+            }),
+            Reason::OutsideWatchedDir
+        );
+        assert_eq!(
+            unseen(Unseen {
+                is_socket: false,
+                ..all
+            }),
+            Reason::NotASocket
+        );
+        assert_eq!(
+            unseen(Unseen {
+                exists: false,
+                ..all
+            }),
+            Reason::NotFound
+        );
+        assert_eq!(
+            unseen(Unseen {
+                fits: false,
+                exists: false,
+                ..all
+            }),
+            Reason::PathTooLong
+        );
+        assert!(Reason::ALL.iter().filter(|r| r.is_problem()).count() == 15);
     }
 }

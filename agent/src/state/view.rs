@@ -25,50 +25,12 @@
 use super::actual::{ActualState, RegisteredPlugin};
 use super::backoff::{Backoff, BackoffTable, FailureKind};
 use super::desired::{DesiredPlugin, DesiredState};
+pub use super::plugin_state::PluginState;
 use super::verdict::{self, Circumstances, Reason};
 use crate::provenance::Provenance;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::time::Instant;
-
-/// Where a plugin socket stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PluginState {
-    /// Desired and not registered; an attempt runs or is about to (a retry whose backoff expired
-    /// included), or its socket is bound and not listening yet, within its wait for that.
-    Pending,
-    /// Desired, not registered, and its last attempt failed: no attempt before the backoff ends.
-    BackingOff,
-    /// Registered with its handler from the socket that is desired now.
-    Registered,
-    /// Observe mode: described (GetInfo, unless contact is off) from the socket that is desired
-    /// now; no handler and no Notify.
-    Observed,
-    /// Registered from a socket that is no longer desired (gone or re-created) or no longer
-    /// served: the deregistration runs or is about to.
-    Deregistering,
-    /// Desired, and nothing serves it (its server exited, or it refuses connections): not
-    /// registered, and not retried until the socket changes (see `liveness`).
-    Unserved,
-    /// Desired, and the policy refuses it (see `policy`): not registered, and not retried until
-    /// the socket or the policy changes.
-    Rejected,
-}
-
-impl PluginState {
-    /// The `state` label of metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            PluginState::Pending => "pending",
-            PluginState::BackingOff => "backing_off",
-            PluginState::Registered => "registered",
-            PluginState::Observed => "observed",
-            PluginState::Deregistering => "deregistering",
-            PluginState::Unserved => "unserved",
-            PluginState::Rejected => "rejected",
-        }
-    }
-}
 
 /// Everything known about one socket path, and the state derived from it.
 #[derive(Debug, Clone)]
@@ -206,7 +168,14 @@ impl StateView {
             reason: Reason::Pending,
         };
         let duplicates = self.duplicates(&status);
-        status.reason = verdict::derive(&status, &self.circumstances, &duplicates);
+        let seen = verdict::Seen {
+            path: &status.path,
+            state: status.state,
+            desired: status.desired.as_ref(),
+            registered: status.registered.as_ref(),
+            backoff: status.backoff.as_ref(),
+        };
+        status.reason = verdict::derive(&seen, &self.circumstances, &duplicates);
         status
     }
 
