@@ -340,7 +340,7 @@ pub fn derive(
     match status.state {
         PluginState::Deregistering => return Reason::Deregistering,
         PluginState::Rejected => return Reason::RejectedByPolicy,
-        _ if circumstances.outside_kubelets(&status.path) => return Reason::OutsideKubeletDir,
+        _ if circumstances.outside_kubelets(status.path) => return Reason::OutsideKubeletDir,
         PluginState::Unserved if stopped_after_contact(status, circumstances) => {
             return Reason::StoppedAfterKubeletContact;
         }
