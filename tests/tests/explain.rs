@@ -552,3 +552,66 @@ async fn targets_the_agent_never_saw_get_the_checks_that_apply() {
     let one = &admin::explain(agent.admin_socket(), &gone.to_string_lossy())[0];
     assert_eq!(one["reason"], "not_found", "{test}: {one:#}");
 }
+
+/// How long `plugin-agent explain` takes, as an operator runs it (the command's whole run: its
+/// start, the connection, the answer), on a node of 10,000 registered plugins: by path, by
+/// driver name and by file name, the median of 20 each, under 100 ms. Heavy (10,000 plugins):
+/// run alone with `--ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "10,000 plugins: run alone, `cargo test -p plugin-agent-tests --test explain -- --ignored`"]
+async fn explain_answers_within_100_ms_among_10_000_plugins() {
+    const PLUGINS: usize = 10_000;
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let agent = agent(
+        test,
+        Source::Inotify,
+        &dir.root(),
+        &["CSIPlugin=accept-all"],
+        &[],
+    )
+    .await
+    .expect("inotify");
+    let host = plugin_agent_tests::host::PluginHost::start(
+        env!("CARGO_BIN_EXE_plugin-host"),
+        &dir.root(),
+        PLUGINS,
+        &[],
+    )
+    .await;
+    host.wait_registered(Mark(0), PLUGINS, std::time::Duration::from_secs(300))
+        .await;
+    let listed = admin::list_json(agent.admin_socket());
+    assert_eq!(listed.len(), PLUGINS, "{test}");
+    let (path, row) = listed.iter().nth(PLUGINS / 2).expect("a middle plugin");
+    let name = row["name"].as_str().expect("a name").to_string();
+    let file = path
+        .file_name()
+        .expect("a file name")
+        .to_string_lossy()
+        .into_owned();
+    let mut report = Vec::new();
+    for target in [path.to_string_lossy().into_owned(), name, file] {
+        let mut took: Vec<std::time::Duration> = (0..20)
+            .map(|_| {
+                let started = std::time::Instant::now();
+                let answer = admin::explain(agent.admin_socket(), &target);
+                let took = started.elapsed();
+                assert_eq!(answer.len(), 1, "{test}: {answer:#?}");
+                assert_eq!(answer[0]["reason"], "registered", "{test}: {answer:#?}");
+                took
+            })
+            .collect();
+        took.sort();
+        let median = took[took.len() / 2];
+        report.push(format!(
+            "{target}: median {median:?}, max {:?}",
+            took[took.len() - 1]
+        ));
+        assert!(
+            median < std::time::Duration::from_millis(100),
+            "{test}: {report:?}"
+        );
+    }
+    eprintln!("{test}: explain among {PLUGINS} plugins: {report:#?}");
+}
