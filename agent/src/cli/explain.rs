@@ -136,7 +136,11 @@ fn print_one(e: &Explained) {
             &e.socket_path
         })
     );
-    out!("  verdict:  {} ({})", text(&e.verdict), e.reason);
+    if e.verdict == e.reason {
+        out!("  verdict:  {}", text(&e.verdict));
+    } else {
+        out!("  verdict:  {} ({})", text(&e.verdict), e.reason);
+    }
     if !e.detail.is_empty() {
         out!("            {}", text(&e.detail));
     }
@@ -154,6 +158,9 @@ fn print_one(e: &Explained) {
             let at = t.at.as_deref().unwrap_or("-");
             out!("    {at:<24}  {}", text(&t.what));
         }
+    }
+    if e.checks.is_empty() {
+        return;
     }
     out!("  checks:");
     let width = e.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
