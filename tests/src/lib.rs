@@ -34,8 +34,9 @@ pub mod http;
 pub mod otlp;
 pub mod plugin;
 pub mod procfs;
+pub mod seen;
 
-pub use agent::{AgentOptions, AgentProcess, logs, seen};
+pub use agent::{AgentOptions, AgentProcess, logs};
 pub use env::{PluginDir, Source};
 pub use events::{Line, Mark};
 pub use plugin::{PluginOptions, PluginProcess};

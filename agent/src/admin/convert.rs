@@ -1,8 +1,11 @@
 //! The conversions from the agent's state, provenance and events to the admin API's wire
 //! messages: pure functions, kept apart from the service (`server.rs`) that answers with them.
 
+use super::served::StartPhases;
+use crate::event_source::SourceStart;
 use crate::handler::Plugin;
-use crate::notifications::{AgentEvent, EventKind};
+use crate::notifications::{AgentEvent, EventKind, PolicyReloadReport, Serving};
+use crate::persist::RestoreReport;
 use crate::provenance::{Actor, Contact, Creator, Process, Provenance};
 use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus};
@@ -71,6 +74,7 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
                 .map(|contact| contact_to_api(contact, contact.after_creation(d.kernel_ns)))
         }),
         first_contact_unknown: String::new(),
+        serving: None,
     }
 }
 
@@ -175,6 +179,10 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::Rescan => api::EventKind::Rescan,
         EventKind::FirstContact => api::EventKind::FirstContact,
         EventKind::Walked => api::EventKind::Walked,
+        EventKind::Served => api::EventKind::Served,
+        EventKind::RegistrationAbandoned => api::EventKind::RegistrationAbandoned,
+        EventKind::PolicyReloaded => api::EventKind::PolicyReloaded,
+        EventKind::PolicyReloadFailed => api::EventKind::PolicyReloadFailed,
     };
     api::AgentEvent {
         time_unix_nanos: unix_nanos(event.at),
@@ -193,6 +201,27 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .as_ref()
             .map(|contact| contact_to_api(contact, event.latency)),
         walk: event.walk.as_ref().map(walk_to_api),
+        serving: event.serving.as_ref().map(serving_to_api),
+        policy_reload: event.policy_reload.as_ref().map(policy_reload_to_api),
+    }
+}
+
+/// The wire form of how the agent knows something serves a socket.
+pub(super) fn serving_to_api(serving: &Serving) -> api::Serving {
+    api::Serving {
+        learned_by: serving.learned_by.to_string(),
+        pids: serving.pids.clone(),
+    }
+}
+
+/// The wire form of a policy reload's report.
+fn policy_reload_to_api(reload: &PolicyReloadReport) -> api::PolicyReload {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    api::PolicyReload {
+        trigger: reload.trigger.to_string(),
+        rules: count(reload.rules),
+        refused: count(reload.refused),
+        retried: count(reload.retried),
     }
 }
 
@@ -205,4 +234,44 @@ fn walk_to_api(walk: &crate::notifications::Walk) -> api::Walk {
         removed: walk.removed,
         kept_unread: walk.kept_unread,
     }
+}
+
+/// The wire form of how the event source started.
+pub(super) fn source_start_to_api(start: &SourceStart) -> api::SourceStart {
+    api::SourceStart {
+        how: start.how.to_string(),
+        pins: start
+            .pins
+            .as_ref()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default(),
+        object_hash: start.object_hash.clone().unwrap_or_default(),
+        backlog_bytes: start.backlog_bytes,
+        open_ms: ms(start.open),
+    }
+}
+
+/// The wire form of what the state file carried over.
+pub(super) fn restore_to_api(report: &RestoreReport) -> api::Restore {
+    api::Restore {
+        restored: report.restored as u64,
+        handler_changed: report.handler_changed as u64,
+        interrupted: report.interrupted as u64,
+    }
+}
+
+/// The wire form of where the start's time went.
+pub(super) fn phases_to_api(phases: &StartPhases) -> api::StartPhases {
+    api::StartPhases {
+        setup_ms: ms(phases.setup),
+        event_source_ms: ms(phases.event_source),
+        state_ms: ms(phases.state),
+        first_walk_ms: ms(phases.first_walk),
+        took_ms: ms(phases.took()),
+    }
+}
+
+/// Milliseconds to a tenth, as the start's log line has always said them.
+fn ms(took: Duration) -> f64 {
+    (took.as_secs_f64() * 1e4).round() / 10.0
 }

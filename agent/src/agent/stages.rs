@@ -34,6 +34,8 @@ pub(super) struct Stages {
     pub(super) watcher: Watcher,
     pub(super) reconciler: Reconciler<OperationExecutor>,
     pub(super) provenance: Arc<Resolver>,
+    /// Who serves each registered plugin, for `list`.
+    pub(super) liveness: Arc<Liveness>,
 }
 
 /// The tables every stage shares.
@@ -114,7 +116,7 @@ impl Stages {
             notifications.clone(),
             telemetry.clone(),
         )
-        .with_liveness(liveness);
+        .with_liveness(liveness.clone());
         let reconciler = Reconciler::new(
             tables.desired.clone(),
             tables.actual.clone(),
@@ -140,6 +142,7 @@ impl Stages {
             watcher,
             reconciler,
             provenance,
+            liveness,
         }
     }
 
@@ -152,7 +155,7 @@ impl Stages {
         config: ExecutorConfig,
         cancel: &CancellationToken,
     ) -> (Arc<Runner>, Arc<OperationExecutor>, Arc<Liveness>) {
-        let liveness = Arc::new(Liveness::default());
+        let liveness = Arc::new(Liveness::new(notifications.clone()));
         let unserved = Unserved::new(
             tables.actual.clone(),
             tables.backoff.clone(),

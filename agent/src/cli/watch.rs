@@ -1,7 +1,7 @@
 //! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
 
 use super::output::Output;
-use super::render::{ContactRow, ProvenanceRow};
+use super::render::{ContactRow, ProvenanceRow, ServingRow};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
@@ -26,6 +26,30 @@ struct EventRow {
     contact: Option<ContactRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     walk: Option<WalkRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    serving: Option<ServingRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy_reload: Option<PolicyReloadRow>,
+}
+
+/// A policy reload, as `watch` prints it (the wire's `PolicyReload`).
+#[derive(Debug, serde::Serialize)]
+struct PolicyReloadRow {
+    trigger: String,
+    rules: u32,
+    refused: u32,
+    retried: u32,
+}
+
+impl From<api::PolicyReload> for PolicyReloadRow {
+    fn from(reload: api::PolicyReload) -> Self {
+        PolicyReloadRow {
+            trigger: reload.trigger,
+            rules: reload.rules,
+            refused: reload.refused,
+            retried: reload.retried,
+        }
+    }
 }
 
 /// A finished walk, as `watch` prints it (the wire's `Walk`).
@@ -78,6 +102,8 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             provenance: event.provenance.map(ProvenanceRow::from),
             contact: event.contact.map(ContactRow::from),
             walk: event.walk.map(WalkRow::from),
+            serving: event.serving.map(ServingRow::from),
+            policy_reload: event.policy_reload.map(PolicyReloadRow::from),
         };
         match output {
             Output::Json => out!("{}", serde_json::to_string(&row)?),
@@ -101,6 +127,15 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                     line += &format!(
                         " reason={:?} directories={} sockets={} removed={} kept_unread={}",
                         w.reason, w.directories, w.sockets, w.removed, w.kept_unread
+                    );
+                }
+                if let Some(s) = &row.serving {
+                    line += &format!(" learned_by={} pids={:?}", s.learned_by, s.pids);
+                }
+                if let Some(r) = &row.policy_reload {
+                    line += &format!(
+                        " trigger={} rules={} refused={} retried={}",
+                        r.trigger, r.rules, r.refused, r.retried
                     );
                 }
                 if let Some(l) = row.latency_us {
