@@ -13,6 +13,6 @@ mod running;
 mod stages;
 
 pub use config::AgentConfig;
-pub use process::{RunSettings, run};
 pub use policy_reload::{PolicyReloader, ReloadTrigger};
+pub use process::{RunSettings, run};
 pub use running::{RunningAgent, mark_process_start};

@@ -214,9 +214,9 @@ async fn reports_an_unreadable_sub_directory_when_running_without_dac_capabiliti
     let status = agent.status();
     let unreadable = format!("cannot read {}", locked.display());
     assert!(
-        status["problems"]
-            .as_array()
-            .is_some_and(|p| p.iter().any(|p| p.as_str().is_some_and(|p| p.contains(&unreadable)))),
+        status["problems"].as_array().is_some_and(|p| p
+            .iter()
+            .any(|p| p.as_str().is_some_and(|p| p.contains(&unreadable)))),
         "{test}: {}",
         status["problems"]
     );

@@ -63,7 +63,10 @@ fn sets(dir: &Path) -> Vec<PathBuf> {
 /// (`backlog_bytes`), as status says; fails when it loaded them instead.
 fn adoption(agent: &AgentProcess) -> Value {
     let start = source_start(agent);
-    assert_eq!(start["how"], "adopted", "the programs were loaded anyway: {start}");
+    assert_eq!(
+        start["how"], "adopted",
+        "the programs were loaded anyway: {start}"
+    );
     start
 }
 
@@ -631,7 +634,10 @@ fn status_in_namespace_of(agent: &AgentProcess, runtime: &Path) -> Value {
         .args(["status", "-o", "json"])
         .output()
         .expect("nsenter");
-    assert!(output.status.success(), "status in the namespace: {output:?}");
+    assert!(
+        output.status.success(),
+        "status in the namespace: {output:?}"
+    );
     serde_json::from_slice(&output.stdout).expect("status as JSON")
 }
 

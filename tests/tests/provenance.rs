@@ -482,7 +482,9 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
     assert_eq!(
         (
             refused.0.pointer("/policy_reload/trigger"),
-            refused.field("error").is_some_and(|e| e.contains("line 3, column")),
+            refused
+                .field("error")
+                .is_some_and(|e| e.contains("line 3, column")),
         ),
         (Some(&serde_json::json!("sighup")), true),
         "{refused}"

@@ -8,9 +8,9 @@ use super::convert::{
     phases_to_api, restore_to_api, serving_to_api, source_start_to_api, to_api_entry, unix_ms,
     unix_nanos,
 };
-use crate::liveness::Liveness;
 pub use super::served::{AgentStatus, PolicyReloading, Served, StartPhases, StartReport};
 use crate::handler::{self, HandlerRegistry};
+use crate::liveness::Liveness;
 use crate::notifications::NotificationBus;
 use crate::state::view::{PluginStatus, StateView};
 use crate::telemetry::WatcherStats;

@@ -79,10 +79,7 @@ impl PolicyReloader {
             }
             Err(e) => {
                 let error = format!("{e:#}");
-                warn!(
-                    error,
-                    "policy not reloaded: keeping the policy in force"
-                );
+                warn!(error, "policy not reloaded: keeping the policy in force");
                 let mut event = AgentEvent::new(EventKind::PolicyReloadFailed, source);
                 event.error = Some(error);
                 event.policy_reload = Some(report);

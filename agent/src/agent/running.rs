@@ -2,13 +2,13 @@
 //! and the policy reloads it takes from SIGHUP and the admin API.
 
 use super::config::AgentConfig;
+use super::policy_reload::{PolicyReloader, ReloadTrigger};
 use super::stages::Stages;
 use crate::admin::server::{StartPhases, StartReport};
 use crate::event_source::{self, SourceKind, SourceStart};
 use crate::executor::OperationExecutor;
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
-use super::policy_reload::{PolicyReloader, ReloadTrigger};
 use crate::operations::Runner;
 use crate::persist::RestoreReport;
 use crate::policy::Policy;
@@ -56,7 +56,9 @@ impl StartClock {
     fn report(&self, walked: Instant, source: SourceKind) -> StartPhases {
         let phases = StartPhases {
             setup: self.source_opening.saturating_duration_since(self.began),
-            event_source: self.source_open.saturating_duration_since(self.source_opening),
+            event_source: self
+                .source_open
+                .saturating_duration_since(self.source_opening),
             state: self.restored.saturating_duration_since(self.source_open),
             first_walk: walked.saturating_duration_since(self.restored),
         };
@@ -71,6 +73,20 @@ impl StartClock {
             "agent started: first walk done, events handled as they come"
         );
         phases
+    }
+
+    /// What the watcher calls once the start walk is done: the phases reported (the log line,
+    /// status's `start_phases`), then readiness told.
+    fn on_walked(
+        self,
+        report: Arc<StartReport>,
+        source: SourceKind,
+        ready: watch::Sender<bool>,
+    ) -> impl FnOnce() + Send + 'static {
+        move || {
+            let _ = report.phases.set(self.report(Instant::now(), source));
+            let _ = ready.send(true);
+        }
     }
 }
 
@@ -172,7 +188,7 @@ impl RunningAgent {
         let start = Arc::new(StartReport {
             source: source_start,
             restore,
-            phases: std::sync::OnceLock::new(),
+            ..StartReport::default()
         });
         let (reconciler, watcher) = (stages.reconciler, stages.watcher);
         let reconciler_cancel = cancel.clone();
@@ -180,13 +196,7 @@ impl RunningAgent {
             reconciler.run(reconciler_cancel).await;
             Ok(())
         });
-        let reported = start.clone();
-        let walked = move || {
-            let _ = reported
-                .phases
-                .set(clock.report(Instant::now(), source_kind));
-            let _ = ready_tx.send(true);
-        };
+        let walked = clock.on_walked(start.clone(), source_kind, ready_tx);
         let watcher_cancel = cancel.clone();
         tasks.spawn(async move { watcher.run(hints_rx, watcher_cancel, walked).await });
         Ok(RunningAgent {
@@ -301,7 +311,11 @@ async fn open_source(
     config: &AgentConfig,
     hints: mpsc::Sender<crate::event_source::FsEvent>,
     cancel: &CancellationToken,
-) -> anyhow::Result<(Arc<dyn crate::event_source::EventSource>, String, SourceStart)> {
+) -> anyhow::Result<(
+    Arc<dyn crate::event_source::EventSource>,
+    String,
+    SourceStart,
+)> {
     let event_source::Opened {
         source,
         passed_over,

@@ -246,7 +246,10 @@ fn print_start(view: &StatusView) {
             line += &format!(", pins {pins}");
         }
         if start.backlog_bytes > 0 {
-            line += &format!(", {} bytes recorded while no agent ran", start.backlog_bytes);
+            line += &format!(
+                ", {} bytes recorded while no agent ran",
+                start.backlog_bytes
+            );
         }
         if let Some(p) = &view.start_phases {
             line += &format!(", ready in {} ms", p.took_ms);

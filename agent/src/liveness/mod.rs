@@ -44,22 +44,22 @@ mod loss;
 mod served;
 mod server;
 mod unserved;
+mod watches;
 pub use loss::{LearnedBy, Loss, Probe, accepts, probe};
-pub use served::ServedBy;
 use served::Known;
+pub use served::ServedBy;
 pub use server::Server;
 use server::{DisplayPid, exited, pidfd_open, pidfs_inode};
 pub use unserved::Unserved;
+use watches::{ProcessWatch, Watch, Watches, abort_all};
 
 use crate::notifications::{NotificationBus, Serving};
 use crate::state::SocketId;
-use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use tokio::sync::Semaphore;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -79,89 +79,6 @@ const RELEASE_CHECKS: [Duration; 3] = [
 type OnLoss = Box<dyn Fn(Loss) + Send + Sync>;
 type OnListen = Box<dyn Fn(&Path) + Send + Sync>;
 type OnHintsLost = Box<dyn Fn() + Send + Sync>;
-
-/// A registration whose server is known (or being learned). It stays until the registration is
-/// deregistered or lost, also after its server's exit was decided (a handed-on listener), so the
-/// kernel's hints about its socket still find it.
-struct Watch {
-    generation: Uuid,
-    socket: SocketId,
-    /// A task of this registration's own: learning a restored registration's server, checking
-    /// a server with no pidfd, or waiting on a pidfd that names no process identity.
-    task: Option<AbortHandle>,
-    /// The server process whose exit this registration waits for, shared with every other
-    /// socket it serves (see [`Processes`]).
-    process: Option<u64>,
-    /// Who serves it, and how that was learned (`list` shows it).
-    known: Known,
-}
-
-/// One exit watch per server process, however many sockets it serves: a device-plugin manager
-/// or a test harness serving thousands holds one pidfd in the agent and one waiting task, not
-/// one of each per socket (at 10,000 registrations from two processes, the per-registration
-/// tasks were 9.5 MB of the agent's 30 MB of heap, and 10,000 descriptors).
-struct ProcessWatch {
-    task: AbortHandle,
-    /// Registrations whose `process` names this one; the watch ends with the last.
-    registrations: usize,
-}
-
-/// Keyed by the process's pidfs inode ([`Server::identity`]).
-type Processes = HashMap<u64, ProcessWatch>;
-
-/// The registrations and server processes watched, under one lock.
-#[derive(Default)]
-struct Watches {
-    /// Keyed by the desired state's allocation of the path, shared with the watch's task.
-    by_path: HashMap<Arc<Path>, Watch>,
-    processes: Processes,
-}
-
-impl Watches {
-    /// Puts `watch` in for `path`, and returns the tasks to abort (the replaced watch's own
-    /// task, a process watch nothing waits on any more) once the lock is released.
-    fn insert(&mut self, path: Arc<Path>, watch: Watch) -> Vec<AbortHandle> {
-        match self.by_path.insert(path, watch) {
-            Some(old) => self.release(old),
-            None => Vec::new(),
-        }
-    }
-
-    /// Removes `path`'s watch when it is of registration `generation`; returns what to abort.
-    fn remove(&mut self, path: &Path, generation: Uuid) -> Vec<AbortHandle> {
-        let ours = self
-            .by_path
-            .get(path)
-            .is_some_and(|w| w.generation == generation);
-        match ours.then(|| self.by_path.remove(path)).flatten() {
-            Some(old) => self.release(old),
-            None => Vec::new(),
-        }
-    }
-
-    /// What a watch that ends leaves to abort: its own task, and its process's watch when it was
-    /// the last registration waiting on it.
-    fn release(&mut self, old: Watch) -> Vec<AbortHandle> {
-        let mut abort: Vec<AbortHandle> = old.task.into_iter().collect();
-        if let Some(id) = old.process
-            && let Some(process) = self.processes.get_mut(&id)
-        {
-            process.registrations -= 1;
-            if process.registrations == 0
-                && let Some(process) = self.processes.remove(&id)
-            {
-                abort.push(process.task);
-            }
-        }
-        abort
-    }
-}
-
-fn abort_all(tasks: Vec<AbortHandle>) {
-    for task in tasks {
-        task.abort();
-    }
-}
 
 /// The servers being watched, one per registered path; see the module docs.
 pub struct Liveness {

@@ -85,7 +85,10 @@ impl Failures {
         // Published once the failure is recorded, so a watcher that reacts by asking `list`
         // reads the error the event carries.
         if vanished {
-            self.abandoned(path, format!("the socket vanished or was replaced: {error}"));
+            self.abandoned(
+                path,
+                format!("the socket vanished or was replaced: {error}"),
+            );
         } else {
             let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
             event.error = Some(error.to_string());
