@@ -55,7 +55,7 @@ pub enum EventKind {
     /// Something serves the socket, and the agent learned it now: `serving` says how and who.
     Served,
     /// A registration attempt ended without an outcome (its socket vanished or was replaced,
-    /// or the agent is stopping); `detail` says which. Not a failure: nothing is retried for it.
+    /// or the agent is stopping); `detail` says which. Not a failure (no `RegistrationFailed`).
     RegistrationAbandoned,
     /// The policy was read again and applied: `policy_reload` says what changed.
     PolicyReloaded,

@@ -256,7 +256,11 @@ fn print_start(view: &StatusView) {
         }
         out!("{}", crate::text::escape(&line));
     }
-    if let Some(r) = &view.restore {
+    if let Some(r) = view
+        .restore
+        .as_ref()
+        .filter(|r| r.restored + r.handler_changed > 0)
+    {
         out!(
             "carried on:    {} registrations ({} interrupted, {} handler changed)",
             r.restored,
