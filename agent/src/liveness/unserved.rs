@@ -238,9 +238,21 @@ mod tests {
             h.unserved.recheck(&safety).is_none(),
             "a second look at once"
         );
-        // `listener` is bound and accepts connections: the look finds it served.
+        // `listener` is bound and accepts connections: the look finds it served, and says so.
         look.await;
         assert!(!h.backoff.is_held(&path, socket), "the mark was not lifted");
+        let served = h.events.try_recv().expect("an event");
+        assert_eq!(
+            (&served.kind, &served.socket_path, &served.serving),
+            (
+                &EventKind::Served,
+                &path,
+                &Some(crate::notifications::Serving {
+                    learned_by: "safety_pass",
+                    pids: Vec::new(),
+                })
+            )
+        );
         match h.queue.take() {
             Some(Work::Paths(paths)) => assert!(paths.contains(&path)),
             other => panic!("marked {other:?}"),
