@@ -208,11 +208,6 @@ impl AgentProcess {
         &self.log
     }
 
-    /// The current end of the log, to wait for lines after it.
-    pub fn mark(&self) -> Mark {
-        self.log.mark()
-    }
-
     /// Waits for a log line (from the start) matching `pred`; panics with the log tail on timeout.
     /// Only for tests whose subject is the log line itself: everything else waits on events.
     pub async fn wait_for_log(
@@ -221,40 +216,9 @@ impl AgentProcess {
         timeout: Duration,
         pred: impl Fn(&Line) -> bool,
     ) -> Line {
-        self.wait_for_log_after(Mark(0), what, timeout, pred).await
-    }
-
-    /// Waits for a log line after `mark` matching `pred`; panics with the log tail on timeout.
-    pub async fn wait_for_log_after(
-        &self,
-        mark: Mark,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Line) -> bool,
-    ) -> Line {
-        match self.log.wait_for(mark, timeout, pred).await {
+        match self.log.wait_for(Mark(0), timeout, pred).await {
             Ok(line) => line,
             Err(e) => self.fail(&format!("waiting for {what}: {e:?} (limit {timeout:?})")),
-        }
-    }
-
-    /// Waits for `n` log lines after `mark` matching `pred`.
-    pub async fn wait_for_logs(
-        &self,
-        mark: Mark,
-        n: usize,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Line) -> bool,
-    ) -> Vec<Line> {
-        match self.log.wait_for_count(mark, n, timeout, pred).await {
-            Ok(lines) => lines,
-            Err(e) => {
-                let got = self.log.matching_since(mark, |_| true).len();
-                self.fail(&format!(
-                    "waiting for {n} x {what}: {e:?} (limit {timeout:?}, {got} lines since mark)"
-                ))
-            }
         }
     }
 
@@ -453,7 +417,8 @@ impl Drop for AgentProcess {
     }
 }
 
-/// Predicates on agent log lines, named for what the agent reports.
+/// Predicates on agent log lines, for the few tests whose subject is the log line itself (the
+/// trace and span IDs it carries, the plugin it names): everything else follows [`crate::seen`].
 pub mod logs {
     use crate::events::Line;
     use std::path::Path;
@@ -467,47 +432,14 @@ pub mod logs {
         move |l| l.message() == "plugin registered" && about(l, socket)
     }
 
-    /// The accept-all handler was asked to register the plugin at `socket`.
-    pub fn handler_registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin registered (accept-all)" && about(l, socket)
-    }
-
-    /// The plugin at `socket` was deregistered (handler called).
-    pub fn deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin deregistered" && about(l, socket)
-    }
-
-    /// The accept-all handler was asked to deregister the plugin at `socket`.
-    pub fn handler_deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin deregistered (accept-all)" && about(l, socket)
-    }
-
     /// A registration attempt for `socket` failed.
     pub fn registration_failed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
         move |l| l.message() == "plugin registration failed" && about(l, socket)
     }
 
-    /// Any registration attempt failed.
-    pub fn any_registration_failed(l: &Line) -> bool {
-        l.message() == "plugin registration failed"
-    }
-
-    /// The watcher recorded a socket at `socket`.
-    pub fn discovered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "socket discovered" && about(l, socket)
-    }
-
     /// Any line that names `socket` (in its fields or spans).
     pub fn mentions(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
         move |l| about(l, socket)
-    }
-
-    /// The watcher forgot the socket at `socket`.
-    pub fn removed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| {
-            (l.message() == "socket removed" || l.message() == "socket removed with its directory")
-                && about(l, socket)
-        }
     }
 }
 
