@@ -70,7 +70,8 @@ pub struct AgentEvent {
     pub at: SystemTime,
     /// What happened.
     pub kind: EventKind,
-    /// The socket concerned (the root directory for rescans).
+    /// The socket concerned (the root directory for rescans and walks, the configuration file
+    /// for policy reloads).
     pub socket_path: PathBuf,
     /// The plugin, once GetInfo has answered.
     pub plugin: Option<Plugin>,
