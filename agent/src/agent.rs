@@ -7,10 +7,12 @@
 //! ```
 
 mod config;
+mod policy_reload;
 mod process;
 mod running;
 mod stages;
 
 pub use config::AgentConfig;
+pub use policy_reload::{PolicyReloader, ReloadTrigger};
 pub use process::{RunSettings, run};
-pub use running::{PolicyReloader, RunningAgent, mark_process_start};
+pub use running::{RunningAgent, mark_process_start};

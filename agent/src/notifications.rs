@@ -52,6 +52,15 @@ pub enum EventKind {
     /// (eBPF) A process other than the agent connected to the socket for the first time:
     /// `contact` says who and when, `latency` how long after the socket's creation.
     FirstContact,
+    /// Something serves the socket, and the agent learned it now: `serving` says how and who.
+    Served,
+    /// A registration attempt ended without an outcome (its socket vanished or was replaced,
+    /// or the agent is stopping); `detail` says which. Not a failure (no `RegistrationFailed`).
+    RegistrationAbandoned,
+    /// The policy was read again and applied: `policy_reload` says what changed.
+    PolicyReloaded,
+    /// A policy reload was refused (`error`: where the file breaks); the policy in force stays.
+    PolicyReloadFailed,
 }
 
 /// One event.
@@ -61,7 +70,8 @@ pub struct AgentEvent {
     pub at: SystemTime,
     /// What happened.
     pub kind: EventKind,
-    /// The socket concerned (the root directory for rescans).
+    /// The socket concerned (the root directory for rescans and walks, the configuration file
+    /// for policy reloads).
     pub socket_path: PathBuf,
     /// The plugin, once GetInfo has answered.
     pub plugin: Option<Plugin>,
@@ -77,6 +87,35 @@ pub struct AgentEvent {
     pub contact: Option<Contact>,
     /// For finished walks: why, and what the tree held.
     pub walk: Option<Walk>,
+    /// For `Served`: how the agent learned it, and which processes serve the socket.
+    pub serving: Option<Serving>,
+    /// For policy reloads: what asked for it, and what it changed.
+    pub policy_reload: Option<PolicyReloadReport>,
+}
+
+/// How the agent knows that something serves a socket (`Served`, and `list` for a registered
+/// plugin).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Serving {
+    /// `registration`, `record`, `connect_probe`, `holders`, `kernel_listen`, `safety_pass`:
+    /// the labels of `liveness::ServedBy`.
+    pub learned_by: &'static str,
+    /// The processes whose exits the agent waits for in the plugin's place (none known yet: the
+    /// registration that follows a listen learns them).
+    pub pids: Vec<u32>,
+}
+
+/// A policy reload, as `PolicyReloaded` and `PolicyReloadFailed` report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PolicyReloadReport {
+    /// `sighup` or `admin_api`.
+    pub trigger: &'static str,
+    /// Rules in force after it.
+    pub rules: usize,
+    /// Registered plugins the new policy refuses (deregistered).
+    pub refused: usize,
+    /// Plugins the old policy refused, tried again.
+    pub retried: usize,
 }
 
 /// A finished full walk of the tree, as `Walked` reports it.
@@ -108,6 +147,8 @@ impl AgentEvent {
             provenance: None,
             contact: None,
             walk: None,
+            serving: None,
+            policy_reload: None,
         }
     }
 }

@@ -186,7 +186,7 @@ impl AgentProcess {
             return Ok(());
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let start_walk = events.wait_for(Mark(0), left, seen::walked("start"));
+        let start_walk = events.wait_for(Mark(0), left, crate::seen::walked("start"));
         tokio::select! {
             found = start_walk => found.map(drop),
             // The agent's output ends when it exits: nothing more will come.
@@ -208,11 +208,6 @@ impl AgentProcess {
         &self.log
     }
 
-    /// The current end of the log, to wait for lines after it.
-    pub fn mark(&self) -> Mark {
-        self.log.mark()
-    }
-
     /// Waits for a log line (from the start) matching `pred`; panics with the log tail on timeout.
     /// Only for tests whose subject is the log line itself: everything else waits on events.
     pub async fn wait_for_log(
@@ -221,40 +216,9 @@ impl AgentProcess {
         timeout: Duration,
         pred: impl Fn(&Line) -> bool,
     ) -> Line {
-        self.wait_for_log_after(Mark(0), what, timeout, pred).await
-    }
-
-    /// Waits for a log line after `mark` matching `pred`; panics with the log tail on timeout.
-    pub async fn wait_for_log_after(
-        &self,
-        mark: Mark,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Line) -> bool,
-    ) -> Line {
-        match self.log.wait_for(mark, timeout, pred).await {
+        match self.log.wait_for(Mark(0), timeout, pred).await {
             Ok(line) => line,
             Err(e) => self.fail(&format!("waiting for {what}: {e:?} (limit {timeout:?})")),
-        }
-    }
-
-    /// Waits for `n` log lines after `mark` matching `pred`.
-    pub async fn wait_for_logs(
-        &self,
-        mark: Mark,
-        n: usize,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Line) -> bool,
-    ) -> Vec<Line> {
-        match self.log.wait_for_count(mark, n, timeout, pred).await {
-            Ok(lines) => lines,
-            Err(e) => {
-                let got = self.log.matching_since(mark, |_| true).len();
-                self.fail(&format!(
-                    "waiting for {n} x {what}: {e:?} (limit {timeout:?}, {got} lines since mark)"
-                ))
-            }
         }
     }
 
@@ -282,7 +246,7 @@ impl AgentProcess {
         self.events().mark()
     }
 
-    /// Waits up to `limit` for an event after `mark` matching `pred` (see [`seen`]); panics with
+    /// Waits up to `limit` for an event after `mark` matching `pred` (see [`crate::seen`]); panics with
     /// the events and the log's tail otherwise.
     pub async fn wait_for_event(
         &self,
@@ -328,15 +292,33 @@ impl AgentProcess {
 
     /// Waits until `plugin-agent list` shows `socket` in `state` (`registered`, `failed`, ...):
     /// for what may have happened before the test could wait for its event (a plugin the start
-    /// walk found). Reads the list, then waits for the next event, until it holds.
-    /// An agent not followed ([`AgentOptions::follow`]) is asked every 50 ms instead.
+    /// walk found).
     pub async fn wait_listed(&self, socket: &Path, state: &str) -> crate::admin::Listed {
+        let what = format!("{} listed as {state}", socket.display());
+        self.wait_until(&what, || {
+            crate::admin::list(&self.admin_socket)
+                .remove(socket)
+                .filter(|row| row.state == state)
+        })
+        .await
+    }
+
+    /// `plugin-agent status -o json`.
+    pub fn status(&self) -> serde_json::Value {
+        crate::admin::status(&self.admin_socket)
+    }
+
+    /// Waits until `look` (at `list` or `status`) finds what it wants, and returns it: for a
+    /// fact that may have come before the test could wait for its event. Looks, then waits for
+    /// the next event, until it holds (the agent changes what `list` and `status` say before it
+    /// publishes the event that tells it). An agent not followed ([`AgentOptions::follow`]) is
+    /// asked every 50 ms instead.
+    pub async fn wait_until<T>(&self, what: &str, look: impl Fn() -> Option<T>) -> T {
         let deadline = tokio::time::Instant::now() + crate::EVENT_TIMEOUT;
         loop {
             let mark = self.watch.as_ref().map(|watch| watch.events().mark());
-            let listed = crate::admin::list(&self.admin_socket);
-            if let Some(row) = listed.get(socket).filter(|row| row.state == state) {
-                return row.clone();
+            if let Some(found) = look() {
+                return found;
             }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let changed = match (&self.watch, mark) {
@@ -349,11 +331,7 @@ impl AgentProcess {
                 }
             };
             if !changed {
-                self.fail(&format!(
-                    "{} never listed as {state} (listed: {:?})",
-                    socket.display(),
-                    listed.get(socket)
-                ))
+                self.fail(&format!("never {what} (within {:?})", crate::EVENT_TIMEOUT))
             }
         }
     }
@@ -439,7 +417,8 @@ impl Drop for AgentProcess {
     }
 }
 
-/// Predicates on agent log lines, named for what the agent reports.
+/// Predicates on agent log lines, for the few tests whose subject is the log line itself (the
+/// trace and span IDs it carries, the plugin it names): everything else follows [`crate::seen`].
 pub mod logs {
     use crate::events::Line;
     use std::path::Path;
@@ -453,141 +432,14 @@ pub mod logs {
         move |l| l.message() == "plugin registered" && about(l, socket)
     }
 
-    /// The accept-all handler was asked to register the plugin at `socket`.
-    pub fn handler_registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin registered (accept-all)" && about(l, socket)
-    }
-
-    /// The plugin at `socket` was deregistered (handler called).
-    pub fn deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin deregistered" && about(l, socket)
-    }
-
-    /// The accept-all handler was asked to deregister the plugin at `socket`.
-    pub fn handler_deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "plugin deregistered (accept-all)" && about(l, socket)
-    }
-
     /// A registration attempt for `socket` failed.
     pub fn registration_failed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
         move |l| l.message() == "plugin registration failed" && about(l, socket)
     }
 
-    /// Any registration attempt failed.
-    pub fn any_registration_failed(l: &Line) -> bool {
-        l.message() == "plugin registration failed"
-    }
-
-    /// The watcher recorded a socket at `socket`.
-    pub fn discovered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.message() == "socket discovered" && about(l, socket)
-    }
-
     /// Any line that names `socket` (in its fields or spans).
     pub fn mentions(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
         move |l| about(l, socket)
-    }
-
-    /// The watcher forgot the socket at `socket`.
-    pub fn removed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| {
-            (l.message() == "socket removed" || l.message() == "socket removed with its directory")
-                && about(l, socket)
-        }
-    }
-}
-
-/// Predicates on the agent's admin events (`plugin-agent watch -o json`), named for what the
-/// agent reports: the operator's contract, where [`logs`] is its wording.
-pub mod seen {
-    use crate::events::Line;
-    use std::path::Path;
-
-    fn is(line: &Line, kind: &str, socket: &Path) -> bool {
-        line.field_is("kind", kind) && line.field_is("socket_path", &socket.to_string_lossy())
-    }
-
-    /// The plugin at `socket` was registered: its handler accepted it and it got Notify(true).
-    pub fn registered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "registered", socket)
-    }
-
-    /// Any plugin was registered.
-    pub fn any_registered(l: &Line) -> bool {
-        l.field_is("kind", "registered")
-    }
-
-    /// The plugin at `socket` was deregistered from its handler.
-    pub fn deregistered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "deregistered", socket)
-    }
-
-    /// A registration attempt for `socket` failed (`error` says why).
-    pub fn registration_failed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "registration_failed", socket)
-    }
-
-    /// Any registration attempt failed.
-    pub fn any_registration_failed(l: &Line) -> bool {
-        l.field_is("kind", "registration_failed")
-    }
-
-    /// The watcher recorded a socket at `socket`.
-    pub fn discovered(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "socket_discovered", socket)
-    }
-
-    /// The watcher forgot the socket at `socket`.
-    pub fn removed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "socket_removed", socket)
-    }
-
-    /// Nothing serves the plugin at `socket`.
-    pub fn unserved(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "unserved", socket)
-    }
-
-    /// The policy refused the plugin at `socket`.
-    pub fn rejected(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "rejected", socket)
-    }
-
-    /// Observe mode described the plugin at `socket`.
-    pub fn observed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| is(l, "observed", socket)
-    }
-
-    /// Any event about `socket`.
-    pub fn about(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-        move |l| l.field_is("socket_path", &socket.to_string_lossy())
-    }
-
-    /// A full walk for `reason` finished (`start`, `periodic safety pass`, ...).
-    pub fn walked(reason: &str) -> impl Fn(&Line) -> bool + '_ {
-        move |l| {
-            l.field_is("kind", "walked")
-                && l.0.pointer("/walk/reason").and_then(|r| r.as_str()) == Some(reason)
-        }
-    }
-
-    /// When the agent published the event (its `time`).
-    pub fn at(line: &Line) -> std::time::SystemTime {
-        line.field("time")
-            .and_then(|t| humantime::parse_rfc3339(&t).ok())
-            .unwrap_or_else(|| panic!("no time in the event {line}"))
-    }
-
-    /// Any full walk finished.
-    pub fn any_walk(l: &Line) -> bool {
-        l.field_is("kind", "walked")
-    }
-
-    /// A field of a `walked` event's walk (`directories`, `sockets`, `removed`, `kept_unread`).
-    pub fn walk_count(line: &Line, field: &str) -> u64 {
-        line.0
-            .pointer(&format!("/walk/{field}"))
-            .and_then(|v| v.as_u64())
-            .unwrap_or_else(|| panic!("no walk.{field} in {line}"))
     }
 }
 

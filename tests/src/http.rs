@@ -1,24 +1,19 @@
-//! The agent's HTTP side as a scraper sees it: the address it bound (from its log) and plain
+//! The agent's HTTP side as a scraper sees it: the address it bound (as status says) and plain
 //! HTTP/1.0 GETs on loopback.
 
-use crate::{AgentProcess, EVENT_TIMEOUT};
+use crate::AgentProcess;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-/// The agent's log line that names the bound metrics address.
-pub const SERVING: &str = "serving /metrics, /healthz and /readyz";
-
-/// The address the agent serves metrics on (started with `--metrics-addr 127.0.0.1:0`).
+/// The address the agent serves metrics on (started with `--metrics-addr 127.0.0.1:0`: status
+/// names the port it bound).
 pub async fn metrics_addr(agent: &AgentProcess) -> SocketAddr {
-    let line = agent
-        .wait_for_log("the metrics server", EVENT_TIMEOUT, |l| {
-            l.message() == SERVING
-        })
-        .await;
-    line.field("addr")
+    let status = agent.status();
+    status["metrics_address"]
+        .as_str()
         .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| agent.fail(&format!("no address in {line}")))
+        .unwrap_or_else(|| agent.fail(&format!("no metrics address in status: {status}")))
 }
 
 /// A plain HTTP/1.0 GET on loopback: status code and body.

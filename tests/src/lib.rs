@@ -4,7 +4,8 @@
 //! ```text
 //! test --AgentProcess--> plugin-agent run --plugin-dir <PluginDir> --source <Source> --handler T=accept-all
 //!      --PluginProcess--> example-plugin --socket <PluginDir>/x.sock  (kubelet's pluginregistration API)
-//!      <-- awaits agent JSON log lines and plugin JSON events (never sleeps for an outcome)
+//!      <-- awaits the agent's admin events (`watch`), `list`/`status`, plugin and handler JSON
+//!          events (never sleeps for an outcome); reads the agent's log only where it is the feature
 //! ```
 //!
 //! Every scenario runs once per event source ([`per_source!`]); sources this machine or this
@@ -34,8 +35,9 @@ pub mod http;
 pub mod otlp;
 pub mod plugin;
 pub mod procfs;
+pub mod seen;
 
-pub use agent::{AgentOptions, AgentProcess, logs, seen};
+pub use agent::{AgentOptions, AgentProcess, logs};
 pub use env::{PluginDir, Source};
 pub use events::{Line, Mark};
 pub use plugin::{PluginOptions, PluginProcess};

@@ -5,7 +5,7 @@
 use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, PluginProcess, Scenario, Source,
-    admin, logs, per_source, plugin, seen, test_name,
+    admin, per_source, plugin, seen, test_name,
 };
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -520,14 +520,18 @@ async fn deregisters_a_plugin_whose_socket_is_deleted_during_registration(source
         .await;
     // Whatever the agent did meanwhile, it must end with the plugin not registered: every
     // handler registration is followed by a deregistration. A socket that vanished under its
-    // registration is no failure and says nothing (`executor::failed`): only the log tells
-    // that way's end.
+    // registration is no failure: that attempt ends `registration_abandoned`.
     agent
-        .wait_for_log("the registration attempt ended", EVENT_TIMEOUT, |l| {
-            logs::registered(&socket)(l)
-                || logs::registration_failed(&socket)(l)
-                || l.message() == "socket vanished during registration"
-        })
+        .wait_for_event(
+            Mark(0),
+            "the registration attempt ended",
+            EVENT_TIMEOUT,
+            |l| {
+                seen::registered(&socket)(l)
+                    || seen::registration_failed(&socket)(l)
+                    || seen::abandoned(&socket)(l)
+            },
+        )
         .await;
     let registered = handler.calls_since(Mark(0), "register").len();
     if registered > 0 {

@@ -203,16 +203,23 @@ async fn reports_an_unreadable_sub_directory_when_running_without_dac_capabiliti
     ]
     .map(String::from)
     .to_vec();
-    options.extra = vec!["--no-admin".into(), "--no-metrics".into()];
-    // No admin API here (an unprivileged agent): its log is what it says.
+    // Its runtime directory (admin socket, lock, state file) is one the unprivileged agent owns.
+    let runtime = dir.outside("nobody-run");
+    std::fs::create_dir(&runtime).expect("mkdir");
+    std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).expect("chown");
+    options.admin_socket = runtime.join("admin.sock");
+    options.extra = vec!["--no-metrics".into()];
     let agent = AgentProcess::start(test, options).await.expect("inotify");
-    let unreadable = agent
-        .wait_for_log("the unreadable directory reported", EVENT_TIMEOUT, |l| {
-            l.message() == "cannot read directory; its plugins are not discovered"
-                && l.field_is("dir", &locked.display().to_string())
-        })
-        .await;
-    eprintln!("{test}: {unreadable}");
+    // Status names what the start walk could not read.
+    let status = agent.status();
+    let unreadable = format!("cannot read {}", locked.display());
+    assert!(
+        status["problems"].as_array().is_some_and(|p| p
+            .iter()
+            .any(|p| p.as_str().is_some_and(|p| p.contains(&unreadable)))),
+        "{test}: {}",
+        status["problems"]
+    );
     // A sibling plugin whose socket the unprivileged agent may connect to.
     let socket = dir.path("open/ok.sock");
     let good = plugin!(&socket)
@@ -1058,8 +1065,7 @@ async fn sigterm_ends_the_agent_within_5_s_whatever_is_open_and_starts_no_operat
     nix::sys::signal::kill(watch_pid, nix::sys::signal::Signal::SIGSTOP).expect("stop watch");
     // Started, so the start walk is done: registrations of the stale sockets are under way (256
     // at once, each retrying its refused dial for 10 s); the rest wait for a slot.
-    let log = agent.log().clone();
-    let (mark, events) = (agent.mark(), agent.event_mark());
+    let events = agent.event_mark();
     let stream = agent.events().clone();
     let stopping = Instant::now();
     let status = agent.stop().await;
@@ -1073,17 +1079,17 @@ async fn sigterm_ends_the_agent_within_5_s_whatever_is_open_and_starts_no_operat
         "{test}: SIGTERM took {took:?}"
     );
     // No operation started after SIGTERM: no failure was reported for any stale socket (the
-    // event stream ends with the agent), and the dials abandoned (only the log says which) are
-    // the ones under way (a dial that waits gives its slot back, so more than
-    // the 256 slots' worth can be under way), each once: a retry started after SIGTERM would be
-    // a second one for its socket.
+    // event stream ends with the agent), and the dials abandoned (`registration_abandoned`)
+    // are the ones under way (a dial that waits gives its slot back, so more than the 256
+    // slots' worth can be under way), each once: a retry started after SIGTERM would be a
+    // second one for its socket.
     let failed = stream.matching_since(events, seen::any_registration_failed);
     assert!(
         failed.is_empty(),
         "{test}: registrations ran after SIGTERM: {failed:?}"
     );
-    let abandoned: Vec<String> = log
-        .matching_since(mark, |l| l.message().starts_with("registration abandoned"))
+    let abandoned: Vec<String> = stream
+        .matching_since(events, seen::any_abandoned)
         .iter()
         .filter_map(|l| l.field("socket_path"))
         .collect();
@@ -1747,13 +1753,14 @@ async fn ebpf_more_sockets_than_the_name_table_holds_cost_no_rescans() {
         after, before,
         "{test}: the agent rescanned while nothing changed"
     );
-    // Only the log's warning says the name table filled.
-    assert!(
-        !agent
-            .logs_since(Mark(0), |l| l
-                .message()
-                .starts_with("more sockets in the tree than"))
-            .is_empty(),
+    // The name table filled (its gauge says so): the case was reached.
+    let incomplete = tokio::task::spawn_blocking(move || {
+        metric_sum(addr, "plugin_agent_event_source_name_table_incomplete")
+    })
+    .await
+    .expect("scrape");
+    assert_eq!(
+        incomplete, 1.0,
         "{test}: the name table never filled: the case was not reached"
     );
     let socket = plugin.socket().to_path_buf();

@@ -172,11 +172,11 @@ async fn a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered(
             seen::registered(&socket),
         )
         .await;
-    let (mark, events) = (s.agent.mark(), s.agent.event_mark());
+    let events = s.agent.event_mark();
     plugin.hand_off(EVENT_TIMEOUT).await;
     s.agent
-        .wait_for_log_after(
-            mark,
+        .wait_for_event(
+            events,
             "the server's exit noticed and the listener found alive in the child",
             EVENT_TIMEOUT,
             holders_followed(&socket),
@@ -190,10 +190,11 @@ async fn a_plugin_that_hands_its_listener_to_a_child_and_exits_stays_registered(
         "{}: a handed-on listener is not a lost plugin",
         s.test
     );
-    assert_eq!(
-        state_of(&s.dir.root().with_file_name("admin.sock"), &socket).state,
-        "registered"
-    );
+    let admin = s.dir.root().with_file_name("admin.sock");
+    assert_eq!(state_of(&admin, &socket).state, "registered");
+    // `list` says who serves it now: the processes holding its listener.
+    let row = admin::list_json(&admin).remove(&socket).expect("listed");
+    assert_eq!(seen::learned_by(&row["serving"]), "holders", "{row}");
     assert_eq!(
         plugin.notifications().len(),
         1,
@@ -338,10 +339,14 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
         1,
         "{test}: the restored plugin was not called again"
     );
+    // Learned after the start walk, perhaps before the test followed the events: `list` says
+    // how the agent knows its server, once it does.
     let learned = second
-        .wait_for_log("the restored plugin's server learned", EVENT_TIMEOUT, |l| {
-            l.message() == "the restored plugin's server, watched for its exit"
-                && l.field_is("socket_path", &alive.to_string_lossy())
+        .wait_until("the restored plugin's server learned", || {
+            let row = admin::list_json(&options.admin_socket).remove(&alive)?;
+            let serving = row.get("serving")?;
+            let how = seen::learned_by(serving);
+            (how == "record" || how == "connect_probe").then(|| serving.clone())
         })
         .await;
     // Where the first agent recorded its server's pidfs inode (Linux 6.9+), the server is found
@@ -362,9 +367,14 @@ async fn after_an_agent_restart_a_restored_plugin_is_watched_and_one_that_died_m
         .find(|p| p["path"].as_str() == Some(&*alive.to_string_lossy()))
         .is_some_and(|p| p["server"]["pidfs_ino"].is_u64());
     assert_eq!(
-        learned.field("found_by").as_deref(),
-        Some(if recorded { "record" } else { "connect" }),
-        "{test}: how the restored plugin's server was found (recorded: {recorded})"
+        seen::learned_by(&learned),
+        if recorded { "record" } else { "connect_probe" },
+        "{test}: how the restored plugin's server was found (recorded: {recorded}): {learned}"
+    );
+    assert_eq!(
+        seen::serving_pids(&learned),
+        [u64::from(alive_plugin.pid().expect("running"))],
+        "{test}: its server: {learned}"
     );
     let mark = second.event_mark();
     let how = death_learned_by(&second);
@@ -459,13 +469,13 @@ async fn an_unserved_socket_registers_when_it_listens_by_the_kernel_s_report_or_
     plugin.signal(nix::sys::signal::Signal::SIGUSR2);
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let how = if source == Source::Ebpf {
-        "an unserved socket started listening (reported by the kernel): registering it"
+        "kernel_listen"
     } else {
-        "an unserved socket accepts connections again (safety pass): registering it"
+        "safety_pass"
     };
     agent
-        .wait_for_log(how, EVENT_TIMEOUT, |l| {
-            l.message() == how && l.field_is("socket_path", &socket.to_string_lossy())
+        .wait_for_event(Mark(0), how, EVENT_TIMEOUT, |l| {
+            seen::served(&socket)(l) && seen::learned_by(&l.0["serving"]) == how
         })
         .await;
     agent
@@ -484,14 +494,10 @@ async fn an_unserved_socket_registers_when_it_listens_by_the_kernel_s_report_or_
     );
 }
 
-/// The agent found `socket`'s listener alive in other processes and watches them (the line
-/// names them in `holders`).
+/// The agent found `socket`'s listener alive in other processes and watches them (the event's
+/// `serving` names them).
 fn holders_followed(socket: &Path) -> impl Fn(&Line) -> bool + '_ {
-    move |l| {
-        l.message()
-            .starts_with("the plugin's listener lives on in other processes")
-            && l.field_is("socket_path", &socket.to_string_lossy())
-    }
+    move |l| seen::served(socket)(l) && seen::learned_by(&l.0["serving"]) == "holders"
 }
 
 /// Issue 44, item 4: the process a listener was handed to dies. Its exit closes the listener
@@ -520,19 +526,19 @@ async fn the_death_of_the_process_a_listener_was_handed_to_is_unserved(source: S
             seen::registered(&socket),
         )
         .await;
+    let events = s.agent.event_mark();
     let child = plugin.hand_off(EVENT_TIMEOUT).await;
     let followed = s
         .agent
-        .wait_for_log(
+        .wait_for_event(
+            events,
             "the parent's exit judged a hand-off",
             EVENT_TIMEOUT,
             holders_followed(&socket),
         )
         .await;
     assert!(
-        followed
-            .field("holders")
-            .is_some_and(|h| h.contains(&child.to_string())),
+        seen::serving_pids(&followed.0["serving"]).contains(&u64::from(child)),
         "{}: the child {child} is not among the holders: {followed}",
         s.test
     );
@@ -645,14 +651,14 @@ async fn a_listener_taken_by_another_process_is_followed_to_it_and_its_death_is_
         )
         .await;
     let holder = TakenListener::take(plugin.pid().expect("running"), &socket, false);
-    let mark = s.agent.mark();
+    let mark = s.agent.event_mark();
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(plugin.pid().expect("running") as i32),
         nix::sys::signal::Signal::SIGKILL,
     );
     let followed = s
         .agent
-        .wait_for_log_after(
+        .wait_for_event(
             mark,
             "the server's death judged a hand-off",
             EVENT_TIMEOUT,
@@ -660,9 +666,7 @@ async fn a_listener_taken_by_another_process_is_followed_to_it_and_its_death_is_
         )
         .await;
     assert!(
-        followed
-            .field("holders")
-            .is_some_and(|h| h.contains(&holder.pid().to_string())),
+        seen::serving_pids(&followed.0["serving"]).contains(&u64::from(holder.pid())),
         "{}: the holder {} is not among the holders: {followed}",
         s.test,
         holder.pid()

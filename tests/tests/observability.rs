@@ -809,7 +809,12 @@ async fn with_a_sampling_ratio_of_zero_failed_and_slow_registrations_are_exporte
         )
         .await;
     agent
-        .wait_for_log("fast registered", EVENT_TIMEOUT, logs::registered(&fast))
+        .wait_for_event(
+            Mark(0),
+            "fast registered",
+            EVENT_TIMEOUT,
+            seen::registered(&fast),
+        )
         .await;
     let status = agent.stop().await;
     assert!(status.success(), "{status:?}");

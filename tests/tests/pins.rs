@@ -4,10 +4,11 @@
 //! (the agent instance, by runtime directory): nobody else adopts, replaces or removes it while
 //! its agent runs, and an agent whose pins are removed anyway pins them again.
 
+use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, Source, logs, plugin, seen,
-    test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, plugin, seen, test_name,
 };
+use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -19,24 +20,36 @@ fn options(dir: &PluginDir) -> AgentOptions {
     AgentOptions::new(Source::Ebpf, &dir.root())
 }
 
-/// The pin directory the agent named when it loaded and pinned its programs.
-async fn pinned_at(agent: &AgentProcess) -> PathBuf {
-    let loaded = agent
-        .wait_for_log("programs loaded and pinned", EVENT_TIMEOUT, |l| {
-            l.message() == "eBPF programs loaded" && l.field("pins").is_some()
-        })
-        .await;
-    PathBuf::from(loaded.field("pins").unwrap_or_default())
+/// How `agent`'s event source started (status's `source_start`): loaded or adopted, its pins,
+/// the kernel object, what the kernel recorded while no agent ran.
+fn source_start(agent: &AgentProcess) -> Value {
+    agent.status()["source_start"].clone()
 }
 
-/// The hash of the kernel object `agent` loaded (its log says).
-async fn loaded_object(agent: &AgentProcess) -> String {
-    let loaded = agent
-        .wait_for_log("programs loaded", EVENT_TIMEOUT, |l| {
-            l.message() == "eBPF programs loaded" && l.field("object").is_some()
-        })
-        .await;
-    loaded.field("object").unwrap_or_default()
+/// The pin directory of an agent that loaded its programs (in itself or in its load child) and
+/// pinned them, as its status says.
+fn pinned_at(agent: &AgentProcess) -> PathBuf {
+    loaded_and_pinned(&source_start(agent))
+}
+
+/// The pins of a `source_start` that says the programs were loaded, not adopted.
+fn loaded_and_pinned(start: &Value) -> PathBuf {
+    let how = start["how"].as_str().unwrap_or_default();
+    assert!(how.starts_with("loaded"), "not a load: {start}");
+    start["pins"]
+        .as_str()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("loaded, not pinned: {start}"))
+}
+
+/// The hash of the kernel object `agent` loaded (its status says).
+fn loaded_object(agent: &AgentProcess) -> String {
+    let start = source_start(agent);
+    loaded_and_pinned(&start);
+    start["object_hash"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no object hash: {start}"))
+        .to_string()
 }
 
 /// The pinned sets (one per load) in a tree's pin directory.
@@ -46,29 +59,47 @@ fn sets(dir: &Path) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-/// The adoption's log line: the pins, and what the kernel recorded meanwhile (`backlog_bytes`),
-/// which only it says (status says "(adopted)").
-async fn adoption(agent: &AgentProcess) -> Line {
-    agent
-        .wait_for_log("adopted the pinned programs", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("adopted the pinned eBPF programs")
-        })
-        .await
+/// How `agent` adopted the pinned programs: the pins, and what the kernel recorded meanwhile
+/// (`backlog_bytes`), as status says; fails when it loaded them instead.
+fn adoption(agent: &AgentProcess) -> Value {
+    let start = source_start(agent);
+    assert_eq!(
+        start["how"], "adopted",
+        "the programs were loaded anyway: {start}"
+    );
+    start
+}
+
+/// A DRA plugin called `name` (the `dra-handler` validates what a plugin speaks).
+fn dra_plugin(dir: &PluginDir, name: &str) -> plugin_agent_tests::PluginProcess {
+    plugin!(dir.path(&format!("{name}.sock")))
+        .plugin_type("DRAPlugin")
+        .name(name)
+        .arg("--versions")
+        .arg("v1.DRAPlugin")
+        .spawn()
 }
 
 /// SIGKILL, then plugins come and go while no agent runs; the next agent adopts the pinned
 /// programs (no load: no BTF, no verifier), finds in the ring what the kernel recorded while no
-/// agent ran, registers the new plugin and deregisters the one that went.
+/// agent ran, registers the new plugin and deregisters the one that went (its handler hears it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agent_ran() {
     let test = test_name();
     let _serial = SERIAL.lock().await;
     let dir = PluginDir::new();
-    let Some(first) = AgentProcess::start(&test, options(&dir)).await else {
+    let handler = HandlerProcess::start(
+        env!("CARGO_BIN_EXE_dra-handler"),
+        &dir.outside("dra-handler.sock"),
+        &[],
+    )
+    .await;
+    let with_handler = || options(&dir).handlers(&[&format!("DRAPlugin={}", handler.target())]);
+    let Some(first) = AgentProcess::start(&test, with_handler()).await else {
         return;
     };
-    let pins = pinned_at(&first).await;
-    let before = plugin!(dir.path("before.sock")).name("before").spawn();
+    let pins = pinned_at(&first);
+    let before = dra_plugin(&dir, "before");
     before.wait_for_notify(true, EVENT_TIMEOUT).await;
     // Reported only once recorded in the state journal.
     first
@@ -86,39 +117,26 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
     // While no agent runs: one plugin goes, one comes.
     let gone = before.socket().to_path_buf();
     before.stop().await;
-    let during = plugin!(dir.path("during.sock")).name("during").spawn();
+    let during = dra_plugin(&dir, "during");
     during.wait_for_event("serving", EVENT_TIMEOUT).await;
 
-    let second = AgentProcess::start(&test, options(&dir))
+    let second = AgentProcess::start(&test, with_handler())
         .await
         .expect("started once");
-    let adopted = adoption(&second).await;
-    let backlog: u64 = adopted
-        .field("backlog_bytes")
-        .and_then(|b| b.parse().ok())
-        .unwrap_or(0);
+    // The adopting agent loaded nothing (`adoption` checks), and found what the kernel wrote.
+    let adopted = adoption(&second);
+    let backlog = adopted["backlog_bytes"].as_u64().unwrap_or(0);
     assert!(
         backlog > 0,
         "{test}: the programs recorded nothing while no agent ran: {adopted}"
     );
-    assert!(
-        second
-            .logs_since(plugin_agent_tests::Mark(0), |l| l.message()
-                == "eBPF programs loaded")
-            .is_empty(),
-        "{test}: the adopting agent loaded the programs anyway"
-    );
-    // The start is reported phase by phase once the first walk is done, after the adoption.
-    let started = second
-        .wait_for_log("the start's phases", EVENT_TIMEOUT, |l| {
-            l.message().starts_with("agent started")
-        })
-        .await;
-    assert!(started.position() > adopted.position(), "{test}: {started}");
+    // The start is reported phase by phase once the first walk is done (it is: the agent
+    // started), the adoption within its event-source phase.
+    let status = second.status();
+    let started = &status["start_phases"];
     let ms = |name: &str| -> f64 {
-        started
-            .field(name)
-            .and_then(|v| v.parse().ok())
+        started[name]
+            .as_f64()
             .unwrap_or_else(|| panic!("{test}: no {name} in {started}"))
     };
     let phases = ["setup_ms", "event_source_ms", "state_ms", "first_walk_ms"].map(ms);
@@ -127,14 +145,22 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
         phases.iter().all(|&p| p >= 0.0) && (phases.iter().sum::<f64>() - took).abs() <= 0.3,
         "{test}: the phases {phases:?} do not add up to took_ms {took}: {started}"
     );
+    let adopting = adopted["open_ms"].as_f64().unwrap_or(f64::MAX);
+    assert!(
+        adopting <= ms("event_source_ms") + 0.1,
+        "{test}: the adoption ({adopting} ms) is not within the event-source phase: {status}"
+    );
     during.wait_for_notify(true, EVENT_TIMEOUT).await;
-    // Deregistered by the start walk's changes, perhaps before the test followed the events;
-    // `list` shows only that it began (the handler's answer is what the line says).
-    second
-        .wait_for_log(
+    // Deregistered by the start walk's changes, perhaps before the test followed the events:
+    // its handler hears the DeRegister.
+    let gone = gone.display().to_string();
+    handler
+        .wait_for_count(
+            Mark(0),
+            1,
             "the plugin gone while no agent ran, deregistered",
             EVENT_TIMEOUT,
-            logs::deregistered(&gone),
+            |l| l.field_is("call", "deregister") && l.field_is("endpoint", &gone),
         )
         .await;
     assert_eq!(
@@ -196,8 +222,8 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
     let Some(first) = AgentProcess::start(&test, options(&dir)).await else {
         return;
     };
-    let pins = pinned_at(&first).await;
-    let object = loaded_object(&first).await;
+    let pins = pinned_at(&first);
+    let object = loaded_object(&first);
     let plugin = plugin!(dir.path("p.sock")).name("p").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     let old_sets = sets(&pins);
@@ -210,7 +236,7 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
         .await
         .expect("started once");
     assert_eq!(
-        pinned_at(&second).await,
+        pinned_at(&second),
         pins,
         "{test}: the same tree's directory"
     );
@@ -230,7 +256,7 @@ async fn an_upgraded_agent_with_another_kernel_object_replaces_the_pins() {
     let third = AgentProcess::start(&test, options(&dir))
         .await
         .expect("started once");
-    pinned_at(&third).await;
+    pinned_at(&third);
     assert_ne!(sets(&pins), new_sets, "{test}: replaced again");
 }
 
@@ -261,7 +287,7 @@ async fn cleanup_leaves_a_running_agent_alone_and_removes_a_stopped_ones_pins_an
     let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
-    let pins = pinned_at(&agent).await;
+    let pins = pinned_at(&agent);
     let first = plugin!(dir.path("first.sock")).name("first").spawn();
     first.wait_for_notify(true, EVENT_TIMEOUT).await;
     let state = admin.with_file_name("state.json");
@@ -392,7 +418,7 @@ async fn an_agent_whose_pins_are_removed_keeps_seeing_and_pins_them_again() {
     let Some(agent) = AgentProcess::start(&test, options).await else {
         return;
     };
-    let pins = pinned_at(&agent).await;
+    let pins = pinned_at(&agent);
     let addr = plugin_agent_tests::http::metrics_addr(&agent).await;
     let first = plugin!(dir.path("first.sock")).name("first").spawn();
     first.wait_for_notify(true, EVENT_TIMEOUT).await;
@@ -492,7 +518,7 @@ async fn two_agents_on_one_tree_each_keep_their_own_pins() {
     let observer = AgentProcess::start(&test, observer_options())
         .await
         .expect("started once");
-    let (registrar_pins, observer_pins) = (pinned_at(&registrar).await, pinned_at(&observer).await);
+    let (registrar_pins, observer_pins) = (pinned_at(&registrar), pinned_at(&observer));
     assert_ne!(
         registrar_pins, observer_pins,
         "{test}: one set for two agents"
@@ -502,9 +528,9 @@ async fn two_agents_on_one_tree_each_keep_their_own_pins() {
     let observer = AgentProcess::start(&test, observer_options())
         .await
         .expect("started once");
-    let adopted = adoption(&observer).await;
+    let adopted = adoption(&observer);
     assert_eq!(
-        adopted.field("pins").map(PathBuf::from),
+        adopted["pins"].as_str().map(PathBuf::from),
         Some(observer_pins.clone()),
         "{test}: {adopted}"
     );
@@ -579,13 +605,13 @@ async fn a_host_agent_leaves_the_pins_of_an_agent_in_another_mount_namespace() {
     let Some(namespaced) = AgentProcess::start(&test, namespaced).await else {
         return;
     };
-    let pins = pinned_at(&namespaced).await;
+    let pins = loaded_and_pinned(&status_in_namespace_of(&namespaced, &private)["source_start"]);
     assert!(!tree.exists(), "{test}: the tree is visible on the host");
     let set = sets(&pins);
     let host = AgentProcess::start(&test, options(&host_dir))
         .await
         .expect("started once");
-    pinned_at(&host).await;
+    pinned_at(&host);
     assert_eq!(
         sets(&pins),
         set,
@@ -594,6 +620,25 @@ async fn a_host_agent_leaves_the_pins_of_an_agent_in_another_mount_namespace() {
     drop(namespaced);
     // Its namespace is gone with it: nobody may judge its tree any more, so remove them here.
     let _ = std::fs::remove_dir_all(pins.parent().unwrap_or(&pins));
+}
+
+/// `plugin-agent status -o json` of `agent`, whose admin socket is in `runtime` in its own
+/// mount namespace: asked from inside that namespace (`nsenter`).
+fn status_in_namespace_of(agent: &AgentProcess, runtime: &Path) -> Value {
+    let pid = agent.pid().expect("running");
+    let output = std::process::Command::new("nsenter")
+        .arg(format!("--mount=/proc/{pid}/ns/mnt"))
+        .arg(plugin_agent_tests::env::agent_bin())
+        .arg("--admin-socket")
+        .arg(runtime.join("admin.sock"))
+        .args(["status", "-o", "json"])
+        .output()
+        .expect("nsenter");
+    assert!(
+        output.status.success(),
+        "status in the namespace: {output:?}"
+    );
+    serde_json::from_slice(&output.stdout).expect("status as JSON")
 }
 
 /// Loading in the agent parsed vmlinux's BTF in the agent (aya's loader does, whether or not the
@@ -608,12 +653,8 @@ async fn a_fresh_load_runs_in_a_child_and_leaves_the_agent_no_peak() {
     let Some(agent) = AgentProcess::start(&test, options(&dir)).await else {
         return;
     };
-    let loaded = agent
-        .wait_for_log("programs loaded", EVENT_TIMEOUT, |l| {
-            l.message() == "eBPF programs loaded"
-        })
-        .await;
-    let pins = pinned_at(&agent).await;
+    let loaded = source_start(&agent);
+    let pins = pinned_at(&agent);
     assert_eq!(sets(&pins).len(), 1, "{test}: the child's set is adopted");
     let plugin = plugin!(dir.path("p.sock")).name("p").spawn();
     plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
@@ -627,9 +668,5 @@ async fn a_fresh_load_runs_in_a_child_and_leaves_the_agent_no_peak() {
         peak < rss + 4 * 1024,
         "{test}: the load left a peak of {peak} KiB over {rss} KiB in use"
     );
-    assert_eq!(
-        loaded.field("loaded_in").as_deref(),
-        Some("a child process"),
-        "{test}: {loaded}"
-    );
+    assert_eq!(loaded["how"], "loaded_in_child", "{test}: {loaded}");
 }

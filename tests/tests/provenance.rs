@@ -436,6 +436,15 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
         said.contains("1 registered plugins refused"),
         "policy reload says what it did: {said}"
     );
+    // So does its event, for whoever follows the agent.
+    let reloaded = agent
+        .wait_for_event(mark, "the reload", EVENT_TIMEOUT, seen::policy_reloaded)
+        .await;
+    assert_eq!(
+        reloaded.0["policy_reload"],
+        serde_json::json!({"trigger": "admin_api", "rules": 1, "refused": 1, "retried": 0}),
+        "{reloaded}"
+    );
     agent
         .wait_for_event(
             mark,
@@ -456,22 +465,34 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
         errors.contains("line 3, column"),
         "the error names the line and column: {errors}"
     );
-    let mark = agent.mark();
+    let mark = agent.event_mark();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(agent.pid().expect("running") as i32),
         nix::sys::signal::Signal::SIGHUP,
     )
     .expect("SIGHUP");
-    // No event says a reload was refused (the reloader is the agent's): its log line does.
-    agent
-        .wait_for_log_after(mark, "the refused reload", EVENT_TIMEOUT, |l| {
-            l.message() == "policy not reloaded: keeping the policy in force"
-        })
+    let refused = agent
+        .wait_for_event(
+            mark,
+            "the refused reload",
+            EVENT_TIMEOUT,
+            seen::policy_reload_failed,
+        )
         .await;
+    assert_eq!(
+        (
+            refused.0.pointer("/policy_reload/trigger"),
+            refused
+                .field("error")
+                .is_some_and(|e| e.contains("line 3, column")),
+        ),
+        (Some(&serde_json::json!("sighup")), true),
+        "{refused}"
+    );
     assert_eq!(listed(&dir, &socket)["state"], "rejected");
 
     // Allowed again (SIGHUP this time): tried again and registered.
-    let notified = plugin.mark();
+    let (notified, mark) = (plugin.mark(), agent.event_mark());
     std::fs::write(&config, allow(0)).expect("write");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(agent.pid().expect("running") as i32),
@@ -482,6 +503,14 @@ async fn a_reload_deregisters_what_the_new_policy_refuses_and_a_broken_file_chan
         .wait_for_notify_after(notified, true, EVENT_TIMEOUT)
         .await;
     assert_eq!(listed(&dir, &socket)["state"], "registered");
+    let retried = agent
+        .wait_for_event(mark, "the reload", EVENT_TIMEOUT, seen::policy_reloaded)
+        .await;
+    assert_eq!(
+        retried.0["policy_reload"],
+        serde_json::json!({"trigger": "sighup", "rules": 1, "refused": 0, "retried": 1}),
+        "{retried}"
+    );
 }
 
 /// `run` with a policy that does not parse fails at once, naming the file, line and column.

@@ -228,7 +228,6 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
         .await;
     let stopping = Instant::now();
     let (mark, events) = (agent.event_mark(), agent.events().clone());
-    let log = agent.log().clone();
     let status = agent.stop().await;
     let stopped_after = stopping.elapsed();
     eprintln!("{test}: exited {status:?} {stopped_after:?} after SIGTERM");
@@ -259,8 +258,8 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
             eprintln!("{test}: rolled back cleanly")
         }
         other => panic!(
-            "{test}: neither finished nor rolled back (register, notify, deregister) = {other:?}\n{}",
-            log.tail(40)
+            "{test}: neither finished nor rolled back (register, notify, deregister) = {other:?}\nevents:\n{}",
+            events.tail(40)
         ),
     }
     // The event stream ended with the agent (`stop` waits for that): it carried the outcome.
@@ -269,8 +268,8 @@ async fn sigterm_during_a_registration_lets_it_finish_and_exits_0() {
     });
     assert!(
         outcomes.len() == 1,
-        "{test}: the agent reported the outcome before exiting: {outcomes:?}\n{}",
-        log.tail(40)
+        "{test}: the agent reported the outcome before exiting: {outcomes:?}\nevents:\n{}",
+        events.tail(40)
     );
 }
 
@@ -312,18 +311,9 @@ async fn registrations_a_kill_interrupted_are_deregistered_if_their_sockets_went
     let second = AgentProcess::start(test, options.clone())
         .await
         .expect("it started once");
-    // How many registrations a kill interrupted is said only by the restore's log line.
-    let carried = second
-        .wait_for_log("carried on from the state file", EVENT_TIMEOUT, |l| {
-            l.message()
-                .starts_with("carrying on from the previous agent's state")
-        })
-        .await;
-    assert_eq!(
-        carried.field("interrupted").as_deref(),
-        Some("2"),
-        "{test}: {carried}"
-    );
+    // How many registrations a kill interrupted: status's account of the restore.
+    let carried = second.status()["restore"].clone();
+    assert_eq!(carried["interrupted"], 2, "{test}: {carried}");
     stayed.wait_for_notify(true, EVENT_TIMEOUT).await;
     let gone = handler
         .wait_for_count(Mark(0), 1, "the DeRegister of went", EVENT_TIMEOUT, |l| {

@@ -1,8 +1,11 @@
 //! The conversions from the agent's state, provenance and events to the admin API's wire
 //! messages: pure functions, kept apart from the service (`server.rs`) that answers with them.
 
+use super::served::StartPhases;
+use crate::event_source::SourceStart;
 use crate::handler::Plugin;
-use crate::notifications::{AgentEvent, EventKind};
+use crate::notifications::{AgentEvent, EventKind, PolicyReloadReport, Serving};
+use crate::persist::RestoreReport;
 use crate::provenance::{Actor, Contact, Creator, Process, Provenance};
 use crate::state::backoff::{Backoff, FailureKind};
 use crate::state::view::{PluginState, PluginStatus};
@@ -72,6 +75,7 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         }),
         first_contact_unknown: String::new(),
         reason: status.reason.label().into(),
+        serving: None,
     }
 }
 
@@ -176,6 +180,10 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
         EventKind::Rescan => api::EventKind::Rescan,
         EventKind::FirstContact => api::EventKind::FirstContact,
         EventKind::Walked => api::EventKind::Walked,
+        EventKind::Served => api::EventKind::Served,
+        EventKind::RegistrationAbandoned => api::EventKind::RegistrationAbandoned,
+        EventKind::PolicyReloaded => api::EventKind::PolicyReloaded,
+        EventKind::PolicyReloadFailed => api::EventKind::PolicyReloadFailed,
     };
     api::AgentEvent {
         time_unix_nanos: unix_nanos(event.at),
@@ -195,6 +203,27 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .map(|contact| contact_to_api(contact, event.latency)),
         walk: event.walk.as_ref().map(walk_to_api),
         reason: String::new(),
+        serving: event.serving.as_ref().map(serving_to_api),
+        policy_reload: event.policy_reload.as_ref().map(policy_reload_to_api),
+    }
+}
+
+/// The wire form of how the agent knows something serves a socket.
+pub(super) fn serving_to_api(serving: &Serving) -> api::Serving {
+    api::Serving {
+        learned_by: serving.learned_by.to_string(),
+        pids: serving.pids.clone(),
+    }
+}
+
+/// The wire form of a policy reload's report.
+fn policy_reload_to_api(reload: &PolicyReloadReport) -> api::PolicyReload {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    api::PolicyReload {
+        trigger: reload.trigger.to_string(),
+        rules: count(reload.rules),
+        refused: count(reload.refused),
+        retried: count(reload.retried),
     }
 }
 
@@ -206,5 +235,202 @@ fn walk_to_api(walk: &crate::notifications::Walk) -> api::Walk {
         sockets: walk.sockets,
         removed: walk.removed,
         kept_unread: walk.kept_unread,
+    }
+}
+
+/// The wire form of how the event source started.
+pub(super) fn source_start_to_api(start: &SourceStart) -> api::SourceStart {
+    api::SourceStart {
+        how: start.how.to_string(),
+        pins: start
+            .pins
+            .as_ref()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default(),
+        object_hash: start.object_hash.clone().unwrap_or_default(),
+        backlog_bytes: start.backlog_bytes,
+        open_ms: ms(start.open),
+    }
+}
+
+/// The wire form of what the state file carried over.
+pub(super) fn restore_to_api(report: &RestoreReport) -> api::Restore {
+    api::Restore {
+        restored: report.restored as u64,
+        handler_changed: report.handler_changed as u64,
+        interrupted: report.interrupted as u64,
+    }
+}
+
+/// The wire form of where the start's time went.
+pub(super) fn phases_to_api(phases: &StartPhases) -> api::StartPhases {
+    api::StartPhases {
+        setup_ms: ms(phases.setup),
+        event_source_ms: ms(phases.event_source),
+        state_ms: ms(phases.state),
+        first_walk_ms: ms(phases.first_walk),
+        took_ms: ms(phases.took()),
+    }
+}
+
+/// Milliseconds to a tenth, as the start's log line has always said them.
+fn ms(took: Duration) -> f64 {
+    (took.as_secs_f64() * 1e4).round() / 10.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notifications::Walk;
+    use std::path::PathBuf;
+
+    fn event(kind: EventKind) -> AgentEvent {
+        AgentEvent::new(kind, "/plugins/a.sock")
+    }
+
+    #[test]
+    fn a_served_event_carries_how_the_server_was_learned_and_its_processes() {
+        let mut served = event(EventKind::Served);
+        served.serving = Some(Serving {
+            learned_by: "holders",
+            pids: vec![41, 42],
+        });
+        let wire = event_to_api(&served);
+        assert_eq!(wire.kind, api::EventKind::Served as i32);
+        assert_eq!(wire.socket_path, "/plugins/a.sock");
+        assert_eq!(
+            wire.serving,
+            Some(api::Serving {
+                learned_by: "holders".into(),
+                pids: vec![41, 42],
+            })
+        );
+        assert_eq!((wire.policy_reload, wire.walk), (None, None));
+    }
+
+    #[test]
+    fn policy_reload_events_carry_their_trigger_counts_and_error() {
+        let mut reloaded = event(EventKind::PolicyReloaded);
+        reloaded.policy_reload = Some(PolicyReloadReport {
+            trigger: "admin_api",
+            rules: 2,
+            refused: 1,
+            retried: 3,
+        });
+        let wire = event_to_api(&reloaded);
+        assert_eq!(wire.kind, api::EventKind::PolicyReloaded as i32);
+        assert_eq!(
+            wire.policy_reload,
+            Some(api::PolicyReload {
+                trigger: "admin_api".into(),
+                rules: 2,
+                refused: 1,
+                retried: 3,
+            })
+        );
+        let mut failed = event(EventKind::PolicyReloadFailed);
+        failed.error = Some("line 3, column 16".into());
+        failed.policy_reload = Some(PolicyReloadReport {
+            trigger: "sighup",
+            ..PolicyReloadReport::default()
+        });
+        let wire = event_to_api(&failed);
+        assert_eq!(wire.kind, api::EventKind::PolicyReloadFailed as i32);
+        assert_eq!(wire.error, "line 3, column 16");
+        assert_eq!(
+            wire.policy_reload.map(|r| (r.trigger, r.rules)),
+            Some(("sighup".into(), 0))
+        );
+    }
+
+    #[test]
+    fn an_abandoned_registration_says_why_in_its_detail_and_walks_keep_their_counts() {
+        let mut abandoned = event(EventKind::RegistrationAbandoned);
+        abandoned.detail = Some("the agent is stopping".into());
+        let wire = event_to_api(&abandoned);
+        assert_eq!(
+            (wire.kind, wire.detail.as_str(), wire.error.as_str()),
+            (
+                api::EventKind::RegistrationAbandoned as i32,
+                "the agent is stopping",
+                ""
+            )
+        );
+        let mut walked = event(EventKind::Walked);
+        walked.walk = Some(Walk {
+            reason: "start".into(),
+            directories: 2,
+            sockets: 3,
+            removed: 1,
+            kept_unread: 0,
+        });
+        let walk = event_to_api(&walked).walk.expect("a walk");
+        assert_eq!(
+            (
+                walk.reason.as_str(),
+                walk.directories,
+                walk.sockets,
+                walk.removed
+            ),
+            ("start", 2, 3, 1)
+        );
+    }
+
+    #[test]
+    fn the_start_is_reported_in_tenths_of_a_millisecond_with_its_pins_and_restore() {
+        let start = SourceStart {
+            how: "adopted",
+            pins: Some(PathBuf::from("/sys/fs/bpf/plugin-agent/i1/t2")),
+            object_hash: Some("0bc5bb8c100ee8ee".into()),
+            backlog_bytes: 264,
+            open: Duration::from_micros(3_740),
+        };
+        assert_eq!(
+            source_start_to_api(&start),
+            api::SourceStart {
+                how: "adopted".into(),
+                pins: "/sys/fs/bpf/plugin-agent/i1/t2".into(),
+                object_hash: "0bc5bb8c100ee8ee".into(),
+                backlog_bytes: 264,
+                open_ms: 3.7,
+            }
+        );
+        let opened = source_start_to_api(&SourceStart {
+            how: "opened",
+            ..SourceStart::default()
+        });
+        assert_eq!(
+            (opened.pins.as_str(), opened.object_hash.as_str()),
+            ("", "")
+        );
+        let phases = StartPhases {
+            setup: Duration::from_micros(9_400),
+            event_source: Duration::from_micros(4_000),
+            state: Duration::from_micros(2_900),
+            first_walk: Duration::from_micros(750),
+        };
+        let wire = phases_to_api(&phases);
+        assert_eq!(
+            (
+                wire.setup_ms,
+                wire.event_source_ms,
+                wire.state_ms,
+                wire.took_ms
+            ),
+            (9.4, 4.0, 2.9, 17.1)
+        );
+        let restore = RestoreReport {
+            restored: 5,
+            handler_changed: 1,
+            interrupted: 2,
+        };
+        assert_eq!(
+            restore_to_api(&restore),
+            api::Restore {
+                restored: 5,
+                handler_changed: 1,
+                interrupted: 2,
+            }
+        );
     }
 }

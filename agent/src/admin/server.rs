@@ -4,9 +4,13 @@
 
 use super::MAX_MESSAGE_BYTES;
 pub use super::convert::{event_to_api, provenance_to_api, to_api};
-use super::convert::{to_api_entry, unix_ms, unix_nanos};
-pub use super::served::{AgentStatus, PolicyReloading, Served};
+use super::convert::{
+    phases_to_api, restore_to_api, serving_to_api, source_start_to_api, to_api_entry, unix_ms,
+    unix_nanos,
+};
+pub use super::served::{AgentStatus, PolicyReloading, Served, StartPhases, StartReport};
 use crate::handler::{self, HandlerRegistry};
+use crate::liveness::Liveness;
 use crate::notifications::NotificationBus;
 use crate::state::view::{PluginStatus, StateView};
 use crate::telemetry::WatcherStats;
@@ -40,6 +44,8 @@ pub struct AdminService {
     observes: bool,
     /// Reads the policy again (`ReloadPolicy`).
     policy: Arc<dyn PolicyReloading>,
+    /// Who serves each registered plugin (`list`).
+    liveness: Arc<Liveness>,
     /// Ends the event streams when the server stops: a graceful shutdown waits for every open
     /// response, and a `watch` stream would otherwise never end.
     shutdown: CancellationToken,
@@ -58,6 +64,7 @@ impl AdminService {
             allowed_uid: nix::unistd::geteuid().as_raw(),
             observes: served.observes,
             policy: served.policy,
+            liveness: served.liveness,
             shutdown: CancellationToken::new(),
         }
     }
@@ -96,6 +103,11 @@ impl AdminService {
                 if entry.first_contact.is_none() {
                     entry.first_contact_unknown = self.first_contact_unknown(status);
                 }
+                entry.serving = status
+                    .registered
+                    .as_ref()
+                    .and_then(|r| self.liveness.serving(&status.path, r.generation))
+                    .map(|serving| serving_to_api(&serving));
                 entry
             })
             .collect();
@@ -161,7 +173,18 @@ impl AdminService {
                 })
                 .collect(),
             watched_directories: self.stats.watched_dirs.load(Relaxed),
-            walks_completed: self.stats.walks_completed.load(Relaxed),
+            walks_completed: self
+                .stats
+                .walks_completed
+                .load(std::sync::atomic::Ordering::Acquire),
+            metrics_address: self
+                .status
+                .metrics_addr
+                .map(|addr| addr.to_string())
+                .unwrap_or_default(),
+            source_start: Some(source_start_to_api(&self.status.start.source)),
+            restore: self.status.start.restore.as_ref().map(restore_to_api),
+            start_phases: self.status.start.phases.get().map(phases_to_api),
             problems: {
                 let problems = self.stats.health.get();
                 problems

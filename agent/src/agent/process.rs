@@ -56,7 +56,9 @@ pub async fn run(settings: RunSettings) -> anyhow::Result<()> {
             }
         })
     });
-    let reloads = tokio::spawn(reload_policy_on_sighup(agent.policy_reloader()));
+    let reloads = tokio::spawn(reload_policy_on_sighup(
+        agent.policy_reloader(super::ReloadTrigger::Sighup),
+    ));
     let result = agent.run_until(shutdown_signal()).await;
     reloads.abort();
     admin_cancel.cancel();

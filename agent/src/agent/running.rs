@@ -2,13 +2,15 @@
 //! and the policy reloads it takes from SIGHUP and the admin API.
 
 use super::config::AgentConfig;
+use super::policy_reload::{PolicyReloader, ReloadTrigger};
 use super::stages::Stages;
-use crate::config::PolicySource;
-use crate::event_source::{self, SourceKind};
+use crate::admin::server::{StartPhases, StartReport};
+use crate::event_source::{self, SourceKind, SourceStart};
 use crate::executor::OperationExecutor;
 use crate::handler::HandlerRegistry;
 use crate::notifications::NotificationBus;
-use crate::operations::{PolicyReload, Runner};
+use crate::operations::Runner;
+use crate::persist::RestoreReport;
 use crate::policy::Policy;
 use crate::state::actual::ActualState;
 use crate::state::desired::DesiredState;
@@ -34,9 +36,10 @@ pub fn mark_process_start() {
 
 /// Where a start's time went, reported once, when the first walk is done: from then on every
 /// event is handled as it comes (with adopted eBPF pins, what the kernel recorded while no agent
-/// ran first). One log line (`agent started`, milliseconds per phase) that an operator reads after
-/// a restart or an upgrade, and that the benchmark's restart rows report.
-struct StartPhases {
+/// ran first). One log line (`agent started`, milliseconds per phase) that the benchmark's
+/// restart rows report, and status's `start_phases`, which an operator reads after a restart or
+/// an upgrade.
+struct StartClock {
     /// Process start (or `RunningAgent::start`) to opening the event source: command line,
     /// logging, runtime, lock, handlers, policy.
     began: Instant,
@@ -48,21 +51,42 @@ struct StartPhases {
     restored: Instant,
 }
 
-impl StartPhases {
-    /// Logs the phases; `walked` is when the first walk finished.
-    fn report(&self, walked: Instant, source: SourceKind) {
-        let ms = |from: Instant, to: Instant| {
-            (to.saturating_duration_since(from).as_secs_f64() * 1e4).round() / 10.0
+impl StartClock {
+    /// Logs the phases and returns them; `walked` is when the first walk finished.
+    fn report(&self, walked: Instant, source: SourceKind) -> StartPhases {
+        let phases = StartPhases {
+            setup: self.source_opening.saturating_duration_since(self.began),
+            event_source: self
+                .source_open
+                .saturating_duration_since(self.source_opening),
+            state: self.restored.saturating_duration_since(self.source_open),
+            first_walk: walked.saturating_duration_since(self.restored),
         };
+        let ms = |took: std::time::Duration| (took.as_secs_f64() * 1e4).round() / 10.0;
         info!(
             %source,
-            took_ms = ms(self.began, walked),
-            setup_ms = ms(self.began, self.source_opening),
-            event_source_ms = ms(self.source_opening, self.source_open),
-            state_ms = ms(self.source_open, self.restored),
-            first_walk_ms = ms(self.restored, walked),
+            took_ms = ms(phases.took()),
+            setup_ms = ms(phases.setup),
+            event_source_ms = ms(phases.event_source),
+            state_ms = ms(phases.state),
+            first_walk_ms = ms(phases.first_walk),
             "agent started: first walk done, events handled as they come"
         );
+        phases
+    }
+
+    /// What the watcher calls once the start walk is done: the phases reported (the log line,
+    /// status's `start_phases`), then readiness told.
+    fn on_walked(
+        self,
+        report: Arc<StartReport>,
+        source: SourceKind,
+        ready: watch::Sender<bool>,
+    ) -> impl FnOnce() + Send + 'static {
+        move || {
+            let _ = report.phases.set(self.report(Instant::now(), source));
+            let _ = ready.send(true);
+        }
     }
 }
 
@@ -103,6 +127,10 @@ pub struct RunningAgent {
     pub started_at: std::time::SystemTime,
     /// What the node says, for the verdicts (`state::verdict`).
     circumstances: Arc<crate::state::verdict::Circumstances>,
+    /// How it started (the source, the restore; the phases once the first walk is done).
+    pub start: Arc<StartReport>,
+    /// Who serves each registered plugin, for `list`.
+    liveness: Arc<crate::liveness::Liveness>,
     cancel: CancellationToken,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
     /// The state on disk, flushed last: after running operations ended, so it says what they did.
@@ -121,7 +149,8 @@ impl RunningAgent {
         let cancel = CancellationToken::new();
         let source_opening = Instant::now();
         let (hints_tx, hints_rx) = mpsc::channel(HINT_CHANNEL);
-        let (source, source_description) = open_source(&config, hints_tx, &cancel).await?;
+        let (source, source_description, source_start) =
+            open_source(&config, hints_tx, &cancel).await?;
         let source_open = Instant::now();
         let source_kind = source.kind();
         let kernel = Arc::new(crate::kernel::probe(source.fentry()));
@@ -147,26 +176,29 @@ impl RunningAgent {
             }
             None => None,
         };
-        let journal = config
+        let (journal, restore) = config
             .state_file
             .as_ref()
-            .map(|file| carry_on(&config, file, &stages, &handlers, ready.clone()));
-        let phases = StartPhases {
+            .map(|file| carry_on(&config, file, &stages, &handlers, ready.clone()))
+            .unzip();
+        let clock = StartClock {
             began,
             source_opening,
             source_open,
             restored: Instant::now(),
         };
+        let start = Arc::new(StartReport {
+            source: source_start,
+            restore,
+            ..StartReport::default()
+        });
         let (reconciler, watcher) = (stages.reconciler, stages.watcher);
         let reconciler_cancel = cancel.clone();
         tasks.spawn(async move {
             reconciler.run(reconciler_cancel).await;
             Ok(())
         });
-        let walked = move || {
-            phases.report(Instant::now(), source_kind);
-            let _ = ready_tx.send(true);
-        };
+        let walked = clock.on_walked(start.clone(), source_kind, ready_tx);
         let watcher_cancel = cancel.clone();
         tasks.spawn(async move { watcher.run(hints_rx, watcher_cancel, walked).await });
         Ok(RunningAgent {
@@ -185,6 +217,8 @@ impl RunningAgent {
             metrics_addr,
             config,
             started_at: std::time::SystemTime::now(),
+            start,
+            liveness: stages.liveness,
             cancel,
             tasks,
             journal,
@@ -218,10 +252,24 @@ impl RunningAgent {
                 mode: mode.to_string(),
                 started_at: self.started_at,
                 kernel: self.kernel.clone(),
+                metrics_addr: self.metrics_addr,
+                start: self.start.clone(),
             },
             observes: mode.observes(),
-            policy: Arc::new(self.policy_reloader()),
+            policy: Arc::new(self.policy_reloader(ReloadTrigger::AdminApi)),
+            liveness: self.liveness.clone(),
         }
+    }
+
+    /// What reads the policy again and applies it, for `trigger` (`plugin-agent policy
+    /// reload`, SIGHUP).
+    pub fn policy_reloader(&self, trigger: ReloadTrigger) -> PolicyReloader {
+        PolicyReloader::new(
+            self.config.policy.clone(),
+            self.runner.clone(),
+            self.notifications.clone(),
+            trigger,
+        )
     }
 
     /// Waits for the first full scan of the plugin directory.
@@ -261,16 +309,21 @@ impl RunningAgent {
     }
 }
 
-/// Opens `config`'s event source, sending its hints to `hints`; the source and what it
-/// attached (with the sources `--source auto` passed over, and why), for operators.
+/// Opens `config`'s event source, sending its hints to `hints`; the source, what it attached
+/// (with the sources `--source auto` passed over, and why) and how it started, for operators.
 async fn open_source(
     config: &AgentConfig,
     hints: mpsc::Sender<crate::event_source::FsEvent>,
     cancel: &CancellationToken,
-) -> anyhow::Result<(Arc<dyn crate::event_source::EventSource>, String)> {
+) -> anyhow::Result<(
+    Arc<dyn crate::event_source::EventSource>,
+    String,
+    SourceStart,
+)> {
     let event_source::Opened {
         source,
         passed_over,
+        start,
     } = event_source::open(
         config.source,
         hints,
@@ -287,18 +340,18 @@ async fn open_source(
         ),
     };
     info!(source = %source.kind(), attached = %description, plugin_dir = %config.plugin_dir.display(), "event source open");
-    Ok((source, description))
+    Ok((source, description, start))
 }
 
 /// Puts back what the previous agent registered (unless told not to) and hands the executor the
-/// journal that records what finishes from now on.
+/// journal that records what finishes from now on; returns it and what was put back.
 fn carry_on(
     config: &AgentConfig,
     file: &std::path::Path,
     stages: &Stages,
     handlers: &HandlerRegistry,
     mut walked: watch::Receiver<bool>,
-) -> Arc<crate::persist::Journal> {
+) -> (Arc<crate::persist::Journal>, RestoreReport) {
     if config.reregister_on_restart {
         info!(state_file = %file.display(), "--reregister-on-restart: registering every plugin found again");
     }
@@ -320,7 +373,7 @@ fn carry_on(
         stats.health.condition("state file", problem);
     }));
     journal.restored();
-    if report != crate::persist::RestoreReport::default() {
+    if report != RestoreReport::default() {
         info!(
             state_file = %file.display(),
             restored = report.restored,
@@ -341,7 +394,7 @@ fn carry_on(
             runner.watch_restored();
         }
     });
-    journal
+    (journal, report)
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` as one of the agent's `tasks`, and
@@ -369,48 +422,4 @@ async fn serve_metrics(
         crate::telemetry::http::serve(listener, registry, ready, watcher, cancel).await
     });
     Ok(Some(bound))
-}
-
-impl RunningAgent {
-    /// What reads the policy again and applies it (`plugin-agent policy reload`, SIGHUP).
-    pub fn policy_reloader(&self) -> PolicyReloader {
-        PolicyReloader {
-            source: self.config.policy.clone(),
-            runner: self.runner.clone(),
-        }
-    }
-}
-
-/// Reads the policy again and applies it to every socket; cheap to clone.
-#[derive(Clone)]
-pub struct PolicyReloader {
-    source: PolicySource,
-    runner: Arc<Runner>,
-}
-
-impl PolicyReloader {
-    /// A policy that does not load changes nothing: the error says why (file, line, column),
-    /// and the agent runs on with the policy it had.
-    pub fn reload(&self) -> anyhow::Result<PolicyReload> {
-        let policy = self
-            .source
-            .rules()
-            .and_then(|rules| Policy::compile(rules.as_slice()));
-        match policy {
-            Ok(policy) => Ok(self.runner.reload_policy(policy)),
-            Err(e) => {
-                warn!(
-                    error = format!("{e:#}"),
-                    "policy not reloaded: keeping the policy in force"
-                );
-                Err(e)
-            }
-        }
-    }
-}
-
-impl crate::admin::server::PolicyReloading for PolicyReloader {
-    fn reload(&self) -> anyhow::Result<PolicyReload> {
-        PolicyReloader::reload(self)
-    }
 }

@@ -37,6 +37,8 @@ pub(super) struct Stages {
     pub(super) provenance: Arc<Resolver>,
     /// What the node says, for every view's verdict (`state::verdict`).
     pub(super) circumstances: Arc<Circumstances>,
+    /// Who serves each registered plugin, for `list`.
+    pub(super) liveness: Arc<Liveness>,
 }
 
 /// The tables every stage shares.
@@ -124,7 +126,7 @@ impl Stages {
             notifications.clone(),
             telemetry.clone(),
         )
-        .with_liveness(liveness);
+        .with_liveness(liveness.clone());
         let reconciler = Reconciler::new(
             tables.desired.clone(),
             tables.actual.clone(),
@@ -151,6 +153,7 @@ impl Stages {
             reconciler,
             provenance,
             circumstances,
+            liveness,
         }
     }
 
@@ -163,7 +166,7 @@ impl Stages {
         config: ExecutorConfig,
         cancel: &CancellationToken,
     ) -> (Arc<Runner>, Arc<OperationExecutor>, Arc<Liveness>) {
-        let liveness = Arc::new(Liveness::default());
+        let liveness = Arc::new(Liveness::new(notifications.clone()));
         let unserved = Unserved::new(
             tables.actual.clone(),
             tables.backoff.clone(),

@@ -1,7 +1,9 @@
 //! `plugin-agent list`: every socket the agent knows, with its state, as a table, JSON or YAML.
 
 use super::output::Output;
-use super::render::{ContactRow, ProvenanceRow, print_structured, print_table, timestamp};
+use super::render::{
+    ContactRow, ProvenanceRow, ServingRow, print_structured, print_table, timestamp,
+};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 
@@ -34,6 +36,9 @@ struct PluginRow {
     first_contact: Option<ContactRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     first_contact_unknown: Option<String>,
+    /// Registered: how the agent knows something serves it, whose exits it waits for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    serving: Option<ServingRow>,
 }
 
 impl From<api::PluginEntry> for PluginRow {
@@ -63,6 +68,7 @@ impl From<api::PluginEntry> for PluginRow {
             first_contact: e.first_contact.map(ContactRow::from),
             first_contact_unknown: (!e.first_contact_unknown.is_empty())
                 .then_some(e.first_contact_unknown),
+            serving: e.serving.map(ServingRow::from),
         }
     }
 }

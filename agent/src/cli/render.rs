@@ -52,6 +52,22 @@ pub(super) fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N
     }
 }
 
+/// How the agent knows something serves a socket, as `list` and `watch` print it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(super) struct ServingRow {
+    pub learned_by: String,
+    pub pids: Vec<u32>,
+}
+
+impl From<api::Serving> for ServingRow {
+    fn from(serving: api::Serving) -> Self {
+        ServingRow {
+            learned_by: serving.learned_by,
+            pids: serving.pids,
+        }
+    }
+}
+
 /// A socket's provenance as `list` and `watch` print it (JSON and YAML keep every field).
 #[derive(Debug, Clone, serde::Serialize)]
 pub(super) struct ProvenanceRow {

@@ -25,6 +25,44 @@ struct StatusView {
     handlers: Vec<HandlerView>,
     kernel: String,
     kernel_features: Vec<KernelFeatureView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_address: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source_start: Option<SourceStartView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    restore: Option<RestoreView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    start_phases: Option<StartPhasesView>,
+}
+
+/// How the event source started (the wire's `SourceStart`).
+#[derive(Debug, serde::Serialize)]
+struct SourceStartView {
+    how: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pins: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    object_hash: Option<String>,
+    backlog_bytes: u64,
+    open_ms: f64,
+}
+
+/// What the state file carried over (the wire's `Restore`).
+#[derive(Debug, serde::Serialize)]
+struct RestoreView {
+    restored: u64,
+    handler_changed: u64,
+    interrupted: u64,
+}
+
+/// Where the start's time went (the wire's `StartPhases`).
+#[derive(Debug, serde::Serialize)]
+struct StartPhasesView {
+    setup_ms: f64,
+    event_source_ms: f64,
+    state_ms: f64,
+    first_walk_ms: f64,
+    took_ms: f64,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -101,6 +139,26 @@ impl From<api::AgentStatus> for StatusView {
                     without: f.without,
                 })
                 .collect(),
+            metrics_address: (!s.metrics_address.is_empty()).then_some(s.metrics_address),
+            source_start: s.source_start.map(|start| SourceStartView {
+                how: start.how,
+                pins: (!start.pins.is_empty()).then_some(start.pins),
+                object_hash: (!start.object_hash.is_empty()).then_some(start.object_hash),
+                backlog_bytes: start.backlog_bytes,
+                open_ms: start.open_ms,
+            }),
+            restore: s.restore.map(|r| RestoreView {
+                restored: r.restored,
+                handler_changed: r.handler_changed,
+                interrupted: r.interrupted,
+            }),
+            start_phases: s.start_phases.map(|p| StartPhasesView {
+                setup_ms: p.setup_ms,
+                event_source_ms: p.event_source_ms,
+                state_ms: p.state_ms,
+                first_walk_ms: p.first_walk_ms,
+                took_ms: p.took_ms,
+            }),
         }
     }
 }
@@ -121,6 +179,7 @@ fn print_table(view: &StatusView, started_unix_ms: i64) {
         view.source,
         view.source_description
     );
+    print_start(view);
     out!("reconciler:    {}", view.reconcile_mode);
     out!("mode:          {}", view.mode);
     out!(
@@ -175,5 +234,41 @@ fn print_table(view: &StatusView, started_unix_ms: i64) {
             h.plugin_type, health, h.target, error
         );
         out!("{}", crate::text::escape(&line));
+    }
+}
+
+/// The table's lines about the start: how the source started, what the state file carried
+/// over, and where metrics are served.
+fn print_start(view: &StatusView) {
+    if let Some(start) = &view.source_start {
+        let mut line = format!("started:       source {}", start.how);
+        if let Some(pins) = &start.pins {
+            line += &format!(", pins {pins}");
+        }
+        if start.backlog_bytes > 0 {
+            line += &format!(
+                ", {} bytes recorded while no agent ran",
+                start.backlog_bytes
+            );
+        }
+        if let Some(p) = &view.start_phases {
+            line += &format!(", ready in {} ms", p.took_ms);
+        }
+        out!("{}", crate::text::escape(&line));
+    }
+    if let Some(r) = view
+        .restore
+        .as_ref()
+        .filter(|r| r.restored + r.handler_changed > 0)
+    {
+        out!(
+            "carried on:    {} registrations ({} interrupted, {} handler changed)",
+            r.restored,
+            r.interrupted,
+            r.handler_changed
+        );
+    }
+    if let Some(addr) = &view.metrics_address {
+        out!("metrics:       http://{addr}/metrics");
     }
 }

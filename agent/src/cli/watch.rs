@@ -1,7 +1,7 @@
 //! `plugin-agent watch`: the agent's events as they happen, one line (or JSON object) each.
 
 use super::output::Output;
-use super::render::{ContactRow, ProvenanceRow};
+use super::render::{ContactRow, ProvenanceRow, ServingRow};
 use crate::admin;
 use plugin_agent_proto::pluginagent::v1 as api;
 use std::time::{Duration, UNIX_EPOCH};
@@ -29,6 +29,30 @@ struct EventRow {
     /// The socket's reason (`explain`'s verdict) as the event was delivered.
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    serving: Option<ServingRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy_reload: Option<PolicyReloadRow>,
+}
+
+/// A policy reload, as `watch` prints it (the wire's `PolicyReload`).
+#[derive(Debug, serde::Serialize)]
+struct PolicyReloadRow {
+    trigger: String,
+    rules: u32,
+    refused: u32,
+    retried: u32,
+}
+
+impl From<api::PolicyReload> for PolicyReloadRow {
+    fn from(reload: api::PolicyReload) -> Self {
+        PolicyReloadRow {
+            trigger: reload.trigger,
+            rules: reload.rules,
+            refused: reload.refused,
+            retried: reload.retried,
+        }
+    }
 }
 
 /// A finished walk, as `watch` prints it (the wire's `Walk`).
@@ -53,18 +77,10 @@ impl From<api::Walk> for WalkRow {
     }
 }
 
-pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
-    let mut client = admin::client::connect(socket).await?;
-    let mut stream = client
-        .watch_events(api::WatchEventsRequest {})
-        .await?
-        .into_inner();
-    // The agent subscribed before it answered: from here no event is missed. Said on stderr so
-    // scripts (and tests) can start acting once the stream is live, without polluting stdout.
-    eprintln!("watching events of {}", socket.display());
-    while let Some(event) = stream.message().await? {
+impl From<api::AgentEvent> for EventRow {
+    fn from(event: api::AgentEvent) -> Self {
         let kind = api::EventKind::try_from(event.kind).unwrap_or(api::EventKind::Unspecified);
-        let row = EventRow {
+        EventRow {
             time: humantime::format_rfc3339_micros(
                 UNIX_EPOCH + Duration::from_nanos(event.time_unix_nanos.max(0) as u64),
             )
@@ -82,7 +98,23 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
             contact: event.contact.map(ContactRow::from),
             walk: event.walk.map(WalkRow::from),
             reason: (!event.reason.is_empty()).then_some(event.reason),
-        };
+            serving: event.serving.map(ServingRow::from),
+            policy_reload: event.policy_reload.map(PolicyReloadRow::from),
+        }
+    }
+}
+
+pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::Result<()> {
+    let mut client = admin::client::connect(socket).await?;
+    let mut stream = client
+        .watch_events(api::WatchEventsRequest {})
+        .await?
+        .into_inner();
+    // The agent subscribed before it answered: from here no event is missed. Said on stderr so
+    // scripts (and tests) can start acting once the stream is live, without polluting stdout.
+    eprintln!("watching events of {}", socket.display());
+    while let Some(event) = stream.message().await? {
+        let row = EventRow::from(event);
         match output {
             Output::Json => out!("{}", serde_json::to_string(&row)?),
             Output::Yaml => out_raw!("---\n{}", serde_norway::to_string(&row)?),
@@ -105,6 +137,15 @@ pub(super) async fn watch(socket: &std::path::Path, output: Output) -> anyhow::R
                     line += &format!(
                         " reason={:?} directories={} sockets={} removed={} kept_unread={}",
                         w.reason, w.directories, w.sockets, w.removed, w.kept_unread
+                    );
+                }
+                if let Some(s) = &row.serving {
+                    line += &format!(" learned_by={} pids={:?}", s.learned_by, s.pids);
+                }
+                if let Some(r) = &row.policy_reload {
+                    line += &format!(
+                        " trigger={} rules={} refused={} retried={}",
+                        r.trigger, r.rules, r.refused, r.retried
                     );
                 }
                 if let Some(l) = row.latency_us {

@@ -260,6 +260,31 @@ pub trait EventSource: Send + Sync {
     /// Hands the source where to say that it cannot do part of its job (and when that ends), for
     /// status and /readyz. Sources that cannot break that way ignore it.
     fn report_problems_to(&self, _report: Box<dyn Fn(Option<String>) + Send + Sync>) {}
+
+    /// How the source started, for status (its `open` is the opener's to time).
+    fn start(&self) -> SourceStart {
+        SourceStart {
+            how: "opened",
+            ..SourceStart::default()
+        }
+    }
+}
+
+/// How a source started, as status reports it: an operator reads after a restart or an upgrade
+/// whether the eBPF programs were loaded or adopted, and what the kernel recorded meanwhile.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceStart {
+    /// eBPF: `loaded` (in the agent), `loaded_in_child` (pinned by the load child and adopted)
+    /// or `adopted` (a previous agent's pinned programs); `opened` for the other sources.
+    pub how: &'static str,
+    /// eBPF: the tree's pin directory, when the programs are pinned.
+    pub pins: Option<PathBuf>,
+    /// eBPF: the embedded kernel object's hash (pins are matched by it).
+    pub object_hash: Option<String>,
+    /// eBPF, adopted: bytes the kernel recorded in the ring while no agent ran.
+    pub backlog_bytes: u64,
+    /// What opening the source took (timed by `event_source::open`).
+    pub open: std::time::Duration,
 }
 
 /// A source's current problem, told to whoever is connected (the agent connects once it has a
@@ -315,4 +340,7 @@ pub struct SourceStats {
     /// Times the source's pins were found removed or replaced and pinned again, for sources
     /// whose pins are guarded.
     pub pins_restored: Option<u64>,
+    /// For sources with a kernel name table (eBPF): whether more sockets are in the tree than it
+    /// keeps room for, so the names of the rest are left out.
+    pub name_table_incomplete: Option<bool>,
 }

@@ -17,8 +17,8 @@
 mod event;
 
 pub use self::event::{
-    Entry, EventSource, FsEvent, Observed, ProblemReport, RescanReason, SourceKind, SourceStats,
-    WatchedDir, monotonic_now_ns,
+    Entry, EventSource, FsEvent, Observed, ProblemReport, RescanReason, SourceKind, SourceStart,
+    SourceStats, WatchedDir, monotonic_now_ns,
 };
 
 pub mod ebpf;
@@ -65,6 +65,8 @@ pub struct SourceOptions {
 pub struct Opened {
     pub source: std::sync::Arc<dyn EventSource>,
     pub passed_over: Vec<String>,
+    /// How it started, and what its open took.
+    pub start: SourceStart,
 }
 
 /// Opens the chosen source. With [`SourceChoice::Auto`], each refusal is logged with its reason
@@ -81,14 +83,20 @@ pub async fn open(
     };
     let mut refusals = Vec::new();
     for &kind in kinds {
+        let opening = std::time::Instant::now();
         match open_kind(kind, sink.clone(), cancel.clone(), options) {
             Ok(source) => {
                 if choice == SourceChoice::Auto {
                     tracing::info!(source = %kind, passed_over = ?refusals, "event source chosen automatically");
                 }
+                let start = SourceStart {
+                    open: opening.elapsed(),
+                    ..source.start()
+                };
                 return Ok(Opened {
                     source,
                     passed_over: refusals,
+                    start,
                 });
             }
             Err(error) => {

@@ -57,7 +57,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info};
+use tracing::debug;
 use waits::Waits;
 
 /// Deadlines for handler calls.
@@ -260,8 +260,8 @@ impl OperationExecutor {
         match self.backoff.release_on_listen(path, socket) {
             ListenReleased::Nothing => {}
             ListenReleased::Unserved => {
-                info!(socket_path = %path.display(), "an unserved socket started listening (reported by the kernel): registering it");
-                self.queue.mark(path.to_path_buf());
+                let reported = crate::liveness::ServedBy::KernelListen;
+                self.unserved.served_again(path.to_path_buf(), reported);
             }
             ListenReleased::Waiting => {
                 debug!(socket_path = %path.display(), "a socket waiting to listen listens (reported by the kernel)");

@@ -41,21 +41,25 @@
 
 mod holders;
 mod loss;
+mod served;
 mod server;
 mod unserved;
+mod watches;
 pub use loss::{LearnedBy, Loss, Probe, accepts, probe};
+use served::Known;
+pub use served::ServedBy;
 pub use server::Server;
 use server::{DisplayPid, exited, pidfd_open, pidfs_inode};
 pub use unserved::Unserved;
+use watches::{ProcessWatch, Watch, Watches, abort_all};
 
+use crate::notifications::{NotificationBus, Serving};
 use crate::state::SocketId;
-use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use tokio::sync::Semaphore;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -76,87 +80,6 @@ type OnLoss = Box<dyn Fn(Loss) + Send + Sync>;
 type OnListen = Box<dyn Fn(&Path) + Send + Sync>;
 type OnHintsLost = Box<dyn Fn() + Send + Sync>;
 
-/// A registration whose server is known (or being learned). It stays until the registration is
-/// deregistered or lost, also after its server's exit was decided (a handed-on listener), so the
-/// kernel's hints about its socket still find it.
-struct Watch {
-    generation: Uuid,
-    socket: SocketId,
-    /// A task of this registration's own: learning a restored registration's server, checking
-    /// a server with no pidfd, or waiting on a pidfd that names no process identity.
-    task: Option<AbortHandle>,
-    /// The server process whose exit this registration waits for, shared with every other
-    /// socket it serves (see [`Processes`]).
-    process: Option<u64>,
-}
-
-/// One exit watch per server process, however many sockets it serves: a device-plugin manager
-/// or a test harness serving thousands holds one pidfd in the agent and one waiting task, not
-/// one of each per socket (at 10,000 registrations from two processes, the per-registration
-/// tasks were 9.5 MB of the agent's 30 MB of heap, and 10,000 descriptors).
-struct ProcessWatch {
-    task: AbortHandle,
-    /// Registrations whose `process` names this one; the watch ends with the last.
-    registrations: usize,
-}
-
-/// Keyed by the process's pidfs inode ([`Server::identity`]).
-type Processes = HashMap<u64, ProcessWatch>;
-
-/// The registrations and server processes watched, under one lock.
-#[derive(Default)]
-struct Watches {
-    /// Keyed by the desired state's allocation of the path, shared with the watch's task.
-    by_path: HashMap<Arc<Path>, Watch>,
-    processes: Processes,
-}
-
-impl Watches {
-    /// Puts `watch` in for `path`, and returns the tasks to abort (the replaced watch's own
-    /// task, a process watch nothing waits on any more) once the lock is released.
-    fn insert(&mut self, path: Arc<Path>, watch: Watch) -> Vec<AbortHandle> {
-        match self.by_path.insert(path, watch) {
-            Some(old) => self.release(old),
-            None => Vec::new(),
-        }
-    }
-
-    /// Removes `path`'s watch when it is of registration `generation`; returns what to abort.
-    fn remove(&mut self, path: &Path, generation: Uuid) -> Vec<AbortHandle> {
-        let ours = self
-            .by_path
-            .get(path)
-            .is_some_and(|w| w.generation == generation);
-        match ours.then(|| self.by_path.remove(path)).flatten() {
-            Some(old) => self.release(old),
-            None => Vec::new(),
-        }
-    }
-
-    /// What a watch that ends leaves to abort: its own task, and its process's watch when it was
-    /// the last registration waiting on it.
-    fn release(&mut self, old: Watch) -> Vec<AbortHandle> {
-        let mut abort: Vec<AbortHandle> = old.task.into_iter().collect();
-        if let Some(id) = old.process
-            && let Some(process) = self.processes.get_mut(&id)
-        {
-            process.registrations -= 1;
-            if process.registrations == 0
-                && let Some(process) = self.processes.remove(&id)
-            {
-                abort.push(process.task);
-            }
-        }
-        abort
-    }
-}
-
-fn abort_all(tasks: Vec<AbortHandle>) {
-    for task in tasks {
-        task.abort();
-    }
-}
-
 /// The servers being watched, one per registered path; see the module docs.
 pub struct Liveness {
     watches: Mutex<Watches>,
@@ -164,21 +87,37 @@ pub struct Liveness {
     on_listen: OnceLock<OnListen>,
     on_hints_lost: OnceLock<OnHintsLost>,
     attaches: Arc<Semaphore>,
+    /// Where a server learned after its registration is told (`Served`).
+    notifications: NotificationBus,
 }
 
 impl Default for Liveness {
     fn default() -> Self {
+        Liveness::new(NotificationBus::default())
+    }
+}
+
+impl Liveness {
+    /// Liveness telling `notifications` of the servers it learns after their registrations.
+    pub fn new(notifications: NotificationBus) -> Self {
         Liveness {
             watches: Mutex::new(Watches::default()),
             on_loss: OnceLock::new(),
             on_listen: OnceLock::new(),
             on_hints_lost: OnceLock::new(),
             attaches: Arc::new(Semaphore::new(CONCURRENT_ATTACHES)),
+            notifications,
         }
     }
-}
 
-impl Liveness {
+    /// Who serves the registration `generation` at `path`, and how the agent learned it; none
+    /// while it is not watched (not registered, or its server is being learned).
+    pub fn serving(&self, path: &Path, generation: Uuid) -> Option<Serving> {
+        let watches = self.lock();
+        let watch = watches.by_path.get(path)?;
+        (watch.generation == generation).then(|| watch.known.serving())
+    }
+
     /// Where losses are reported (set once, by the executor).
     pub fn on_loss(&self, report: impl Fn(Loss) + Send + Sync + 'static) {
         let _ = self.on_loss.set(Box::new(report));
@@ -202,16 +141,18 @@ impl Liveness {
         }
     }
 
-    /// Watches `server` for the registration `generation` of the socket `socket` at `path`,
-    /// replacing any watch of the path. Call from within the runtime.
+    /// Watches `server` (learned `by` its registration, or a connect) for the registration
+    /// `generation` of the socket `socket` at `path`, replacing any watch of the path. Call
+    /// from within the runtime.
     pub fn watch(
         self: &Arc<Self>,
         path: Arc<Path>,
         generation: Uuid,
         socket: SocketId,
-        server: Server,
+        (server, by): (Server, ServedBy),
     ) {
         let identity = server.identity();
+        let known = Known::server(by, server.pid);
         let Some(pidfd) = server.pidfd else {
             // Gone already (it died since the connection was made), or a kernel that gives no
             // pidfd for it: one connect now says which it matters for.
@@ -219,7 +160,7 @@ impl Liveness {
             let this = Arc::downgrade(self);
             let owned = path.clone();
             let pid = server.pid;
-            self.spawn_watch(path, generation, socket, async move {
+            self.spawn_watch(path, (generation, socket, known), async move {
                 let Some(this) = this.upgrade() else { return };
                 this.check_unwatchable(&owned, generation, socket, pid)
                     .await;
@@ -231,7 +172,7 @@ impl Liveness {
             let this = Arc::downgrade(self);
             let owned = path.clone();
             let pid = server.pid;
-            self.spawn_watch(path, generation, socket, async move {
+            self.spawn_watch(path, (generation, socket, known), async move {
                 if let Err(e) = exited(pidfd).await {
                     tracing::warn!(socket_path = %owned.display(), error = %e, "cannot wait on the plugin server's pidfd: its exit goes unnoticed");
                     return;
@@ -244,7 +185,7 @@ impl Liveness {
             });
             return;
         };
-        self.join_process(path, generation, socket, (id, server.pid), || Some(pidfd));
+        self.join_process(path, (generation, socket, known), id, || Some(pidfd));
     }
 
     /// Puts `path`'s registration on the exit watch of process `id`, shared with every other
@@ -253,16 +194,17 @@ impl Liveness {
     fn join_process(
         self: &Arc<Self>,
         path: Arc<Path>,
-        generation: Uuid,
-        socket: SocketId,
-        (id, pid): (u64, Option<u32>),
+        (generation, socket, known): (Uuid, SocketId, Known),
+        id: u64,
         pidfd: impl FnOnce() -> Option<OwnedFd>,
     ) -> bool {
+        let pid = known.pid();
         let watch = Watch {
             generation,
             socket,
             task: None,
             process: Some(id),
+            known,
         };
         let abort = {
             let mut watches = self.lock();
@@ -304,21 +246,20 @@ impl Liveness {
         if let Some((pid, id)) = known {
             let same_process =
                 || pidfd_open(pid).filter(|pidfd| pidfs_inode(pidfd.as_fd()) == Some(id));
-            if self.join_process(
-                path.clone(),
-                generation,
-                socket,
-                (id, Some(pid)),
-                same_process,
-            ) {
+            let known = Known::server(ServedBy::Record, Some(pid));
+            let serving = known.serving();
+            if self.join_process(path.clone(), (generation, socket, known), id, same_process) {
                 tracing::debug!(socket_path = %path.display(), server = %DisplayPid(Some(pid)), found_by = "record", "the restored plugin's server, watched for its exit");
+                served::publish(&self.notifications, &path, serving);
                 return;
             }
         }
         let this = Arc::downgrade(self);
         let owned = path.clone();
         let permits = self.attaches.clone();
-        self.spawn_watch(path, generation, socket, async move {
+        // Not known until the connect below: its watch says so.
+        let learning = Known::server(ServedBy::ConnectProbe, None);
+        self.spawn_watch(path, (generation, socket, learning), async move {
             let Ok(_permit) = permits.acquire_owned().await else {
                 return;
             };
@@ -337,7 +278,10 @@ impl Liveness {
                     // The watch replaces this task's entry: same path and generation.
                     Ok(server) => {
                         tracing::debug!(socket_path = %owned.display(), %server, found_by = "connect", "the restored plugin's server, watched for its exit");
-                        this.watch(owned.clone(), generation, socket, server);
+                        let serving = Known::server(ServedBy::ConnectProbe, server.pid).serving();
+                        let learned = (server, ServedBy::ConnectProbe);
+                        this.watch(owned.clone(), generation, socket, learned);
+                        served::publish(&this.notifications, &owned, serving);
                     }
                     Err(e) => {
                         tracing::debug!(socket_path = %owned.display(), error = %e, "cannot read the restored plugin's server credentials")
@@ -495,7 +439,9 @@ impl Liveness {
         let this = Arc::downgrade(self);
         let path: Arc<Path> = Arc::from(path);
         let owned = path.clone();
-        self.spawn_watch_of(path, generation, socket, async move {
+        let known = Known::holders(&pids);
+        let serving = known.serving();
+        let followed = self.spawn_watch_of(path.clone(), (generation, socket, known), async move {
             let exits = holders.into_iter().map(|holder| {
                 let pid = holder.pid;
                 Box::pin(async move { (exited(holder.pidfd).await, pid) })
@@ -509,6 +455,9 @@ impl Liveness {
             let Some(this) = this.upgrade() else { return };
             this.decide_again(owned, generation, socket, since, pid).await;
         });
+        if followed {
+            served::publish(&self.notifications, &path, serving);
+        }
     }
 
     /// [`decide`](Self::decide) after a holder's exit, as a named future type: deciding may
@@ -564,34 +513,31 @@ impl Liveness {
     fn spawn_watch(
         &self,
         path: Arc<Path>,
-        generation: Uuid,
-        socket: SocketId,
+        registration: (Uuid, SocketId, Known),
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
-        self.spawn_watch_if(path, generation, socket, task, false);
+        self.spawn_watch_if(path, registration, task, false);
     }
 
     /// [`spawn_watch`](Self::spawn_watch) for a registration already watched: nothing is put in
-    /// when the path's watch is gone or of another registration by now (what ran meanwhile
-    /// decided).
+    /// (false) when the path's watch is gone or of another registration by now (what ran
+    /// meanwhile decided).
     fn spawn_watch_of(
         &self,
         path: Arc<Path>,
-        generation: Uuid,
-        socket: SocketId,
+        registration: (Uuid, SocketId, Known),
         task: impl std::future::Future<Output = ()> + Send + 'static,
-    ) {
-        self.spawn_watch_if(path, generation, socket, task, true);
+    ) -> bool {
+        self.spawn_watch_if(path, registration, task, true)
     }
 
     fn spawn_watch_if(
         &self,
         path: Arc<Path>,
-        generation: Uuid,
-        socket: SocketId,
+        (generation, socket, known): (Uuid, SocketId, Known),
         task: impl std::future::Future<Output = ()> + Send + 'static,
         only_if_current: bool,
-    ) {
+    ) -> bool {
         let abort = {
             let mut watches = self.lock();
             let current = watches
@@ -599,7 +545,7 @@ impl Liveness {
                 .get(&path)
                 .is_some_and(|w| w.generation == generation);
             if only_if_current && !current {
-                return;
+                return false;
             }
             let task = tokio::spawn(task);
             let watch = Watch {
@@ -607,12 +553,14 @@ impl Liveness {
                 socket,
                 task: Some(task.abort_handle()),
                 process: None,
+                known,
             };
             watches.insert(path, watch)
         };
         // The same registration's attach hands over to its watch from inside the old task;
         // aborting that task only ends it after this call returns.
         abort_all(abort);
+        true
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Watches> {
@@ -651,6 +599,7 @@ async fn process_exit(this: Weak<Liveness>, id: u64, pidfd: OwnedFd, pid: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::notifications::EventKind;
     use crate::state::EntryKind;
     use std::io;
     use std::io::{BufRead, BufReader};
@@ -715,7 +664,8 @@ mod tests {
             panic!("{} is not a socket", path.display());
         };
         let generation = Uuid::new_v4();
-        liveness.watch(Arc::from(path), generation, socket, server);
+        let learned = (server, ServedBy::Registration);
+        liveness.watch(Arc::from(path), generation, socket, learned);
         Some(generation)
     }
 
@@ -770,14 +720,17 @@ mod tests {
     /// A restored registration whose server the previous agent recorded (pid and pidfs inode)
     /// waits on that process again at once, with no connection to the plugin, and learns of its
     /// exit as before; a record whose inode is not the pid's process now (a reused pid) is not
-    /// trusted: one connect learns the server.
+    /// trusted: one connect learns the server. Each server found is published (`Served`) and
+    /// listed with how it was found.
     #[tokio::test]
     async fn a_restored_registration_rejoins_its_recorded_server_without_a_connect() {
         let socket_of = |path: &Path| match EntryKind::of(path) {
             Ok(EntryKind::Socket(socket)) => socket,
             other => panic!("{} is not a socket: {other:?}", path.display()),
         };
-        let liveness = Arc::new(Liveness::default());
+        let bus = NotificationBus::default();
+        let mut events = bus.subscribe();
+        let liveness = Arc::new(Liveness::new(bus));
         let (tx, mut losses) = tokio::sync::mpsc::unbounded_channel();
         liveness.on_loss(move |loss| {
             let _ = tx.send(loss);
@@ -798,6 +751,17 @@ mod tests {
         liveness.attach(path, served, socket_of(&paths[0]), Some((pid, identity)));
         // Joined in the call itself: no task, no connect.
         assert_eq!((liveness.watched(), liveness.processes()), (1, 1));
+        let by_record = Serving {
+            learned_by: "record",
+            pids: vec![pid],
+        };
+        assert_eq!(liveness.serving(&paths[0], served), Some(by_record.clone()));
+        assert_eq!(liveness.serving(&paths[0], Uuid::new_v4()), None);
+        let event = events.try_recv().expect("published");
+        assert_eq!(
+            (&event.kind, &*event.socket_path, &event.serving),
+            (&EventKind::Served, paths[0].as_path(), &Some(by_record))
+        );
 
         // Served by this process, which can see whether anything connected.
         let here = tempfile::tempdir().expect("tempdir");
@@ -820,9 +784,10 @@ mod tests {
         // pidfd of another inode.
         let reused = here.path().join("reused.sock");
         let reused_listener = tokio::net::UnixListener::bind(&reused).expect("bind");
+        let reused_generation = Uuid::new_v4();
         liveness.attach(
             Arc::from(reused.as_path()),
-            Uuid::new_v4(),
+            reused_generation,
             socket_of(&reused),
             Some((me, u64::MAX)),
         );
@@ -830,6 +795,24 @@ mod tests {
             .await
             .expect("the server is learned with a connect")
             .expect("accept");
+        let by_connect = Serving {
+            learned_by: "connect_probe",
+            pids: vec![me],
+        };
+        let learned = loop {
+            let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+                .await
+                .expect("the connect's server is published")
+                .expect("bus alive");
+            if *event.socket_path == *reused {
+                break event;
+            }
+        };
+        assert_eq!(learned.serving, Some(by_connect.clone()));
+        assert_eq!(
+            liveness.serving(&reused, reused_generation),
+            Some(by_connect)
+        );
         assert_eq!(
             listener.accept().map_err(|e| e.kind()).err(),
             Some(io::ErrorKind::WouldBlock),

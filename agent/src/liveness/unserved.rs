@@ -6,6 +6,7 @@
 //! ([`Unserved::record`]).
 
 use super::loss::{LearnedBy, Loss};
+use super::served::ServedBy;
 use crate::handler::Plugin;
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::state::SocketId;
@@ -119,6 +120,15 @@ impl Unserved {
         self.notifications.publish(event);
     }
 
+    /// An unserved socket listens again (its mark was lifted), as learned `by` the kernel's
+    /// report or the safety pass's look: told, and registered next.
+    pub fn served_again(&self, path: PathBuf, by: ServedBy) {
+        info!(socket_path = %path.display(), learned_by = by.label(), "an unserved socket listens again: registering it");
+        let serving = super::served::Known::server(by, None).serving();
+        super::served::publish(&self.notifications, &path, serving);
+        self.queue.mark(path);
+    }
+
     /// The safety pass's look at unserved sockets: one connect each, and a socket that accepts
     /// again (it started listening, and no kernel hint said so: another source, or a hint lost
     /// with the events of an overflow) is registered. Nothing else ever retries them. `None`
@@ -148,8 +158,7 @@ impl Unserved {
                             && this.backoff.release_on_listen(&path, socket)
                                 == ListenReleased::Unserved
                         {
-                            info!(socket_path = %path.display(), "an unserved socket accepts connections again (safety pass): registering it");
-                            this.queue.mark(path);
+                            this.served_again(path, ServedBy::SafetyPass);
                         }
                     }
                 })
@@ -229,9 +238,21 @@ mod tests {
             h.unserved.recheck(&safety).is_none(),
             "a second look at once"
         );
-        // `listener` is bound and accepts connections: the look finds it served.
+        // `listener` is bound and accepts connections: the look finds it served, and says so.
         look.await;
         assert!(!h.backoff.is_held(&path, socket), "the mark was not lifted");
+        let served = h.events.try_recv().expect("an event");
+        assert_eq!(
+            (&served.kind, &served.socket_path, &served.serving),
+            (
+                &EventKind::Served,
+                &path,
+                &Some(crate::notifications::Serving {
+                    learned_by: "safety_pass",
+                    pids: Vec::new(),
+                })
+            )
+        );
         match h.queue.take() {
             Some(Work::Paths(paths)) => assert!(paths.contains(&path)),
             other => panic!("marked {other:?}"),

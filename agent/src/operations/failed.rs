@@ -69,8 +69,8 @@ impl Failures {
     /// A failure retried after a backoff: its class, its record, its report.
     fn backed_off(&self, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) -> Ended {
         let kind = class_of(&error, desired);
-        // A socket that vanished (or was replaced) is not a failed registration: no event, no
-        // warning. Usually its removal reaches the watcher at once and forget() drops the retry.
+        // A socket that vanished (or was replaced) is not a failed registration: no failure
+        // event, no warning (the attempt's end is told as abandoned). Usually its removal reaches the watcher at once and forget() drops the retry.
         // But if the watcher missed it, desired state still names this socket instance, and
         // retrying at once would spin (every attempt ends here immediately): it backs off like a
         // failure until the watcher's next rescan corrects desired state.
@@ -84,7 +84,12 @@ impl Failures {
             .fail(path, desired.socket, reason, kind, Instant::now());
         // Published once the failure is recorded, so a watcher that reacts by asking `list`
         // reads the error the event carries.
-        if !vanished {
+        if vanished {
+            self.abandoned(
+                path,
+                format!("the socket vanished or was replaced: {error}"),
+            );
+        } else {
             let mut event = AgentEvent::new(EventKind::RegistrationFailed, path);
             event.error = Some(error.to_string());
             self.notifications.publish(event);
@@ -96,6 +101,14 @@ impl Failures {
             warn!(%error, failures = backoff.failures, retry_in = ?backoff.delay, "plugin registration failed");
         }
         Ended::RetryAt(backoff.retry_at)
+    }
+
+    /// A registration at `path` ended without an outcome, `why` (its socket vanished, the agent
+    /// stops): no failure, but a watcher learns that the attempt is over.
+    pub fn abandoned(&self, path: &Path, why: String) {
+        let mut event = AgentEvent::new(EventKind::RegistrationAbandoned, path);
+        event.detail = Some(why);
+        self.notifications.publish(event);
     }
 
     /// What `list` says of the failure: a slow new plugin's quick retries say so.

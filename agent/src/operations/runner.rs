@@ -11,7 +11,7 @@ use super::report;
 use crate::event_source::monotonic_now_ns;
 use crate::executor::ExecutorConfig;
 use crate::handler::{HandlerRegistry, Plugin};
-use crate::liveness::{Liveness, Server, Unserved};
+use crate::liveness::{Liveness, ServedBy, Server, Unserved};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::policy::Policy;
 use crate::provenance::Resolver;
@@ -216,7 +216,7 @@ impl Runner {
                 desired.path.clone(),
                 desired.generation,
                 desired.socket,
-                server,
+                (server, ServedBy::Registration),
             );
         }
         info!(

@@ -42,6 +42,8 @@ impl OperationRunner for Runner {
             let (result, server) = steps(&self, &path, &desired, &mut slot, found).await;
             if matches!(result, Err(RegisterFailure::ShuttingDown)) {
                 debug!("registration abandoned before the plugin answered: shutting down");
+                let why = "the agent is stopping: abandoned before the plugin answered";
+                self.failures.abandoned(&path, why.into());
                 return Ended::Done;
             }
             // The operation's time counts from its request: waiting for a slot is part of what

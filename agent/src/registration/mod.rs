@@ -621,43 +621,22 @@ mod tests {
     /// failed at 1 s with "GetInfo: no answer within 1s".)
     #[tokio::test]
     async fn a_plugin_that_starts_serving_late_in_the_get_info_window_gets_its_whole_second() {
-        use plugin_agent_proto::pluginregistration::registration_server::{
-            Registration, RegistrationServer,
-        };
+        use plugin_agent_tests::fake_plugin::{FakePlugin, Faults, serve};
 
-        struct Late;
-        #[tonic::async_trait]
-        impl Registration for Late {
-            async fn get_info(
-                &self,
-                _: tonic::Request<InfoRequest>,
-            ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-                tokio::time::sleep(Duration::from_millis(600)).await;
-                Ok(tonic::Response::new(PluginInfo {
-                    r#type: "CSIPlugin".into(),
-                    name: "late.example.com".into(),
-                    endpoint: "/csi.sock".into(),
-                    supported_versions: vec!["1.0.0".into()],
-                }))
-            }
-            async fn notify_registration_status(
-                &self,
-                _: tonic::Request<RegistrationStatus>,
-            ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-                Ok(tonic::Response::new(RegistrationStatusResponse {}))
-            }
-        }
-
+        let versions = ["1.0.0".to_string()];
+        let late = FakePlugin::new(FakePlugin::info("CSIPlugin", "late.example.com", &versions))
+            .get_info(Faults {
+                delay: Some(Duration::from_millis(600)),
+                ..Faults::default()
+            });
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("late.sock");
         // Listening from the start (the agent's connection waits in the backlog), serving later.
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(700)).await;
-            tonic::transport::Server::builder()
-                .add_service(RegistrationServer::new(Late))
-                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
-                .await
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            serve::grpc(incoming, late, std::future::pending()).await
         });
         let Ok(EntryKind::Socket(socket)) = EntryKind::of(&path) else {
             panic!("no socket at {}", path.display());

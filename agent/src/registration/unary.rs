@@ -325,16 +325,15 @@ mod tests {
 }
 
 /// The client against a real tonic server (the tests' plugins are tonic servers; most plugins in
-/// the field are grpc-go): error answers, oversize answers and a connection closed mid-call.
+/// the field are grpc-go): error answers, oversize answers and a connection closed mid-call. The
+/// server is the tests' one fake plugin (`plugin_agent_tests::fake_plugin`).
 #[cfg(test)]
 mod against_tonic {
     use super::*;
-    use plugin_agent_proto::pluginregistration::registration_server::{
-        Registration, RegistrationServer,
-    };
     use plugin_agent_proto::pluginregistration::{
         InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     };
+    use plugin_agent_tests::fake_plugin::{FakePlugin, Faults, Heard};
     use std::sync::{Arc, Mutex};
     use tokio::net::{UnixListener, UnixStream};
 
@@ -344,44 +343,11 @@ mod against_tonic {
     const TIMEOUT: Duration = Duration::from_secs(5);
 
     /// What the plugin answers to `GetInfo`.
-    #[derive(Clone)]
     enum Answer {
         Info(PluginInfo),
-        Status(tonic::Status),
+        Status(tonic::Code, &'static str),
         /// Shut the connection down (both ways) and never answer.
         CloseConnection,
-    }
-
-    struct Plugin {
-        answer: Answer,
-        /// A duplicate of the accepted connection's socket, to close it from the handler.
-        connection: Arc<Mutex<Option<std::os::unix::net::UnixStream>>>,
-    }
-
-    #[tonic::async_trait]
-    impl Registration for Plugin {
-        async fn get_info(
-            &self,
-            _: tonic::Request<InfoRequest>,
-        ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-            match self.answer.clone() {
-                Answer::Info(info) => Ok(tonic::Response::new(info)),
-                Answer::Status(status) => Err(status),
-                Answer::CloseConnection => {
-                    if let Some(socket) = self.connection.lock().expect("lock").take() {
-                        socket.shutdown(std::net::Shutdown::Both).expect("shutdown");
-                    }
-                    std::future::pending().await
-                }
-            }
-        }
-
-        async fn notify_registration_status(
-            &self,
-            _: tonic::Request<RegistrationStatus>,
-        ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-            Ok(tonic::Response::new(RegistrationStatusResponse {}))
-        }
     }
 
     /// Serves `answer` on a fresh socket and returns a client connected to it.
@@ -389,12 +355,27 @@ mod against_tonic {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("plugin.sock");
         let listener = UnixListener::bind(&path).expect("bind");
-        let connection = Arc::new(Mutex::new(None));
-        let service = RegistrationServer::new(Plugin {
-            answer,
-            connection: connection.clone(),
-        })
-        .max_encoding_message_size(4 << 20);
+        // A duplicate of the accepted connection's socket, to close it when GetInfo arrives.
+        let connection: Arc<Mutex<Option<std::os::unix::net::UnixStream>>> = Arc::default();
+        let fake = match answer {
+            Answer::Info(info) => FakePlugin::new(info),
+            Answer::Status(code, message) => {
+                FakePlugin::new(info("csi.example.com")).get_info(Faults::status(code, message))
+            }
+            Answer::CloseConnection => {
+                let connection = connection.clone();
+                FakePlugin::new(info("csi.example.com"))
+                    .get_info(Faults::hang())
+                    .on_call(move |heard| {
+                        if let (Heard::GetInfo { .. }, Some(socket)) =
+                            (heard, connection.lock().expect("lock").take())
+                        {
+                            socket.shutdown(std::net::Shutdown::Both).expect("shutdown");
+                        }
+                    })
+            }
+        };
+        let service = fake.into_service().max_encoding_message_size(4 << 20);
         let incoming = futures::stream::unfold(listener, move |listener| {
             let connection = connection.clone();
             async move {
@@ -454,7 +435,7 @@ mod against_tonic {
     #[tokio::test]
     async fn reads_a_trailers_only_error_answer() {
         // tonic answers a handler's error without a body: the status is in the headers.
-        let (_dir, mut client) = plugin(Answer::Status(tonic::Status::unavailable(""))).await;
+        let (_dir, mut client) = plugin(Answer::Status(tonic::Code::Unavailable, "")).await;
         match get_info(&mut client).await {
             Err(CallError::Status { code, message }) => {
                 assert_eq!((code, message.as_str()), (tonic::Code::Unavailable, ""));
@@ -488,7 +469,7 @@ mod against_tonic {
     async fn reports_a_non_ok_status_with_its_percent_encoded_message() {
         let message = "not today: 100% full, naïve plugin\n";
         let (_dir, mut client) =
-            plugin(Answer::Status(tonic::Status::permission_denied(message))).await;
+            plugin(Answer::Status(tonic::Code::PermissionDenied, message)).await;
         let error = get_info(&mut client).await.expect_err("refused");
         assert_eq!(
             error.to_string(),

@@ -121,7 +121,8 @@ impl Watcher {
     }
 
     /// Creates the root if missing, watches and walks it, then follows the source's `hints` until `cancel`.
-    /// `on_ready` is called after the first full scan.
+    /// `on_ready` is called after the first full scan, before it is reported (counted for
+    /// status, the `walked` event): whoever sees the start walk's end sees what `on_ready` did.
     pub async fn run(
         mut self,
         mut hints: mpsc::Receiver<FsEvent>,
@@ -137,9 +138,10 @@ impl Watcher {
             }
         };
         let started = std::time::Instant::now();
-        self.rescan(RescanReason::Start);
+        let walk = self.walk_tree(RescanReason::Start);
         self.safety.spent(started.elapsed());
         on_ready();
+        self.walked(walk);
         let mut batch = Vec::with_capacity(BATCH);
         let safety = self.safety.clone();
         loop {

@@ -318,6 +318,12 @@ impl Watcher {
 
     /// Walks the whole tree and makes desired state and the watched set equal to it.
     pub(super) fn rescan(&mut self, reason: RescanReason) {
+        let walk = self.walk_tree(reason);
+        self.walked(walk);
+    }
+
+    /// [`rescan`](Self::rescan) but for its report (`walked`): what the walk found.
+    pub(super) fn walk_tree(&mut self, reason: RescanReason) -> Walk {
         self.telemetry.rescan(&reason);
         let mut event = AgentEvent::new(EventKind::Rescan, &self.root);
         event.detail = Some(reason.to_string());
@@ -387,21 +393,20 @@ impl Watcher {
         // Last: whoever sees the walk's problems (status, /readyz) then sees the watched set and
         // desired state it left, not the ones before it.
         self.telemetry.watcher.health.set(root_problem, &report);
-        let walk = Walk {
+        Walk {
             reason: reason.to_string(),
             directories: self.dirs.len() as u64,
             sockets: self.desired.len() as u64,
             removed: removed as u64,
             kept_unread: report.kept.len() as u64,
-        };
-        self.walked(walk);
+        }
     }
 
     /// Says a walk finished: counted for status before the event, so a client that subscribed
     /// and then read status sees it one way or the other.
-    fn walked(&self, walk: Walk) {
+    pub(super) fn walked(&self, walk: Walk) {
         let stats = &self.telemetry.watcher;
-        stats.walks_completed.fetch_add(1, Ordering::Relaxed);
+        stats.walks_completed.fetch_add(1, Ordering::Release);
         let mut event = AgentEvent::new(EventKind::Walked, &self.root);
         event.walk = Some(walk);
         self.notifications.publish(event);

@@ -50,8 +50,10 @@ pub struct Faults {
     pub delay: Option<Duration>,
     /// ... the first N calls only (`None`: every call).
     pub delay_times: Option<u32>,
-    /// Answer with this error (gRPC status UNKNOWN) ...
+    /// Answer with this error (with `code`: gRPC status UNKNOWN when none) ...
     pub error: Option<String>,
+    /// ... of this gRPC status code (a plugin that is unavailable, or refuses the caller).
+    pub code: Option<tonic::Code>,
     /// ... the first N calls only (`None`: every call).
     pub error_times: Option<u32>,
 }
@@ -70,6 +72,14 @@ impl Faults {
         Faults {
             error: Some(message.into()),
             ..Faults::default()
+        }
+    }
+
+    /// Answers every call with `message` as a gRPC error of status `code`.
+    pub fn status(code: tonic::Code, message: impl Into<String>) -> Faults {
+        Faults {
+            code: Some(code),
+            ..Faults::error(message)
         }
     }
 
@@ -176,6 +186,11 @@ impl Calls {
         self.errors_left.take().then(|| message.clone())
     }
 
+    /// The error `message` as the gRPC status this call answers with.
+    fn status(&self, message: String) -> tonic::Status {
+        tonic::Status::new(self.faults.code.unwrap_or(tonic::Code::Unknown), message)
+    }
+
     /// Crashes, hangs, waits for the gate and the delay, as configured.
     async fn misbehave(&self) {
         if self.faults.crash {
@@ -229,7 +244,7 @@ impl Registration for FakePlugin {
             (self.report)(Heard::GetInfoFailed {
                 error: error.clone(),
             });
-            return Err(tonic::Status::unknown(error));
+            return Err(self.get_info.status(error));
         }
         Ok(tonic::Response::new(self.info.clone()))
     }
@@ -247,7 +262,7 @@ impl Registration for FakePlugin {
         });
         self.notify.misbehave().await;
         match refusal {
-            Some(error) => Err(tonic::Status::unknown(error)),
+            Some(error) => Err(self.notify.status(error)),
             None => Ok(tonic::Response::new(RegistrationStatusResponse {})),
         }
     }

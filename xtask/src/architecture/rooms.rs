@@ -38,10 +38,13 @@ pub const ROOMS: &[Room] = &[
         name: "admin",
         is: "the operator API (`pluginagent.v1.Agent`) on a Unix socket: its server and the CLI's client",
         imports: &[
+            "event_source (SourceStart: how the source started, for status)",
             "handler",
             "kernel (the features status reports)",
+            "liveness (who serves a registered plugin, for list)",
             "notifications",
             "operations (PolicyReload)",
+            "persist (RestoreReport: what the state file carried over, for status)",
             "provenance",
             "registration (name limits)",
             "serving",

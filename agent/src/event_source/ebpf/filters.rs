@@ -231,6 +231,11 @@ impl Filters {
         }
     }
 
+    /// Whether socket names were left out of the table (see `names_incomplete`).
+    pub fn names_left_out(&self) -> bool {
+        self.incomplete.load(Ordering::Acquire)
+    }
+
     /// The kernel identity of `dir`.
     pub fn key(dir: &WatchedDir) -> DirKey {
         DirKey {

@@ -158,6 +158,8 @@ pub struct EbpfSource {
     pins_restored: Option<Arc<AtomicU64>>,
     /// Stops the reader when the source is dropped before the agent's token fires.
     stop_reader: CancellationToken,
+    /// How it started (loaded, or pins adopted), for status.
+    start: crate::event_source::SourceStart,
 }
 
 pub use pin_owners::{
@@ -194,6 +196,10 @@ impl EventSource for EbpfSource {
         self.fentry.clone()
     }
 
+    fn start(&self) -> crate::event_source::SourceStart {
+        self.start.clone()
+    }
+
     /// What is attached and how it is tuned: fixed at open. (The watched-directory count is the
     /// watcher's, reported live by status and metrics; a count here would be frozen at open.)
     fn describe(&self) -> String {
@@ -214,6 +220,7 @@ impl EventSource for EbpfSource {
                 .pins_restored
                 .as_ref()
                 .map(|restored| restored.load(Ordering::Relaxed)),
+            name_table_incomplete: Some(self.filters.names_left_out()),
             ..self.stats.snapshot()
         }
     }

@@ -24,7 +24,7 @@ use super::{
     EbpfOptions, EbpfSource, PinOwner, adopt, batched, load_child, name_holders, pin_guard,
     pin_owners, pins,
 };
-use crate::event_source::FsEvent;
+use crate::event_source::{FsEvent, SourceStart};
 
 /// One hook family loaded and attached on its own, then detached: `plugin-agent probe`'s report
 /// of what this kernel's verifier accepts.
@@ -167,6 +167,12 @@ fn open_loaded(
         .map(|dir| dir.display().to_string());
     let object = loader::object_hash().unwrap_or_default();
     tracing::info!(timings = %loaded.timings, pinned, pins, object, "eBPF programs loaded");
+    let source_start = SourceStart {
+        how: "loaded",
+        pins: pin_dir.clone().filter(|_| pinned),
+        object_hash: Some(object.to_string()).filter(|hash| !hash.is_empty()),
+        ..SourceStart::default()
+    };
     let maps = loaded_maps(&mut loaded.ebpf)?;
     let description = describe_loaded(&loaded, options, pin_dir.as_deref().filter(|_| pinned));
     // Pinned links keep the programs attached: the object (instructions, relocations, the
@@ -181,6 +187,7 @@ fn open_loaded(
             timings: loaded.timings,
             ebpf,
             held: held.zip(pin_dir),
+            start: source_start,
         },
         sink,
         cancel,
@@ -286,6 +293,8 @@ struct Started {
     ebpf: Option<aya::Ebpf>,
     /// The pinned set's objects and its tree's pin directory, for `pin_guard`.
     held: Option<(pin_guard::Held, PathBuf)>,
+    /// How it started, for status.
+    start: SourceStart,
 }
 
 /// Carries on with the programs a previous agent pinned: no BTF, no verifier; what they wrote
@@ -314,7 +323,7 @@ fn start_adopted(
         Adoption::LoadedByChild { selection, .. } => hooks::fentry_finding(family, selection),
         Adoption::Restart => hooks::fentry_finding(family, ""),
     };
-    let (hooks, how) = announce_adoption(&adopted, &how, family, &tree_dir, backlog);
+    let (hooks, how, source_start) = announce_adoption(&adopted, &how, family, &tree_dir, backlog);
     // The same shape as a load's description: "eBPF <hooks>: <attached> (<ring, batch>; <how>)".
     let description = format!(
         "eBPF {hooks}: {} (ring buffer {} KiB, batch delay {:?}{how})",
@@ -344,6 +353,7 @@ fn start_adopted(
             timings,
             ebpf: None,
             held: Some((adopted.held, tree_dir)),
+            start: source_start,
         },
         sink,
         cancel,
@@ -353,18 +363,28 @@ fn start_adopted(
 }
 
 /// Logs how the pinned programs came to be adopted; returns what the description says of their
-/// hooks and of how they were loaded.
+/// hooks and of how they were loaded, and what status says of the start.
 fn announce_adoption(
     adopted: &adopt::Adopted,
     how: &Adoption,
     family: HookFamily,
     tree_dir: &std::path::Path,
     backlog: u64,
-) -> (String, String) {
+) -> (String, String, SourceStart) {
     let pins = tree_dir.display().to_string();
     // Which object runs (its hash, as pins are matched by): an operator tells builds apart by it.
     let object = loader::object_hash().unwrap_or_default();
-    match how {
+    let start = SourceStart {
+        how: match how {
+            Adoption::Restart => "adopted",
+            Adoption::LoadedByChild { .. } => "loaded_in_child",
+        },
+        pins: Some(tree_dir.to_path_buf()),
+        object_hash: Some(object.to_string()).filter(|hash| !hash.is_empty()),
+        backlog_bytes: backlog,
+        ..SourceStart::default()
+    };
+    let (hooks, loaded) = match how {
         Adoption::Restart => {
             tracing::info!(
                 pins,
@@ -390,7 +410,8 @@ fn announce_adoption(
                 format!("; loaded in a child process, pinned in {pins}"),
             )
         }
-    }
+    };
+    (hooks, loaded, start)
 }
 
 /// Builds the source over `maps` and starts its reader.
@@ -453,6 +474,7 @@ fn start(
         problems,
         pins_restored,
         stop_reader,
+        start: started.start,
     })
 }
 

@@ -111,6 +111,7 @@ impl DeliveryStats {
             ring_buffer_size_bytes: Some(u64::from(self.ring_buffer_bytes)),
             ring_buffer_used_bytes: Some(self.ring.used_bytes()),
             pins_restored: None,
+            name_table_incomplete: None,
         }
     }
 }

@@ -211,6 +211,15 @@ impl StateCollector {
                 [(source_label(), ConstCounter::new(restored))],
             )?;
         }
+        if let Some(incomplete) = stats.name_table_incomplete {
+            family(
+                encoder,
+                "plugin_agent_event_source_name_table_incomplete",
+                "1 when more sockets are in the tree than the eBPF name table keeps room for: the names of the rest are left out, and a removal by a path of several components is placed by its parent directory's name.",
+                MetricType::Gauge,
+                [(source_label(), ConstGauge::new(i64::from(incomplete)))],
+            )?;
+        }
         if let Some(used) = stats.ring_buffer_used_bytes {
             family(
                 encoder,

@@ -522,6 +522,7 @@ pub const EXPORTED: &[&str] = &[
     "plugin_agent_event_source_ring_buffer_size_bytes",
     "plugin_agent_event_source_ring_buffer_used_bytes",
     "plugin_agent_event_source_pins_restored_total",
+    "plugin_agent_event_source_name_table_incomplete",
     "plugin_agent_watched_directories",
     "plugin_agent_event_source_info",
     "plugin_agent_kernel_features",
@@ -569,6 +570,7 @@ mod tests {
                 ring_buffer_size_bytes: Some(4096),
                 ring_buffer_used_bytes: Some(128),
                 pins_restored: Some(1),
+                name_table_incomplete: Some(true),
             }
         }
     }
