@@ -172,8 +172,10 @@ impl DesiredState {
 
     /// Records that the socket desired at `path` listens, unless a first listen is known: of the
     /// instance `socket` (a connect's), or (`listened_ns`, a kernel report's `CLOCK_MONOTONIC`
-    /// time) of the instance desired then, not one created after the report. Returns whether it
-    /// was recorded.
+    /// time) of the instance desired then, not one created after the report. The kernel's report
+    /// replaces a connect's (a registration's dial can reach the socket before the watcher reads
+    /// the report of its `listen()`, which is the earlier and exact time). Returns whether it was
+    /// recorded.
     pub fn record_listening(
         &self,
         path: &Path,
@@ -188,7 +190,10 @@ impl DesiredState {
         let other_socket = socket.is_some_and(|socket| socket != plugin.socket);
         let created_after =
             matches!((listened_ns, plugin.kernel_ns), (Some(l), Some(c)) if l < c);
-        if plugin.listening.is_some() || other_socket || created_after {
+        let known = plugin.listening.as_ref().is_some_and(|known| {
+            known.seen_by == ListenSeen::KernelReport || listening.seen_by != ListenSeen::KernelReport
+        });
+        if known || other_socket || created_after {
             return false;
         }
         plugin.listening = Some(Box::new(listening));
@@ -320,8 +325,8 @@ mod tests {
         }
     }
 
-    /// The first listen of a socket instance is kept; a connect of another instance, a kernel
-    /// report older than the socket's creation and any later listen are not.
+    /// The first listen of a socket instance is kept (the kernel's report over a connect's); a
+    /// connect of another instance and a kernel report older than the socket's creation are not.
     #[test]
     fn the_first_listen_of_the_desired_socket_is_recorded_once() {
         let state = DesiredState::default();
@@ -336,7 +341,11 @@ mod tests {
         assert!(!state.record_listening(path, Some(id(2)), None, at(1, ListenSeen::Dial)));
         let before = at(2, ListenSeen::KernelReport);
         assert!(!state.record_listening(path, None, Some(999), before));
+        assert!(state.record_listening(path, Some(id(1)), None, at(3, ListenSeen::Dial)));
+        assert!(!state.record_listening(path, Some(id(1)), None, at(4, ListenSeen::Look)));
+        // The kernel's report replaces a connect's, and is never replaced.
         assert!(state.record_listening(path, None, Some(1_001), at(3, ListenSeen::KernelReport)));
+        assert!(!state.record_listening(path, None, Some(1_002), at(5, ListenSeen::KernelReport)));
         assert!(!state.record_listening(path, Some(id(1)), None, at(4, ListenSeen::Dial)));
         let kept = state.get(path).and_then(|d| d.listening);
         assert_eq!(kept.as_deref(), Some(&at(3, ListenSeen::KernelReport)));
