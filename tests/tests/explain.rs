@@ -635,7 +635,10 @@ async fn a_plugin_without_a_handler_is_found_by_driver_name_with_its_get_info_an
     plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
     let mut by_name = Vec::new();
     let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
-    while by_name.first().is_none_or(|one: &Value| one["reason"] != "no_handler") {
+    while by_name
+        .first()
+        .is_none_or(|one: &Value| one["reason"] != "no_handler")
+    {
         assert!(std::time::Instant::now() < deadline, "{test}: {by_name:#?}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         by_name = admin::explain(agent.admin_socket(), "unhandled.example.com");
@@ -655,9 +658,9 @@ async fn a_plugin_without_a_handler_is_found_by_driver_name_with_its_get_info_an
         .iter()
         .map(|t| t["what"].as_str().unwrap_or_default())
         .collect();
-    let answered = whats
-        .iter()
-        .position(|w| w.starts_with("GetInfo answered type CSIPlugin name \"unhandled.example.com\""));
+    let answered = whats.iter().position(|w| {
+        w.starts_with("GetInfo answered type CSIPlugin name \"unhandled.example.com\"")
+    });
     let failed = whats.iter().position(|w| w.starts_with("attempt "));
     assert!(
         matches!((answered, failed), (Some(a), Some(f)) if a < f),

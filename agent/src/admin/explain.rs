@@ -369,7 +369,10 @@ fn timeline(status: &PluginStatus) -> Vec<api::TimelineEntry> {
     }
     if let Some(backoff) = &status.backoff {
         if let (None, Some(answered)) = (&status.registered, &backoff.answered) {
-            entries.push((answered.at, format!("GetInfo answered {}", said(&answered.plugin))));
+            entries.push((
+                answered.at,
+                format!("GetInfo answered {}", said(&answered.plugin)),
+            ));
         }
         entries.push(backoff_entry(backoff));
     }

@@ -154,9 +154,7 @@ async fn steps(
     // Boxed where awaited: this future lives as long as the operation (through every pause
     // of a socket that does not listen yet), the steps only while they run.
     match runner.config.mode {
-        Mode::Register => {
-            Box::pin(runner.run_register(path, desired, slot, found, answered)).await
-        }
+        Mode::Register => Box::pin(runner.run_register(path, desired, slot, found, answered)).await,
         Mode::Observe { contact } => {
             Box::pin(runner.run_observe(path, desired, slot, found, contact)).await
         }

@@ -188,10 +188,10 @@ impl DesiredState {
             return false;
         };
         let other_socket = socket.is_some_and(|socket| socket != plugin.socket);
-        let created_after =
-            matches!((listened_ns, plugin.kernel_ns), (Some(l), Some(c)) if l < c);
+        let created_after = matches!((listened_ns, plugin.kernel_ns), (Some(l), Some(c)) if l < c);
         let known = plugin.listening.as_ref().is_some_and(|known| {
-            known.seen_by == ListenSeen::KernelReport || listening.seen_by != ListenSeen::KernelReport
+            known.seen_by == ListenSeen::KernelReport
+                || listening.seen_by != ListenSeen::KernelReport
         });
         if known || other_socket || created_after {
             return false;
