@@ -7,9 +7,15 @@
 //! loses the oldest events and is told how many (`Lagged`). Events travel as `Arc`s: the channel
 //! preallocates every slot, and a slot of a pointer is a tenth of a slot of an event, so the
 //! channel holds four times the events in less memory (see [`CAPACITY`]).
+//!
+//! An event about a socket carries the socket's reason (`state::verdict`) as it was when the
+//! event was published, stamped here from the agent's [`StateView`]: a watcher that reads late
+//! sees each event's reason of its moment, not a later one on an older event.
 
 use crate::handler::Plugin;
 use crate::provenance::{Contact, Provenance};
+use crate::state::verdict::Reason;
+use crate::state::view::StateView;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -91,6 +97,9 @@ pub struct AgentEvent {
     pub serving: Option<Serving>,
     /// For policy reloads: what asked for it, and what it changed.
     pub policy_reload: Option<PolicyReloadReport>,
+    /// The socket's reason when the event was published (see the module docs); none for events
+    /// about no socket, a removed one, or one the agent no longer knows.
+    pub reason: Option<Reason>,
 }
 
 /// How the agent knows that something serves a socket (`Served`, and `list` for a registered
@@ -149,6 +158,7 @@ impl AgentEvent {
             walk: None,
             serving: None,
             policy_reload: None,
+            reason: None,
         }
     }
 }
@@ -157,20 +167,36 @@ impl AgentEvent {
 #[derive(Debug, Clone)]
 pub struct NotificationBus {
     tx: broadcast::Sender<Arc<AgentEvent>>,
+    /// Where events' reasons are derived from (none: events carry none).
+    reasons: Option<StateView>,
 }
 
 impl Default for NotificationBus {
     fn default() -> Self {
         NotificationBus {
             tx: broadcast::channel(CAPACITY).0,
+            reasons: None,
         }
     }
 }
 
 impl NotificationBus {
-    /// Publishes to current subscribers (none is fine, and then costs no allocation).
-    pub fn publish(&self, event: AgentEvent) {
+    /// A bus whose events about a socket carry its reason as `view` derives it when they are
+    /// published.
+    pub fn deriving_reasons(view: StateView) -> Self {
+        NotificationBus {
+            reasons: Some(view),
+            ..NotificationBus::default()
+        }
+    }
+
+    /// Publishes to current subscribers (none is fine, and then costs no allocation, nor the
+    /// reason's derivation).
+    pub fn publish(&self, mut event: AgentEvent) {
         if self.tx.receiver_count() > 0 {
+            if let Some(view) = &self.reasons {
+                event.reason = reason_now(view, &event);
+            }
             let _ = self.tx.send(Arc::new(event));
         }
     }
@@ -179,6 +205,20 @@ impl NotificationBus {
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<AgentEvent>> {
         self.tx.subscribe()
     }
+}
+
+/// The reason of the socket `event` is about, now: the one `list` shows (events about no
+/// socket, a removed one, or one the agent no longer knows carry none).
+fn reason_now(view: &StateView, event: &AgentEvent) -> Option<Reason> {
+    let about_a_socket = !matches!(
+        event.kind,
+        EventKind::Rescan | EventKind::Walked | EventKind::SocketRemoved
+    );
+    if !about_a_socket || event.socket_path.as_os_str().is_empty() {
+        return None;
+    }
+    let status = view.status(&event.socket_path, tokio::time::Instant::now());
+    (status.desired.is_some() || status.registered.is_some()).then_some(status.reason)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! fix, and that `list` gives the same reason as `explain`.
 
 use plugin_agent_tests::admin::{self, check};
+use plugin_agent_tests::http::{http_get, metrics_addr};
 use plugin_agent_tests::{
     AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, plugin, seen, test_name,
 };
@@ -156,16 +157,57 @@ async fn a_stale_socket_after_a_reboot_is_served_by_nobody() {
         Source::Inotify,
         &dir.root(),
         &["CSIPlugin=accept-all"],
-        &[],
+        &["--metrics-addr", "127.0.0.1:0"],
     )
     .await
     .expect("inotify");
+    let metrics = metrics_addr(&agent).await;
     let one = explained(&agent, &stale, "served_by_nobody").await;
     let (result, detail, fix) = check(&one, "listens");
     assert_eq!(result, "fail", "{test}: {one:#}");
     assert!(detail.contains("refused"), "{test}: {detail}");
     assert!(fix.contains("restart the plugin"), "{test}: {fix}");
     assert_eq!(check(&one, "exists").0, "pass", "{test}");
+    // Every surface says the same: the watch event (its reason stamped when it was published),
+    // and the metric counts the one stale socket.
+    let unserved = agent
+        .wait_for_event(Mark(0), "unserved", EVENT_TIMEOUT, seen::unserved(&stale))
+        .await;
+    assert_eq!(
+        unserved.field("reason").as_deref(),
+        Some("served_by_nobody"),
+        "{test}: {unserved}"
+    );
+    problems_become(metrics, "served_by_nobody", 1).await;
+    // The fix: the plugin serves the path again (it binds a new socket there).
+    let plugin = plugin!(&stale).name("stale.example.com").spawn();
+    plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+    problems_become(metrics, "served_by_nobody", 0).await;
+    explained(&agent, &stale, "registered").await;
+}
+
+/// Waits until the agent's `plugin_agent_plugin_problems{reason}` is `count`.
+async fn problems_become(metrics: std::net::SocketAddr, reason: &str, count: u64) {
+    let series = format!("plugin_agent_plugin_problems{{reason=\"{reason}\"}} ");
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let (status, body) = tokio::task::spawn_blocking(move || http_get(metrics, "/metrics"))
+            .await
+            .expect("scrape");
+        assert_eq!(status, 200, "{body}");
+        let now = body
+            .lines()
+            .find_map(|line| line.strip_prefix(&series))
+            .and_then(|n| n.trim().parse::<u64>().ok());
+        if now == Some(count) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{series}never {count}, last {now:?}:\n{body}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 /// A 0700 socket served by a non-root plugin (umask 0077, uid 65534), dialled by an agent that
@@ -521,6 +563,111 @@ async fn a_plugin_kubelet_never_contacts_is_kubelet_never_connected() {
     assert!(fix.contains("kubelet_dir"), "{test}: {fix}");
 }
 
+/// The timeline says when the socket was first seen listening, between its creation and the
+/// GetInfo answer: the kernel's report of its `listen()` (eBPF), else the agent's first connect
+/// that succeeded (inotify: the registration's dial, or its look when the plugin listened late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_timeline_says_when_the_socket_was_first_seen_listening() {
+    for (source, seen_by) in [
+        (Source::Ebpf, "the kernel's report of its listen()"),
+        (Source::Inotify, "the agent's first connect that succeeded"),
+    ] {
+        let test = &format!("{}-{source:?}", test_name());
+        let dir = PluginDir::new();
+        let Some(agent) = agent(test, source, &dir.root(), &["CSIPlugin=accept-all"], &[]).await
+        else {
+            continue;
+        };
+        let plugin = plugin!(dir.path("listening.sock"))
+            .name("listening.example.com")
+            .spawn();
+        plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
+        // The registration's dial may reach the socket before the watcher reads the kernel's
+        // report of its listen(), which then replaces the dial's time.
+        let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+        let one = loop {
+            let one = explained(&agent, plugin.socket(), "registered").await;
+            if one["timeline"].to_string().contains(seen_by) {
+                break one;
+            }
+            assert!(std::time::Instant::now() < deadline, "{test}: {one:#}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        };
+        let whats: Vec<&str> = one["timeline"]
+            .as_array()
+            .expect("a timeline")
+            .iter()
+            .map(|t| t["what"].as_str().unwrap_or_default())
+            .collect();
+        let at = |prefix: &str| {
+            whats
+                .iter()
+                .position(|w| w.starts_with(prefix))
+                .unwrap_or_else(|| panic!("{test}: no {prefix:?} in {whats:#?}"))
+        };
+        let listening = at("listening (seen by ");
+        assert!(whats[listening].contains(seen_by), "{test}: {whats:#?}");
+        assert!(
+            at("created by") < listening && listening < at("GetInfo answered"),
+            "{test}: oldest first: {whats:#?}"
+        );
+    }
+}
+
+/// A plugin that failed after a valid GetInfo (no handler for its type) is found by the driver
+/// name it announced, and its timeline shows the answer before the failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_without_a_handler_is_found_by_driver_name_with_its_get_info_answer() {
+    let test = &test_name();
+    let dir = PluginDir::new();
+    let agent = agent(
+        test,
+        Source::Inotify,
+        &dir.root(),
+        &["DRAPlugin=accept-all"],
+        &["--mode", "register"],
+    )
+    .await
+    .expect("inotify");
+    let plugin = plugin!(dir.path("csi-7f3e2a-reg.sock"))
+        .name("unhandled.example.com")
+        .spawn();
+    plugin.wait_for_notify(false, EVENT_TIMEOUT).await;
+    let mut by_name = Vec::new();
+    let deadline = std::time::Instant::now() + EVENT_TIMEOUT;
+    while by_name
+        .first()
+        .is_none_or(|one: &Value| one["reason"] != "no_handler")
+    {
+        assert!(std::time::Instant::now() < deadline, "{test}: {by_name:#?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        by_name = admin::explain(agent.admin_socket(), "unhandled.example.com");
+    }
+    assert_eq!(by_name.len(), 1, "{test}: {by_name:#?}");
+    let one = &by_name[0];
+    assert_eq!(
+        one["socket_path"],
+        plugin.socket().to_string_lossy().as_ref(),
+        "{test}"
+    );
+    assert_eq!(one["name"], "unhandled.example.com", "{test}: {one:#}");
+    assert_eq!(check(one, "get_info_valid").0, "pass", "{test}: {one:#}");
+    let whats: Vec<&str> = one["timeline"]
+        .as_array()
+        .expect("a timeline")
+        .iter()
+        .map(|t| t["what"].as_str().unwrap_or_default())
+        .collect();
+    let answered = whats.iter().position(|w| {
+        w.starts_with("GetInfo answered type CSIPlugin name \"unhandled.example.com\"")
+    });
+    let failed = whats.iter().position(|w| w.starts_with("attempt "));
+    assert!(
+        matches!((answered, failed), (Some(a), Some(f)) if a < f),
+        "{test}: {whats:#?}"
+    );
+}
+
 /// Targets the agent never saw get the checks that still apply: a name, a path outside the
 /// tree, a path under it that is no socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -553,13 +700,14 @@ async fn targets_the_agent_never_saw_get_the_checks_that_apply() {
     assert_eq!(one["reason"], "not_found", "{test}: {one:#}");
 }
 
-/// How long `plugin-agent explain` takes, as an operator runs it (the command's whole run: its
-/// start, the connection, the answer), on a node of 10,000 registered plugins: by path, by
-/// driver name and by file name, the median of 20 each, under 100 ms. Heavy (10,000 plugins):
-/// run alone with `--ignored`.
+/// Among 10,000 registered plugins `explain` finds the one plugin by path, by driver name and by
+/// file name, and prints how long the command's whole run took (its start, the connection, the
+/// answer; the median of 20 each). The numbers are docs/benchmarks.md's ("explain among 10,000
+/// plugins"); the test asserts what was found, not a wall time, which the machine's load decides.
+/// Heavy (10,000 plugins): run alone with `--ignored`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "10,000 plugins: run alone, `cargo test -p plugin-agent-tests --test explain -- --ignored`"]
-async fn explain_answers_within_100_ms_among_10_000_plugins() {
+async fn explain_finds_the_plugin_among_10_000_by_path_driver_name_and_file_name() {
     const PLUGINS: usize = 10_000;
     let test = &test_name();
     let dir = PluginDir::new();
@@ -591,27 +739,30 @@ async fn explain_answers_within_100_ms_among_10_000_plugins() {
         .to_string_lossy()
         .into_owned();
     let mut report = Vec::new();
-    for target in [path.to_string_lossy().into_owned(), name, file] {
+    for target in [path.to_string_lossy().into_owned(), name.clone(), file] {
         let mut took: Vec<std::time::Duration> = (0..20)
             .map(|_| {
                 let started = std::time::Instant::now();
                 let answer = admin::explain(agent.admin_socket(), &target);
                 let took = started.elapsed();
                 assert_eq!(answer.len(), 1, "{test}: {answer:#?}");
-                assert_eq!(answer[0]["reason"], "registered", "{test}: {answer:#?}");
+                let one = &answer[0];
+                assert_eq!(
+                    one["socket_path"],
+                    path.to_string_lossy().as_ref(),
+                    "{test}: {target}: {one:#}"
+                );
+                assert_eq!(one["name"], name.as_str(), "{test}: {one:#}");
+                assert_eq!(one["reason"], "registered", "{test}: {one:#}");
                 took
             })
             .collect();
         took.sort();
-        let median = took[took.len() / 2];
         report.push(format!(
-            "{target}: median {median:?}, max {:?}",
+            "{target}: median {:?}, max {:?}",
+            took[took.len() / 2],
             took[took.len() - 1]
         ));
-        assert!(
-            median < std::time::Duration::from_millis(100),
-            "{test}: {report:?}"
-        );
     }
     eprintln!("{test}: explain among {PLUGINS} plugins: {report:#?}");
 }

@@ -24,9 +24,7 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         PluginState::Rejected => api::PluginState::Rejected,
     };
     let refusal = status.backoff.as_ref().and_then(|b| match &b.kind {
-        FailureKind::Rejected {
-            refusal, plugin, ..
-        } => Some((refusal, plugin)),
+        FailureKind::Rejected { refusal, .. } => Some(refusal),
         _ => None,
     });
     let (desired, registered, backoff) = (&status.desired, &status.registered, &status.backoff);
@@ -42,7 +40,7 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
         plugin: registered
             .as_ref()
             .map(|r| &r.plugin)
-            .or(refusal.map(|(_, plugin)| &**plugin))
+            .or(backoff.as_ref().and_then(|b| b.plugin()))
             .map(to_api),
         generation: desired
             .as_ref()
@@ -67,7 +65,7 @@ pub(super) fn to_api_entry(status: &PluginStatus) -> api::PluginEntry {
             .unwrap_or_default(),
         failures: backoff.as_ref().map(|b| b.failures).unwrap_or_default(),
         provenance: status.provenance().as_ref().map(provenance_to_api),
-        rejected_by_rule: refusal.map(|(r, _)| r.rule.to_string()).unwrap_or_default(),
+        rejected_by_rule: refusal.map(|r| r.rule.to_string()).unwrap_or_default(),
         first_contact: desired.as_ref().and_then(|d| {
             d.first_contact
                 .as_ref()
@@ -202,7 +200,10 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
             .as_ref()
             .map(|contact| contact_to_api(contact, event.latency)),
         walk: event.walk.as_ref().map(walk_to_api),
-        reason: String::new(),
+        reason: event
+            .reason
+            .map(|reason| reason.label().into())
+            .unwrap_or_default(),
         serving: event.serving.as_ref().map(serving_to_api),
         policy_reload: event.policy_reload.as_ref().map(policy_reload_to_api),
     }

@@ -44,7 +44,8 @@ pub async fn explain(state: &StateView, plugin_dir: &Path, target: &str) -> api:
 }
 
 /// The sockets `target` names: a path (given with a `/`), else those registered under the
-/// plugin name, else those refused under it, else desired sockets of that file name.
+/// plugin name, else those that failed under it (refused, or after a valid GetInfo), else desired
+/// sockets of that file name.
 fn resolve(state: &StateView, target: &str) -> Vec<PathBuf> {
     if target.contains('/') {
         return vec![PathBuf::from(target)];
@@ -56,7 +57,7 @@ fn resolve(state: &StateView, target: &str) -> Vec<PathBuf> {
         .map(|(path, _)| path)
         .collect();
     if paths.is_empty() {
-        paths = state.backoff.rejected_named(target);
+        paths = state.backoff.named(target);
     }
     if paths.is_empty() {
         let name = std::ffi::OsStr::new(target);
@@ -164,12 +165,11 @@ fn plugin_checks(
 
 /// Whether kubelet would take the plugin's GetInfo answer, and its endpoint exists.
 fn get_info_check(status: &PluginStatus) -> api::Check {
-    let plugin = status.registered.as_ref().map(|r| &r.plugin).or_else(|| {
-        status.backoff.as_ref().and_then(|b| match &b.kind {
-            FailureKind::Rejected { plugin, .. } => Some(&**plugin),
-            _ => None,
-        })
-    });
+    let plugin = status
+        .registered
+        .as_ref()
+        .map(|r| &r.plugin)
+        .or_else(|| status.backoff.as_ref().and_then(|b| b.plugin()));
     let fix = "announce a type kubelet handles (CSIPlugin, DevicePlugin, DRAPlugin), a name, a service endpoint that exists, and a version kubelet speaks (CSI 1.x, device plugins v1beta1, DRA v1beta1.DRAPlugin or v1.DRAPlugin)";
     let Some(plugin) = plugin.filter(|p| !p.plugin_type.is_empty()) else {
         let why = match status.backoff.as_ref().map(|b| &b.kind) {
@@ -345,6 +345,10 @@ fn timeline(status: &PluginStatus) -> Vec<api::TimelineEntry> {
                 ),
             ));
         }
+        if let Some(listening) = &desired.listening {
+            let how = listening.seen_by.describe();
+            entries.push((listening.at, format!("listening (seen by {how})")));
+        }
     }
     if let Some(registered) = &status.registered {
         let plugin = &registered.plugin;
@@ -352,11 +356,8 @@ fn timeline(status: &PluginStatus) -> Vec<api::TimelineEntry> {
         entries.push((
             registered.registered_at,
             format!(
-                "GetInfo answered type {} name {:?} endpoint {} versions {:?}; {} (served by {})",
-                plugin.plugin_type,
-                plugin.name,
-                plugin.endpoint,
-                plugin.supported_versions,
+                "GetInfo answered {}; {} (served by {})",
+                said(plugin),
                 if registered.handler.is_some() {
                     "handler registered it, Notify(true)"
                 } else {
@@ -367,6 +368,12 @@ fn timeline(status: &PluginStatus) -> Vec<api::TimelineEntry> {
         ));
     }
     if let Some(backoff) = &status.backoff {
+        if let (None, Some(answered)) = (&status.registered, &backoff.answered) {
+            entries.push((
+                answered.at,
+                format!("GetInfo answered {}", said(&answered.plugin)),
+            ));
+        }
         entries.push(backoff_entry(backoff));
     }
     entries.sort_by_key(|(at, _)| *at);
@@ -411,6 +418,14 @@ fn backoff_entry(backoff: &crate::state::backoff::Backoff) -> (SystemTime, Strin
             ),
         ),
     }
+}
+
+/// What a plugin's GetInfo answer said.
+fn said(plugin: &crate::handler::Plugin) -> String {
+    format!(
+        "type {} name {:?} endpoint {} versions {:?}",
+        plugin.plugin_type, plugin.name, plugin.endpoint, plugin.supported_versions
+    )
 }
 
 fn creator(creator: &Creator) -> String {

@@ -6,7 +6,6 @@ use super::MAX_MESSAGE_BYTES;
 pub use super::convert::{event_to_api, provenance_to_api, to_api};
 use super::convert::{
     phases_to_api, restore_to_api, serving_to_api, source_start_to_api, to_api_entry, unix_ms,
-    unix_nanos,
 };
 pub use super::served::{AgentStatus, PolicyReloading, Served, StartPhases, StartReport};
 use crate::handler::{self, HandlerRegistry};
@@ -23,9 +22,7 @@ use std::pin::Pin;
 /// hundred bytes each: a page stays far below the 16 MiB message limit).
 const DEFAULT_PAGE: usize = 1_000;
 const MAX_PAGE: usize = 5_000;
-use super::event_feed::Fed;
 use std::sync::Arc;
-use std::time::SystemTime;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::UdsConnectInfo;
@@ -235,22 +232,7 @@ impl api::agent_server::Agent for AdminService {
         self.authorize(&request)?;
         let stream =
             super::event_feed::until_stopped(self.notifications.subscribe(), self.shutdown.clone())
-                .map({
-                    let state = self.state.clone();
-                    move |fed| {
-                        Ok(match fed {
-                            Fed::Event(event) => with_reason(&state, event_to_api(&event), &event),
-                            Fed::Lagged(missed) => api::AgentEvent {
-                                time_unix_nanos: unix_nanos(SystemTime::now()),
-                                kind: api::EventKind::Lagged as i32,
-                                detail: format!(
-                                    "{missed} events dropped: this watcher fell behind"
-                                ),
-                                ..Default::default()
-                            },
-                        })
-                    }
-                });
+                .map(|fed| Ok(super::event_feed::to_wire(fed)));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -326,27 +308,6 @@ impl api::agent_server::Agent for AdminService {
             retried: count(reload.retried),
         }))
     }
-}
-
-/// `wire` with the reason of the socket `event` is about, as `list` shows it now (events about
-/// no socket, or one the agent no longer knows, carry none).
-fn with_reason(
-    state: &StateView,
-    mut wire: api::AgentEvent,
-    event: &crate::notifications::AgentEvent,
-) -> api::AgentEvent {
-    use crate::notifications::EventKind;
-    let about_a_socket = !matches!(
-        event.kind,
-        EventKind::Rescan | EventKind::Walked | EventKind::SocketRemoved
-    );
-    if about_a_socket && !event.socket_path.as_os_str().is_empty() {
-        let status = state.status(&event.socket_path, tokio::time::Instant::now());
-        if status.desired.is_some() || status.registered.is_some() {
-            wire.reason = status.reason.label().into();
-        }
-    }
-    wire
 }
 
 fn validate_type(plugin_type: &str) -> Result<(), Status> {

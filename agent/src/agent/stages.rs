@@ -101,13 +101,19 @@ impl Stages {
             backoff: Arc::default(),
             queue: Arc::default(),
         };
-        let notifications = NotificationBus::default();
-        let telemetry = Telemetry::new(source.kind());
         let circumstances = Arc::new(Circumstances::new(
             config.executor.mode.observes(),
             source.kind().reports_contacts(),
             running_kubelets,
         ));
+        // Events carry their socket's reason as it is when they are published.
+        let notifications = NotificationBus::deriving_reasons(StateView {
+            desired: tables.desired.clone(),
+            actual: tables.actual.clone(),
+            backoff: tables.backoff.clone(),
+            circumstances: circumstances.clone(),
+        });
+        let telemetry = Telemetry::new(source.kind());
         let (runner, executor, liveness) = Self::operations(
             &tables,
             handlers,
@@ -190,6 +196,7 @@ impl Stages {
         );
         let parts = ExecutorParts {
             backoff: tables.backoff.clone(),
+            desired: tables.desired.clone(),
             queue: tables.queue.clone(),
             liveness: liveness.clone(),
             unserved,

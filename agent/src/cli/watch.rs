@@ -26,7 +26,7 @@ struct EventRow {
     contact: Option<ContactRow>,
     #[serde(skip_serializing_if = "Option::is_none")]
     walk: Option<WalkRow>,
-    /// The socket's reason (`explain`'s verdict) as the event was delivered.
+    /// The socket's reason (`explain`'s verdict) when the event was published.
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]

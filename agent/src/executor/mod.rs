@@ -42,7 +42,7 @@ use crate::registration::Timeouts;
 use crate::state::SocketId;
 use crate::state::actual::RegisteredPlugin;
 use crate::state::backoff::{BackoffTable, ListenReleased};
-use crate::state::desired::DesiredPlugin;
+use crate::state::desired::{DesiredPlugin, DesiredState};
 use crate::state::queue::ReconcileQueue;
 use crate::state::safety_pass::SafetyPass;
 use crate::telemetry::Telemetry;
@@ -152,6 +152,8 @@ pub trait Scheduler: Send + Sync + 'static {
 pub struct ExecutorParts {
     /// The backoff table it reads before an operation and its waits write.
     pub backoff: Arc<BackoffTable>,
+    /// Desired state, where a look that finds a socket listening records it.
+    pub desired: Arc<DesiredState>,
     /// Told about every finished operation and expired backoff, to wake the reconciler.
     pub queue: Arc<ReconcileQueue>,
     /// Reports losses, listens and lost hints to the executor.
@@ -198,6 +200,7 @@ impl OperationExecutor {
             backlog: Backlog::new(slots.saturating_mul(WAITING_PER_SLOT)),
             waits: Waits::new(
                 parts.backoff,
+                parts.desired,
                 parts.queue,
                 config.listens_reported,
                 tasks.clone(),
@@ -545,6 +548,7 @@ mod tests {
                 running: Mutex::default(),
             });
             let (actual, backoff, queue) = (Arc::default(), Arc::default(), Arc::default());
+            let desired: Arc<DesiredState> = Arc::default();
             let telemetry = Telemetry::new(SourceKind::Ebpf);
             let unserved = Unserved::new(
                 Arc::clone(&actual),
@@ -556,6 +560,7 @@ mod tests {
             let liveness = Arc::new(Liveness::default());
             let parts = ExecutorParts {
                 backoff: Arc::clone(&backoff),
+                desired: Arc::clone(&desired),
                 queue: Arc::clone(&queue),
                 liveness: liveness.clone(),
                 unserved,
@@ -574,7 +579,7 @@ mod tests {
                 liveness,
                 runner,
                 started,
-                desired: Arc::default(),
+                desired,
                 actual,
                 backoff,
                 queue,

@@ -8,6 +8,7 @@
 use crate::liveness::Probe;
 use crate::state::SocketId;
 use crate::state::backoff::{BackoffTable, ListenReleased};
+use crate::state::desired::{DesiredState, ListenSeen, Listening};
 use crate::state::queue::ReconcileQueue;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,6 +25,8 @@ pub struct Waits {
     /// Connections a look at a socket waiting to listen made, for its registration's first try.
     found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream)>>,
     backoff: Arc<BackoffTable>,
+    /// Where a look that finds a socket listening records when (`explain`'s timeline).
+    desired: Arc<DesiredState>,
     queue: Arc<ReconcileQueue>,
     /// Whether the event source reports a socket's `listen` (eBPF): then no look is made.
     listens_reported: bool,
@@ -36,6 +39,7 @@ impl Waits {
     /// Timers and looks spawned on `tasks`, stopped by `cancel`, that mark `queue`.
     pub fn new(
         backoff: Arc<BackoffTable>,
+        desired: Arc<DesiredState>,
         queue: Arc<ReconcileQueue>,
         listens_reported: bool,
         tasks: TaskTracker,
@@ -45,6 +49,7 @@ impl Waits {
             timers: Mutex::new(HashMap::new()),
             found: Mutex::new(HashMap::new()),
             backoff,
+            desired,
             queue,
             listens_reported,
             tasks,
@@ -158,6 +163,12 @@ impl Waits {
                         }
                     }
                     (Probe::Served, connected) => {
+                        let listening = Listening {
+                            at: std::time::SystemTime::now(),
+                            seen_by: ListenSeen::Look,
+                        };
+                        this.desired
+                            .record_listening(&path, Some(socket), None, listening);
                         if let Some(stream) = connected {
                             lock(&this.found).insert(path.clone(), (socket, stream));
                         }

@@ -10,7 +10,7 @@ use crate::liveness::{LearnedBy, Unserved};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::registration::PluginCallError;
 use crate::state::SocketId;
-use crate::state::backoff::{BackoffTable, FailureKind, QUICK_RETRIES};
+use crate::state::backoff::{Answered, BackoffTable, FailureKind, QUICK_RETRIES};
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::Telemetry;
 use std::path::Path;
@@ -34,7 +34,14 @@ pub struct Failures {
 impl Failures {
     /// Records `error`, the failure of a registration of `desired` at `path`, and says what the
     /// executor does next.
-    pub fn record(&self, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) -> Ended {
+    /// `answered` is the plugin's valid GetInfo answer, when the failure came after one.
+    pub fn record(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+        error: RegisterFailure,
+        answered: Option<Answered>,
+    ) -> Ended {
         match error {
             RegisterFailure::Rejected(rejected) => {
                 self.rejected(path, desired.socket, *rejected);
@@ -62,12 +69,18 @@ impl Failures {
                 Ended::RetryAt(until)
             }
             RegisterFailure::ShuttingDown => Ended::Done,
-            error => self.backed_off(path, desired, error),
+            error => self.backed_off(path, desired, error, answered),
         }
     }
 
     /// A failure retried after a backoff: its class, its record, its report.
-    fn backed_off(&self, path: &Path, desired: &DesiredPlugin, error: RegisterFailure) -> Ended {
+    fn backed_off(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+        error: RegisterFailure,
+        answered: Option<Answered>,
+    ) -> Ended {
         let kind = class_of(&error, desired);
         // A socket that vanished (or was replaced) is not a failed registration: no failure
         // event, no warning (the attempt's end is told as abandoned). Usually its removal reaches the watcher at once and forget() drops the retry.
@@ -82,6 +95,10 @@ impl Failures {
         let backoff = self
             .backoff
             .fail(path, desired.socket, reason, kind, Instant::now());
+        if let Some(answered) = answered {
+            self.backoff
+                .answered(path, desired.socket, Arc::new(answered));
+        }
         // Published once the failure is recorded, so a watcher that reacts by asking `list`
         // reads the error the event carries.
         if vanished {

@@ -76,7 +76,7 @@ impl Runner {
             .unwrap_or_default();
         let contacted = desired.first_contact.is_some()
             || self
-                .contacts
+                .desired
                 .get()
                 .is_some_and(|contacts| contacts.contacted_since(path, desired.generation));
         if left.is_zero() || contacted {

@@ -11,9 +11,10 @@ use crate::executor::Slot;
 use crate::handler::{Plugin, PluginHandler};
 use crate::liveness::Server;
 use crate::provenance::Provenance;
-use crate::registration::{OnInvalid, PluginConnection};
+use crate::registration::{OnInvalid, PluginConnection, Step, StepTimer};
 use crate::state::actual::RegisteredPlugin;
-use crate::state::desired::DesiredPlugin;
+use crate::state::backoff::Answered;
+use crate::state::desired::{DesiredPlugin, ListenSeen, Listening};
 use plugin_agent_proto::pluginregistration::PluginInfo;
 use std::path::Path;
 use std::sync::Arc;
@@ -33,12 +34,18 @@ impl Runner {
         desired: &DesiredPlugin,
         slot: &mut Slot,
         found: Option<tokio::net::UnixStream>,
+        answered: &mut Option<Answered>,
     ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
         // Every step is boxed where it is awaited: a future is as large as its largest step, and
         // an operation that waits (for a slot, or in a dial's pauses) should cost that wait's
         // few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
         let (mut connection, plugin, provenance) =
             Box::pin(self.describe(path, desired, slot, found)).await?;
+        // Kept with a failure from here on (`explain` by driver name, its timeline).
+        *answered = Some(Answered {
+            at: std::time::SystemTime::now(),
+            plugin: plugin.clone(),
+        });
         let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
             let error = RegisterFailure::NoHandler {
                 plugin_type: plugin.plugin_type.clone(),
@@ -150,6 +157,7 @@ impl Runner {
         found: Option<tokio::net::UnixStream>,
         on_invalid: OnInvalid,
     ) -> Result<(PluginConnection, PluginInfo), RegisterFailure> {
+        let steps = self.steps_recording_listen(path, desired);
         let answer = slot.dialling(async |slot: &mut Slot| {
             PluginConnection::get_info(
                 path,
@@ -158,7 +166,7 @@ impl Runner {
                 self.plugin_timeouts(path, desired),
                 slot,
                 on_invalid,
-                &self.steps,
+                &steps,
             )
             .await
         });
@@ -166,6 +174,24 @@ impl Runner {
             Some(answer) => Ok(answer?),
             None => Err(RegisterFailure::ShuttingDown),
         }
+    }
+
+    /// The step timer of a dial of `desired`, recording the socket listening when the dial
+    /// reaches it, if no listen of it is known yet (`explain`'s timeline).
+    fn steps_recording_listen(&self, path: &Path, desired: &DesiredPlugin) -> StepTimer {
+        let (None, Some(table)) = (&desired.listening, self.desired.get()) else {
+            return self.steps.clone();
+        };
+        let (table, path, socket) = (table.clone(), path.to_path_buf(), desired.socket);
+        self.steps.also(move |step, _, ok| {
+            if step == Step::Dial && ok {
+                let listening = Listening {
+                    at: std::time::SystemTime::now(),
+                    seen_by: ListenSeen::Dial,
+                };
+                table.record_listening(&path, Some(socket), None, listening);
+            }
+        })
     }
 
     /// The plugin call deadlines for `desired` at `path`, with what is left of its wait to

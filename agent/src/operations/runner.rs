@@ -61,8 +61,9 @@ pub struct Runner {
     pub(super) failures: Failures,
     pub(super) liveness: Arc<Liveness>,
     /// Desired state, read in observe mode for kubelet's first contact (see
-    /// [`crate::mode::Contact::AfterKubelet`]); unset: no first contact is ever known.
-    pub(super) contacts: OnceLock<Arc<DesiredState>>,
+    /// [`crate::mode::Contact::AfterKubelet`]), and where a dial that reached a socket records
+    /// it listening; unset: no first contact is ever known, no listen recorded.
+    pub(super) desired: OnceLock<Arc<DesiredState>>,
     /// Records each plugin call's steps (dial, GetInfo, Notify) in the metrics.
     pub(super) steps: crate::registration::StepTimer,
     /// The agent's shutdown: a dial not answered yet is dropped.
@@ -95,7 +96,7 @@ impl Runner {
                 telemetry: telemetry.clone(),
             },
             liveness: parts.liveness,
-            contacts: OnceLock::new(),
+            desired: OnceLock::new(),
             verdicts: OnceLock::new(),
             steps: report::step_timer(telemetry),
             cancel,
@@ -127,9 +128,10 @@ impl Runner {
         )
     }
 
-    /// Reads first contacts from `desired`, where the watcher records them (observe mode).
+    /// Reads first contacts from `desired`, where the watcher records them (observe mode), and
+    /// records there when a dial first reached a socket.
     pub fn watch_contacts(&self, desired: Arc<DesiredState>) {
-        let _ = self.contacts.set(desired);
+        let _ = self.desired.set(desired);
     }
 
     /// Carries on from registrations restored from a previous agent, once the first walk said

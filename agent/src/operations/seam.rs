@@ -10,6 +10,7 @@ use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::Mode;
 use crate::state::actual::RegisteredPlugin;
+use crate::state::backoff::Answered;
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::discovery::Via;
 use std::path::{Path, PathBuf};
@@ -39,7 +40,9 @@ impl OperationRunner for Runner {
                 found,
                 ..
             } = registration;
-            let (result, server) = steps(&self, &path, &desired, &mut slot, found).await;
+            let mut answered = None;
+            let (result, server) =
+                steps(&self, &path, &desired, &mut slot, found, &mut answered).await;
             if matches!(result, Err(RegisterFailure::ShuttingDown)) {
                 debug!("registration abandoned before the plugin answered: shutting down");
                 let why = "the agent is stopping: abandoned before the plugin answered";
@@ -56,7 +59,7 @@ impl OperationRunner for Runner {
                     self.registered(&desired, plugin, server, started);
                     Ended::Done
                 }
-                Err(error) => self.failures.record(&path, &desired, error),
+                Err(error) => self.failures.record(&path, &desired, error, answered),
             };
             report.finish(self.reason_of(&path));
             ended
@@ -140,18 +143,20 @@ fn register_span(
     report::operation_span(telemetry, "register", path, make, fields)
 }
 
-/// Runs the mode's steps; what they found, as the report and the failure records want it.
+/// Runs the mode's steps; what they found, as the report and the failure records want it
+/// (`answered`: the plugin's valid GetInfo answer, kept with a failure after it).
 async fn steps(
     runner: &Runner,
     path: &Path,
     desired: &DesiredPlugin,
     slot: &mut Slot,
     found: Option<tokio::net::UnixStream>,
+    answered: &mut Option<Answered>,
 ) -> (Result<Plugin, RegisterFailure>, Option<Server>) {
     // Boxed where awaited: this future lives as long as the operation (through every pause
     // of a socket that does not listen yet), the steps only while they run.
     match runner.config.mode {
-        Mode::Register => Box::pin(runner.run_register(path, desired, slot, found)).await,
+        Mode::Register => Box::pin(runner.run_register(path, desired, slot, found, answered)).await,
         Mode::Observe { contact } => {
             Box::pin(runner.run_observe(path, desired, slot, found, contact)).await
         }

@@ -50,6 +50,16 @@ impl StepTimer {
         StepTimer(Some(Arc::new(record)))
     }
 
+    /// This timer, and `also` told of every step after it (a caller that wants one connection's
+    /// steps for itself: the operations record a socket's first successful dial).
+    pub fn also(&self, also: impl Fn(Step, Duration, bool) + Send + Sync + 'static) -> Self {
+        let first = self.clone();
+        StepTimer::new(move |step, took, ok| {
+            first.record(step, took, ok);
+            also(step, took, ok);
+        })
+    }
+
     pub(super) fn record(&self, step: Step, took: Duration, ok: bool) {
         if let Some(record) = &self.0 {
             record(step, took, ok);

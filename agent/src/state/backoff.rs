@@ -130,6 +130,16 @@ pub enum ListenReleased {
     Waiting,
 }
 
+/// A plugin's valid GetInfo answer, kept with the failure that came after it (no handler, the
+/// handler refused, Notify failed): `explain` finds the socket by the driver name it announced
+/// and shows the answer. One per socket instance, gone with its entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answered {
+    /// When the answer came.
+    pub at: std::time::SystemTime,
+    pub plugin: Plugin,
+}
+
 /// How far "never" is for an unserved socket's `retry_at` (a representable instant that no
 /// agent lives to see).
 const NEVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -148,6 +158,18 @@ pub struct Backoff {
     pub last_error: Box<str>,
     /// Retry-policy class of the last error.
     pub kind: FailureKind,
+    /// The plugin's last valid GetInfo answer, when a failure came after one.
+    pub answered: Option<Arc<Answered>>,
+}
+
+impl Backoff {
+    /// What the plugin said it is, as far as known: the refused plugin, else the answer kept.
+    pub fn plugin(&self) -> Option<&Plugin> {
+        match &self.kind {
+            FailureKind::Rejected { plugin, .. } => Some(plugin),
+            _ => self.answered.as_ref().map(|a| &a.plugin),
+        }
+    }
 }
 
 type Key = (PathBuf, SocketId);
@@ -217,6 +239,7 @@ impl BackoffTable {
                         retry_at: now + delay,
                         last_error: error.into_boxed_str(),
                         kind,
+                        answered: None,
                     })
                     .clone()
             }
@@ -233,13 +256,14 @@ impl BackoffTable {
         kind: FailureKind,
     ) -> Backoff {
         debug_assert!(kind.is_held());
-        let failures = self.get(path, socket).map_or(0, |b| b.failures) + 1;
+        let previous = self.get(path, socket);
         let backoff = Backoff {
-            failures,
+            failures: previous.as_ref().map_or(0, |b| b.failures) + 1,
             delay: NEVER,
             retry_at: Instant::now() + NEVER,
             last_error: reason.into_boxed_str(),
             kind,
+            answered: previous.and_then(|b| b.answered),
         };
         self.lock()
             .insert((path.to_path_buf(), socket), backoff.clone());
@@ -278,6 +302,7 @@ impl BackoffTable {
             retry_at,
             last_error: reason.into_boxed_str(),
             kind: FailureKind::WaitingToListen { until },
+            answered: previous.and_then(|b| b.answered.clone()),
         };
         entries.insert(key, backoff.clone());
         backoff
@@ -312,13 +337,14 @@ impl BackoffTable {
     ) -> Backoff {
         let mut entries = self.lock();
         let key = (path.to_path_buf(), socket);
-        let failures = entries.get(&key).map_or(0, |b| b.failures);
+        let previous = entries.get(&key);
         let backoff = Backoff {
-            failures,
+            failures: previous.map_or(0, |b| b.failures),
             delay: Duration::ZERO,
             retry_at: until,
             last_error: reason.into_boxed_str(),
             kind: FailureKind::WaitingForKubelet { until },
+            answered: previous.and_then(|b| b.answered.clone()),
         };
         entries.insert(key, backoff.clone());
         backoff
@@ -418,12 +444,21 @@ impl BackoffTable {
         self.lock().get(&(path.to_path_buf(), socket)).cloned()
     }
 
-    /// The paths of sockets the policy refused whose plugins said they are `name` (`explain`
-    /// by a name no registered plugin carries: one pass over the failed sockets, not the tree).
-    pub fn rejected_named(&self, name: &str) -> Vec<PathBuf> {
+    /// Keeps `answered`, the GetInfo answer of the failed socket `socket` at `path`, with its
+    /// failure (nothing when it has none).
+    pub fn answered(&self, path: &Path, socket: SocketId, answered: Arc<Answered>) {
+        if let Some(backoff) = self.lock().get_mut(&(path.to_path_buf(), socket)) {
+            backoff.answered = Some(answered);
+        }
+    }
+
+    /// The paths of failed sockets whose plugins said they are `name`: refused by the policy, or
+    /// failed after a valid GetInfo (`explain` by a name no registered plugin carries: one pass
+    /// over the failed sockets, not the tree).
+    pub fn named(&self, name: &str) -> Vec<PathBuf> {
         self.lock()
             .iter()
-            .filter(|(_, b)| matches!(&b.kind, FailureKind::Rejected { plugin, .. } if plugin.name == name))
+            .filter(|(_, b)| b.plugin().is_some_and(|plugin| plugin.name == name))
             .map(|((path, _), _)| path.clone())
             .collect()
     }
@@ -446,6 +481,43 @@ mod tests {
             birth_ns: None,
             handle: None,
         }
+    }
+
+    /// A failed plugin's GetInfo answer stays with its socket's entry through later failures,
+    /// holds and waits, finds it by name, and goes with the entry.
+    #[test]
+    fn a_failed_plugins_answer_is_kept_with_its_socket_and_found_by_name() {
+        let table = BackoffTable::default();
+        let now = Instant::now();
+        let path = Path::new("/r/a.sock");
+        let kind = FailureKind::WaitingForHandler {
+            plugin_type: "CSIPlugin".into(),
+        };
+        table.fail(path, id(1), "no handler".into(), kind, now);
+        let plugin = Plugin {
+            plugin_type: "CSIPlugin".into(),
+            name: "a.example.com".into(),
+            endpoint: String::new(),
+            supported_versions: vec!["1.0.0".into()],
+            socket_path: path.display().to_string(),
+        };
+        let answered = Arc::new(Answered {
+            at: std::time::SystemTime::now(),
+            plugin,
+        });
+        table.answered(path, id(1), answered.clone());
+        table.fail(path, id(1), "x".into(), FailureKind::Other, now);
+        let unserved = FailureKind::Unserved {
+            learned_by: "pidfd",
+            since: now,
+        };
+        table.hold(path, id(1), "gone".into(), unserved);
+        let kept = table.get(path, id(1)).and_then(|b| b.answered);
+        assert_eq!(kept, Some(answered));
+        assert_eq!(table.named("a.example.com"), vec![path.to_path_buf()]);
+        assert!(table.named("b.example.com").is_empty());
+        table.forget_path(path);
+        assert!(table.named("a.example.com").is_empty());
     }
 
     #[test]

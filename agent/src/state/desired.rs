@@ -33,6 +33,40 @@ pub struct DesiredPlugin {
     /// The first process other than the agent to connect to it (eBPF only), once one has (boxed:
     /// most sockets never have one, and every entry would carry its 80 bytes).
     pub first_contact: Option<Box<Contact>>,
+    /// When it was first seen listening, and how (one per socket instance, never replaced;
+    /// boxed: a dead socket's entry keeps only the pointer).
+    pub listening: Option<Box<Listening>>,
+}
+
+/// When a socket was first seen listening (`explain`'s timeline).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listening {
+    pub at: SystemTime,
+    pub seen_by: ListenSeen,
+}
+
+/// How a socket was seen listening: the kernel's report of its `listen()` (eBPF), else the
+/// agent's first connect to it that succeeded (later than the `listen()` by up to a look's or a
+/// registration's wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenSeen {
+    /// The eBPF source's report of its `listen()`.
+    KernelReport,
+    /// The look at a socket waiting to listen (sources that do not report listens).
+    Look,
+    /// A registration's dial.
+    Dial,
+}
+
+impl ListenSeen {
+    /// How it was seen, as the timeline says it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            ListenSeen::KernelReport => "the kernel's report of its listen()",
+            ListenSeen::Look => "the agent's first connect that succeeded: its look for a listen",
+            ListenSeen::Dial => "the agent's first connect that succeeded: a registration's dial",
+        }
+    }
 }
 
 /// What [`DesiredState::add_or_update`] did.
@@ -115,6 +149,7 @@ impl DesiredState {
             by_event,
             creator,
             first_contact: None,
+            listening: None,
         };
         plugins.insert(path, Box::new(plugin));
         Ok(change)
@@ -133,6 +168,36 @@ impl DesiredState {
         let now = DesiredPlugin::clone(plugin);
         drop(plugins);
         Some(now)
+    }
+
+    /// Records that the socket desired at `path` listens, unless a first listen is known: of the
+    /// instance `socket` (a connect's), or (`listened_ns`, a kernel report's `CLOCK_MONOTONIC`
+    /// time) of the instance desired then, not one created after the report. The kernel's report
+    /// replaces a connect's (a registration's dial can reach the socket before the watcher reads
+    /// the report of its `listen()`, which is the earlier and exact time). Returns whether it was
+    /// recorded.
+    pub fn record_listening(
+        &self,
+        path: &Path,
+        socket: Option<SocketId>,
+        listened_ns: Option<u64>,
+        listening: Listening,
+    ) -> bool {
+        let mut plugins = self.lock();
+        let Some(plugin) = plugins.get_mut(path) else {
+            return false;
+        };
+        let other_socket = socket.is_some_and(|socket| socket != plugin.socket);
+        let created_after = matches!((listened_ns, plugin.kernel_ns), (Some(l), Some(c)) if l < c);
+        let known = plugin.listening.as_ref().is_some_and(|known| {
+            known.seen_by == ListenSeen::KernelReport
+                || listening.seen_by != ListenSeen::KernelReport
+        });
+        if known || other_socket || created_after {
+            return false;
+        }
+        plugin.listening = Some(Box::new(listening));
+        true
     }
 
     /// Whether the socket instance `generation` desired at `path` has had its first contact (a
@@ -159,6 +224,7 @@ impl DesiredState {
             // Not carried across restarts: the programs report each instance's first contact
             // once, to whichever agent reads the ring then.
             first_contact: None,
+            listening: None,
         };
         self.lock().insert(path, Box::new(plugin));
     }
@@ -257,6 +323,35 @@ mod tests {
             birth_ns: None,
             handle: None,
         }
+    }
+
+    /// The first listen of a socket instance is kept (the kernel's report over a connect's); a
+    /// connect of another instance and a kernel report older than the socket's creation are not.
+    #[test]
+    fn the_first_listen_of_the_desired_socket_is_recorded_once() {
+        let state = DesiredState::default();
+        let path = Path::new("/r/a.sock");
+        state
+            .add_observed(path, id(1), Some(1_000), true, None)
+            .expect("desired");
+        let at = |secs: u64, seen_by| Listening {
+            at: std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs),
+            seen_by,
+        };
+        assert!(!state.record_listening(path, Some(id(2)), None, at(1, ListenSeen::Dial)));
+        let before = at(2, ListenSeen::KernelReport);
+        assert!(!state.record_listening(path, None, Some(999), before));
+        assert!(state.record_listening(path, Some(id(1)), None, at(3, ListenSeen::Dial)));
+        assert!(!state.record_listening(path, Some(id(1)), None, at(4, ListenSeen::Look)));
+        // The kernel's report replaces a connect's, and is never replaced.
+        assert!(state.record_listening(path, None, Some(1_001), at(3, ListenSeen::KernelReport)));
+        assert!(!state.record_listening(path, None, Some(1_002), at(5, ListenSeen::KernelReport)));
+        assert!(!state.record_listening(path, Some(id(1)), None, at(4, ListenSeen::Dial)));
+        let kept = state.get(path).and_then(|d| d.listening);
+        assert_eq!(kept.as_deref(), Some(&at(3, ListenSeen::KernelReport)));
+        // A new instance at the path starts without one.
+        state.add_or_update(path, id(3), None).expect("desired");
+        assert_eq!(state.get(path).and_then(|d| d.listening), None);
     }
 
     #[test]

@@ -203,7 +203,9 @@ mod tests {
     fn what_the_agent_keeps_per_socket_stays_small() {
         use std::mem::size_of;
         assert_eq!(size_of::<SocketId>(), 48);
-        assert!(size_of::<desired::DesiredPlugin>() <= 184);
+        // 192: 184, and 8 for when the socket was first seen listening (boxed, as its first
+        // contact: a dead socket's entry holds no more than the pointer).
+        assert!(size_of::<desired::DesiredPlugin>() <= 192);
         assert!(size_of::<backoff::Backoff>() <= 96);
         assert!(size_of::<backoff::FailureKind>() <= 32);
     }

@@ -246,9 +246,11 @@ impl Circumstances {
     /// Whether a kubelet runs and none watches the directory `path` is in (observe mode only:
     /// in register mode the agent is the one that registers).
     pub fn outside_kubelets(&self, path: &Path) -> bool {
+        if !self.observe {
+            return false;
+        }
         let kubelets = self.kubelets(false);
-        self.observe
-            && !kubelets.is_empty()
+        !kubelets.is_empty()
             && !kubelets
                 .iter()
                 .any(|k| path.starts_with(&k.plugins_registry))

@@ -30,7 +30,7 @@ use crate::event_source::{
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::provenance::Contact;
 use crate::state::EntryKind;
-use crate::state::desired::{Change, DesiredState};
+use crate::state::desired::{Change, DesiredState, ListenSeen, Listening};
 use crate::state::queue::ReconcileQueue;
 use crate::state::safety_pass::SafetyPass;
 use crate::telemetry::Telemetry;
@@ -230,6 +230,7 @@ impl Watcher {
                         self.check_created(&path, observed);
                     }
                     if listening {
+                        self.listened(&path, observed);
                         self.serving_hint(&path, true);
                     } else {
                         releases.push(path);
@@ -271,6 +272,21 @@ impl Watcher {
         {
             liveness.kernel_hint(path, listening);
         }
+    }
+
+    /// Records when the socket at `path` was first seen listening: the kernel's report of its
+    /// `listen()` (`explain`'s timeline).
+    fn listened(&self, path: &Path, observed: Observed) {
+        let now = std::time::SystemTime::now();
+        let at = observed
+            .kernel_ns
+            .map_or(now, |ns| wall_time_of(ns, monotonic_now_ns(), now));
+        let listening = Listening {
+            at,
+            seen_by: ListenSeen::KernelReport,
+        };
+        self.desired
+            .record_listening(path, None, observed.kernel_ns, listening);
     }
 
     /// Records who first connected to the socket at `path` (eBPF's `Contacted`, once per socket

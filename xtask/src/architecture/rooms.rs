@@ -178,6 +178,7 @@ pub const ROOMS: &[Room] = &[
         imports: &[
             "handler (`Plugin`)",
             "provenance (what registered and rejected events carry)",
+            "state (the view an event's reason is derived from, when it is published)",
         ],
     },
     Room {
