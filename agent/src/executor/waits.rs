@@ -6,7 +6,7 @@
 //! timers that wake the idle agent long after the sockets are gone.
 
 use crate::liveness::Probe;
-use crate::state::SocketId;
+use crate::state::{PathHasher, SocketId};
 use crate::state::backoff::{BackoffTable, ListenReleased};
 use crate::state::queue::ReconcileQueue;
 use std::collections::HashMap;
@@ -20,9 +20,9 @@ use tracing::debug;
 /// See the module docs.
 pub struct Waits {
     /// Pending timers by path.
-    timers: Mutex<HashMap<PathBuf, CancellationToken>>,
+    timers: Mutex<HashMap<PathBuf, CancellationToken, PathHasher>>,
     /// Connections a look at a socket waiting to listen made, for its registration's first try.
-    found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream)>>,
+    found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream), PathHasher>>,
     backoff: Arc<BackoffTable>,
     queue: Arc<ReconcileQueue>,
     /// Whether the event source reports a socket's `listen` (eBPF): then no look is made.
@@ -42,8 +42,8 @@ impl Waits {
         cancel: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Waits {
-            timers: Mutex::new(HashMap::new()),
-            found: Mutex::new(HashMap::new()),
+            timers: Mutex::new(HashMap::default()),
+            found: Mutex::new(HashMap::default()),
             backoff,
             queue,
             listens_reported,
@@ -191,7 +191,9 @@ impl Waits {
         self.lock_timers().len()
     }
 
-    fn lock_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
+    fn lock_timers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken, PathHasher>> {
         lock(&self.timers)
     }
 }

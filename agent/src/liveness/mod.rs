@@ -107,7 +107,7 @@ type Processes = HashMap<u64, ProcessWatch>;
 #[derive(Default)]
 struct Watches {
     /// Keyed by the desired state's allocation of the path, shared with the watch's task.
-    by_path: HashMap<Arc<Path>, Watch>,
+    by_path: HashMap<Arc<Path>, Watch, crate::state::PathHasher>,
     processes: Processes,
 }
 

@@ -63,7 +63,7 @@ pub struct ActualState {
 /// path is one allocation shared by the key and the desired state's entry.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>>,
+    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>, super::PathHasher>,
 }
 
 impl Plugins {
