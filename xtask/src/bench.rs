@@ -127,9 +127,7 @@ struct Mode {
     by_default: bool,
 }
 
-/// The floor's mode: run in every scenario, whatever `--modes` says, as every mode's CPU is
-/// read against it (see `report::floor`).
-pub const FLOOR: &str = "floor";
+use floor::MODE as FLOOR;
 /// The kubelet harness's mode: run only with `--kubelet-harness`, which names the binary.
 const KUBELET: &str = "kubelet";
 

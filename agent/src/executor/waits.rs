@@ -6,9 +6,9 @@
 //! timers that wake the idle agent long after the sockets are gone.
 
 use crate::liveness::Probe;
-use crate::state::{PathHasher, SocketId};
 use crate::state::backoff::{BackoffTable, ListenReleased};
 use crate::state::queue::ReconcileQueue;
+use crate::state::{PathHasher, SocketId};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

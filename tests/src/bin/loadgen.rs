@@ -37,12 +37,13 @@ mod procfs;
 mod progress;
 #[path = "../loadgen/scenarios.rs"]
 mod scenarios;
+#[path = "../loadgen/subject.rs"]
+mod subject;
 #[path = "../loadgen/summary.rs"]
 mod summary;
 #[path = "../loadgen/workers.rs"]
 mod workers;
 
-use agent::AgentUnderTest;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use ledger::SharedLedger;
@@ -212,18 +213,13 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
 
     let (mut agent_slot, other) =
-        start_subject(args, &plugin_dir, &work.path, agent_args, &ledger).await?;
+        subject::start(args, &plugin_dir, &work.path, agent_args, &ledger).await?;
     ledger.lock().agent_up.push((now_ns(), None));
-    let pid = match (&agent_slot, &other) {
-        (Some(agent), _) => agent.pid(),
-        (None, Some(other)) => other.pid(),
-        (None, None) => None,
-    }
-    .context("the pid of the agent (or what stands in for it)")?;
+    let pid = subject::pid(agent_slot.as_ref(), other.as_ref())?;
 
     // Warm-up: proves the agent watches the directory before anything is measured.
     warm_up(&mut pool, &ledger).await?;
-    hook(args.before_load.as_deref(), pid).await?;
+    subject::hook(args.before_load.as_deref(), pid).await?;
     let before = procfs::sample(pid)?;
 
     let mut progress = Progress::new();
@@ -239,17 +235,13 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let load_started = now_ns();
     scenarios::run(args.scenario, &args.params, &mut ctx).await?;
     let created = ctx.next_id;
-    anyhow::ensure!(
-        agent_slot.is_some() || other.is_some(),
-        "agent lost by the scenario"
-    );
-    let pid = agent_slot.as_ref().and_then(|a| a.pid()).unwrap_or(pid);
+    let pid = subject::pid(agent_slot.as_ref(), other.as_ref()).context("after the scenario")?;
 
     // Everything alive should register; the wait is bounded and the shortfall is measured.
     wait_registered(&ledger, created, args.params.timeout, &mut progress).await;
     let loaded = procfs::sample(pid)?;
     let load_usage = loaded.since(&before);
-    hook(args.after_load.as_deref(), pid).await?;
+    subject::hook(args.after_load.as_deref(), pid).await?;
 
     let (idle, settle) = measure_idle(pid, args.idle, &mut progress).await?;
 
@@ -258,10 +250,10 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let before_removal = procfs::sample(pid)?;
     remove_all(&mut pool, &ledger, created, args.stale_bound, &mut progress).await?;
     let removal_usage = procfs::sample(pid)?.since(&before_removal);
-    hook(args.after_load.as_deref(), pid).await?;
+    subject::hook(args.after_load.as_deref(), pid).await?;
     let still = match &agent_slot {
         Some(agent) => admin::registered_now(&agent.admin_socket).await?,
-        None => other_holds(&ledger),
+        None => subject::other_holds(&ledger),
     };
     let end_ns = now_ns();
     pool.shutdown().await?;
@@ -269,9 +261,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         agent.stop().await?;
         cleanup(&args.agent, &agent.admin_socket, &plugin_dir);
     }
-    if let Some(other) = other {
-        other.stop().await?;
-    }
+    subject::stop(other).await?;
 
     let totals = {
         let l = ledger.lock();
@@ -300,84 +290,6 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         // Received by --otlp-sink once the stopped agent flushed (null: traces off).
         "spans_exported": spans.map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
     }))
-}
-
-/// Runs `command` (`--before-load`, `--after-load`) with `sh -c`, `$AGENT_PID` set, and waits.
-async fn hook(command: Option<&str>, pid: u32) -> anyhow::Result<()> {
-    let Some(command) = command else {
-        return Ok(());
-    };
-    let status = tokio::process::Command::new("sh")
-        .args(["-c", command])
-        .env("AGENT_PID", pid.to_string())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .await
-        .with_context(|| format!("running {command:?}"))?;
-    anyhow::ensure!(status.success(), "{command:?}: {status}");
-    Ok(())
-}
-
-/// What stands in for the agent: the floor, or a kubelet plugin-manager harness.
-enum Other {
-    Floor(floor::FloorUnderTest),
-    Kubelet(harness::KubeletHarness),
-}
-
-impl Other {
-    fn pid(&self) -> Option<u32> {
-        match self {
-            Other::Floor(floor) => floor.pid(),
-            Other::Kubelet(kubelet) => kubelet.pid(),
-        }
-    }
-
-    async fn stop(self) -> anyhow::Result<()> {
-        match self {
-            Other::Floor(floor) => floor.stop().await,
-            Other::Kubelet(kubelet) => kubelet.stop().await,
-        }
-    }
-}
-
-/// Starts what the load runs against: the agent (following its admin events into the ledger),
-/// or with `--floor` the floor (see `floor`), told of each plugin by the ledger, or with
-/// `--kubelet-harness` kubelet's plugin manager (see `harness`).
-async fn start_subject(
-    args: &RunArgs,
-    plugin_dir: &Path,
-    work: &Path,
-    agent_args: Vec<String>,
-    ledger: &SharedLedger,
-) -> anyhow::Result<(Option<AgentUnderTest>, Option<Other>)> {
-    if args.floor {
-        let floor = floor::FloorUnderTest::start(plugin_dir, ledger)?;
-        return Ok((None, Some(Other::Floor(floor))));
-    }
-    if let Some(binary) = &args.kubelet_harness {
-        let kubelet = harness::KubeletHarness::start(binary, plugin_dir)?;
-        return Ok((None, Some(Other::Kubelet(kubelet))));
-    }
-    let mut agent = AgentUnderTest::new(
-        args.agent.clone(),
-        plugin_dir.to_path_buf(),
-        work,
-        agent_args,
-    );
-    agent.start().await?;
-    admin::follow(&agent.admin_socket, ledger.clone()).await?;
-    Ok((Some(agent), None))
-}
-
-/// What the floor holds registered now: every plugin it registered and did not deregister (a
-/// kubelet harness reports neither: nothing).
-fn other_holds(ledger: &SharedLedger) -> std::collections::HashSet<u64> {
-    let l = ledger.lock();
-    l.plugins
-        .iter()
-        .filter(|(_, r)| r.registered_events.len() > r.deregistered_events.len())
-        .map(|(id, _)| *id)
-        .collect()
 }
 
 /// With `sink`, points the agent at an OTLP receiver of this process (`--otlp-endpoint` added to

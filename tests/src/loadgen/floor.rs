@@ -57,7 +57,9 @@ pub async fn serve(dir: PathBuf) -> anyhow::Result<()> {
     let registered = Arc::new(std::sync::Mutex::new(HashSet::<u64>::new()));
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Some(line) = lines.next_line().await? {
-        let (sign, id) = line.split_once(' ').context("floor: a command is `+ id` or `- id`")?;
+        let (sign, id) = line
+            .split_once(' ')
+            .context("floor: a command is `+ id` or `- id`")?;
         let id: u64 = id.trim().parse().context("floor: plugin id")?;
         let tx = tx.clone();
         match sign {
@@ -71,7 +73,10 @@ pub async fn serve(dir: PathBuf) -> anyhow::Result<()> {
                     };
                     let line = match register(&path).await {
                         Ok(()) => {
-                            registered.lock().unwrap_or_else(|e| e.into_inner()).insert(id);
+                            registered
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(id);
                             format!("R {id} {}\n", now_ns())
                         }
                         Err(e) => format!("E {id} {}\n", format!("{e:#}").replace('\n', " ")),
@@ -81,7 +86,11 @@ pub async fn serve(dir: PathBuf) -> anyhow::Result<()> {
                 });
             }
             "-" => {
-                if registered.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
+                if registered
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id)
+                {
                     let _ = tx.send(format!("D {id} {}\n", now_ns()));
                 }
             }
@@ -152,7 +161,9 @@ async fn call<Q: prost::Message, A: prost::Message + Default>(
         received.extend_from_slice(&data);
     }
     let trailers = body.trailers().await?.unwrap_or_default();
-    let status = trailers.get("grpc-status").or(head.headers.get("grpc-status"));
+    let status = trailers
+        .get("grpc-status")
+        .or(head.headers.get("grpc-status"));
     anyhow::ensure!(
         status.is_some_and(|s| s.as_bytes() == b"0"),
         "{path}: grpc-status {status:?}"

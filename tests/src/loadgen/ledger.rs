@@ -49,7 +49,7 @@ pub struct Ledger {
     pub restarts: Vec<Restart>,
     /// With `loadgen run --floor`: the floor's input, told of every plugin that listens (`+ id`)
     /// or goes (`- id`) as the report arrives (see `floor`).
-    floor: Option<tokio::sync::mpsc::UnboundedSender<String>>,
+    pub floor: Option<tokio::sync::mpsc::UnboundedSender<String>>,
 }
 
 /// One agent restart, on the ledger's clock.

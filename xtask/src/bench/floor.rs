@@ -11,9 +11,13 @@
 //! CPU comes from `/proc/<pid>/stat` in ticks of 10 ms: a ratio is given only when the floor
 //! spent at least [`MIN_FLOOR_MS`].
 
-use super::FLOOR;
 use serde_json::{Value, json};
 use std::fmt::Write;
+
+/// The floor's mode: run in every scenario, whatever `--modes` says, as every mode's CPU is
+/// read against it.
+pub const MODE: &str = "floor";
+use MODE as FLOOR;
 
 /// Below this the floor's ticks are too few for a ratio (10 % of its CPU or more per tick).
 const MIN_FLOOR_MS: f64 = 100.0;
@@ -126,7 +130,10 @@ fn targets(rows: &[&Value], out: &mut String) {
         .iter()
         .filter(|r| !matches!(r["mode"].as_str(), Some(FLOOR | "kubelet" | "polling")));
     for r in agents {
-        let (scenario, mode) = (r["scenario"].as_str().unwrap_or("?"), r["mode"].as_str().unwrap_or("?"));
+        let (scenario, mode) = (
+            r["scenario"].as_str().unwrap_or("?"),
+            r["mode"].as_str().unwrap_or("?"),
+        );
         let Some(x) = r["cpu"]["x_floor_registration"].as_f64() else {
             continue;
         };
@@ -144,7 +151,11 @@ fn targets(rows: &[&Value], out: &mut String) {
                 out,
                 "| {scenario} {mode}: kubelet's CPU >= {TARGET_X_KUBELET} x the agent's | {:.2} x | {} |",
                 k / a,
-                if k / a >= TARGET_X_KUBELET { "yes" } else { "**no**" }
+                if k / a >= TARGET_X_KUBELET {
+                    "yes"
+                } else {
+                    "**no**"
+                }
             );
         }
     }

@@ -166,7 +166,11 @@ pub fn markdown(results: &[Value], command: &str) -> String {
     out.push_str(
         "\n### Targets (latency, loss, CPU, memory and wake-ups per mode)\n\n| target | mode | measured | met |\n|---|---|---|---|\n",
     );
-    for r in results.iter().filter(|r| r["error"].is_null()) {
+    // The floor and a kubelet harness are references, not the agent these targets are for.
+    let agents = results.iter().filter(|r| {
+        r["error"].is_null() && !matches!(r["mode"].as_str(), Some(floor::MODE | "kubelet"))
+    });
+    for r in agents {
         for (target, measured, met) in targets(r) {
             let _ = writeln!(
                 out,
