@@ -62,7 +62,9 @@ pub fn trim() {
 pub const SHRINK_ABOVE: usize = 64;
 
 /// Gives a map's spare room back after a burst of removals (see [`SHRINK_ABOVE`]).
-pub fn shrink_if_sparse<K: Eq + std::hash::Hash, V>(map: &mut std::collections::HashMap<K, V>) {
+pub fn shrink_if_sparse<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    map: &mut std::collections::HashMap<K, V, S>,
+) {
     if map.capacity() > SHRINK_ABOVE && map.capacity() > 4 * map.len() {
         map.shrink_to_fit();
     }

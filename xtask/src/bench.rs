@@ -9,6 +9,7 @@
 //! `latency-<scenario>.svg` CDF plot per scenario, and one CSV per run with every plugin's
 //! latencies.
 
+mod floor;
 mod report;
 mod svg;
 
@@ -41,6 +42,10 @@ pub struct Options {
     /// the scenario's own defaults, so they win.
     #[arg(long = "loadgen-arg", allow_hyphen_values = true)]
     pub loadgen_args: Vec<String>,
+    /// A kubelet plugin-manager harness (run as `PATH --plugin-dir DIR`; none is committed): run
+    /// it side by side, as the mode `kubelet`, in every scenario.
+    #[arg(long)]
+    pub kubelet_harness: Option<std::path::PathBuf>,
 }
 
 /// A scenario, as loadgen names it.
@@ -122,7 +127,28 @@ struct Mode {
     by_default: bool,
 }
 
+use floor::MODE as FLOOR;
+/// The kubelet harness's mode: run only with `--kubelet-harness`, which names the binary.
+const KUBELET: &str = "kubelet";
+
 const MODES: &[Mode] = &[
+    // The least CPU the same registrations can cost: two RPCs per plugin and nothing else, told
+    // of each plugin directly (issue 49; tests/src/loadgen/floor.rs).
+    Mode {
+        name: FLOOR,
+        agent_args: &[],
+        loadgen_args: &["--floor"],
+        env: &[],
+        by_default: true,
+    },
+    // kubelet's plugin manager in a harness (`--kubelet-harness PATH`; loadgen's `harness`).
+    Mode {
+        name: KUBELET,
+        agent_args: &[],
+        loadgen_args: &[],
+        env: &[],
+        by_default: false,
+    },
     Mode {
         name: "ebpf",
         agent_args: &["--source", "ebpf"],
@@ -224,12 +250,11 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
     };
     let modes: Vec<&Mode> = MODES
         .iter()
-        .filter(|m| {
-            if options.modes.is_empty() {
-                m.by_default
-            } else {
-                options.modes.iter().any(|n| n == m.name)
-            }
+        .filter(|m| match m.name {
+            FLOOR => true,
+            KUBELET => options.kubelet_harness.is_some(),
+            _ if options.modes.is_empty() => m.by_default,
+            _ => options.modes.iter().any(|n| n == m.name),
         })
         .collect();
     let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
@@ -246,6 +271,9 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
                     .map(String::from)
                     .collect();
                 args.extend(options.loadgen_args.iter().cloned());
+                if let (KUBELET, Some(harness)) = (mode.name, &options.kubelet_harness) {
+                    args.push(format!("--kubelet-harness={}", harness.display()));
+                }
                 let suffix = if rounds > 1 {
                     format!("-round{}", round + 1)
                 } else {
@@ -267,6 +295,7 @@ pub fn bench(options: &Options) -> anyhow::Result<()> {
         results.extend(runs.into_iter().map(report::median_of_rounds));
         svg::write_cdf(&out_dir, scenario.name(), &results)?;
     }
+    floor::add_ratios(&mut results);
     let json = out_dir.join("results.json");
     std::fs::write(&json, serde_json::to_string_pretty(&results)?)?;
     let markdown = report::markdown(&results, &format!("cargo xtask {command}"));

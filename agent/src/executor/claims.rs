@@ -2,6 +2,7 @@
 //! released by a guard, so an operation that ends any way, a panic included, frees its path, and
 //! the path is looked at again.
 
+use crate::state::PathHasher;
 use crate::state::queue::ReconcileQueue;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,7 +19,7 @@ pub enum OperationKind {
 
 /// The paths operations hold now.
 pub struct Claims {
-    in_flight: Mutex<HashMap<PathBuf, Claim>>,
+    in_flight: Mutex<HashMap<PathBuf, Claim, PathHasher>>,
     /// Told about every released path: the reconciler looks at it again.
     queue: Arc<ReconcileQueue>,
     trimmer: crate::memory::Trimmer,
@@ -28,7 +29,7 @@ impl Claims {
     /// Claims that mark each released path in `queue`.
     pub fn new(queue: Arc<ReconcileQueue>) -> Arc<Self> {
         Arc::new(Claims {
-            in_flight: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::default()),
             queue,
             trimmer: crate::memory::Trimmer::default(),
         })
@@ -94,7 +95,7 @@ impl Claims {
         self.trimmer.finished(idle);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim, PathHasher>> {
         self.in_flight
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -6,10 +6,10 @@
 //! timers that wake the idle agent long after the sockets are gone.
 
 use crate::liveness::Probe;
-use crate::state::SocketId;
 use crate::state::backoff::{BackoffTable, ListenReleased};
 use crate::state::desired::{DesiredState, ListenSeen, Listening};
 use crate::state::queue::ReconcileQueue;
+use crate::state::{PathHasher, SocketId};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -21,9 +21,9 @@ use tracing::debug;
 /// See the module docs.
 pub struct Waits {
     /// Pending timers by path.
-    timers: Mutex<HashMap<PathBuf, CancellationToken>>,
+    timers: Mutex<HashMap<PathBuf, CancellationToken, PathHasher>>,
     /// Connections a look at a socket waiting to listen made, for its registration's first try.
-    found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream)>>,
+    found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream), PathHasher>>,
     backoff: Arc<BackoffTable>,
     /// Where a look that finds a socket listening records when (`explain`'s timeline).
     desired: Arc<DesiredState>,
@@ -46,8 +46,8 @@ impl Waits {
         cancel: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Waits {
-            timers: Mutex::new(HashMap::new()),
-            found: Mutex::new(HashMap::new()),
+            timers: Mutex::new(HashMap::default()),
+            found: Mutex::new(HashMap::default()),
             backoff,
             desired,
             queue,
@@ -202,7 +202,9 @@ impl Waits {
         self.lock_timers().len()
     }
 
-    fn lock_timers(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken>> {
+    fn lock_timers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken, PathHasher>> {
         lock(&self.timers)
     }
 }

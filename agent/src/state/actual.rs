@@ -64,7 +64,7 @@ pub struct ActualState {
 /// path is one allocation shared by the key and the desired state's entry.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>>,
+    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>, super::PathHasher>,
     /// The paths registered under each plugin name (`PluginInfo.name`), usually one.
     by_name: HashMap<Box<str>, Vec<Arc<Path>>>,
 }

@@ -177,7 +177,7 @@ type Key = (PathBuf, SocketId);
 /// All backoffs, keyed by (path, socket identity).
 #[derive(Debug, Default)]
 pub struct BackoffTable {
-    entries: Mutex<HashMap<Key, Backoff>>,
+    entries: Mutex<HashMap<Key, Backoff, super::PathHasher>>,
 }
 
 impl BackoffTable {
@@ -463,7 +463,7 @@ impl BackoffTable {
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Backoff>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Backoff, super::PathHasher>> {
         self.entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

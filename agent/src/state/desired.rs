@@ -95,7 +95,7 @@ pub struct DesiredState {
     /// old table too; at 10,000 sockets unboxed entries made that 3.1 MB held and 1.6 MB more at
     /// the last growth, with a burst's registrations in flight (0.4 and 0.2 MB, plus 1.9 MB of
     /// entries, boxed).
-    plugins: Mutex<HashMap<Arc<Path>, Box<DesiredPlugin>>>,
+    plugins: Mutex<HashMap<Arc<Path>, Box<DesiredPlugin>, super::PathHasher>>,
 }
 
 impl DesiredState {
@@ -303,7 +303,9 @@ impl DesiredState {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Box<DesiredPlugin>>> {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Box<DesiredPlugin>, super::PathHasher>> {
         // A panic while holding the lock cannot leave the map half-updated (single inserts/removes),
         // so a poisoned lock is still consistent.
         self.plugins

@@ -17,6 +17,13 @@
 //! room imports nothing from the data flow's stages (only `handler`'s plugin types and `memory`),
 //! so every stage and every view can import it.
 
+/// The hasher of the tables keyed by socket path (desired, actual, backoff, queue, the executor's
+/// claims and waits, liveness): std's SipHash fed a path component by component cost 30,000
+/// instructions per registration, an eighth of the agent's (callgrind; docs/benchmarks.md,
+/// "Where a registration's CPU goes"). foldhash is seeded at random per process, so which paths
+/// collide cannot be chosen in advance by whoever creates sockets in the tree.
+pub type PathHasher = foldhash::fast::RandomState;
+
 pub mod actual;
 pub mod backoff;
 pub mod desired;

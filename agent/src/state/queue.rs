@@ -27,7 +27,7 @@ pub struct ReconcileQueue {
 #[derive(Debug, Default)]
 struct Dirty {
     everything: bool,
-    paths: IndexSet<PathBuf>,
+    paths: IndexSet<PathBuf, super::PathHasher>,
 }
 
 /// What the reconciler should look at.
@@ -36,7 +36,7 @@ pub enum Work {
     /// Every desired and every registered path.
     Everything,
     /// Just these, in the order they were first marked.
-    Paths(IndexSet<PathBuf>),
+    Paths(IndexSet<PathBuf, super::PathHasher>),
 }
 
 impl ReconcileQueue {

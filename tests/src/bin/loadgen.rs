@@ -23,6 +23,10 @@
 mod admin;
 #[path = "../loadgen/agent.rs"]
 mod agent;
+#[path = "../loadgen/floor.rs"]
+mod floor;
+#[path = "../loadgen/harness.rs"]
+mod harness;
 #[path = "../loadgen/ledger.rs"]
 mod ledger;
 #[path = "../loadgen/plugins.rs"]
@@ -33,12 +37,13 @@ mod procfs;
 mod progress;
 #[path = "../loadgen/scenarios.rs"]
 mod scenarios;
+#[path = "../loadgen/subject.rs"]
+mod subject;
 #[path = "../loadgen/summary.rs"]
 mod summary;
 #[path = "../loadgen/workers.rs"]
 mod workers;
 
-use agent::AgentUnderTest;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use ledger::SharedLedger;
@@ -64,6 +69,12 @@ struct Cli {
 enum Command {
     /// Start an agent, run a scenario against it, print the result as JSON.
     Run(Box<RunArgs>),
+    /// The floor: registers the plugins a coordinator names, with nothing else (internal:
+    /// spawned by `run --floor`; see `floor`).
+    Floor {
+        #[arg(long)]
+        plugin_dir: PathBuf,
+    },
     /// Host plugins for a coordinator (internal: spawned by `run`).
     Worker {
         #[arg(long)]
@@ -109,6 +120,22 @@ struct RunArgs {
     /// spans it gets: what tracing (and the exemplars that come with it) costs the agent.
     #[arg(long)]
     otlp_sink: bool,
+    /// A shell command run, and waited for, after the warm-up and before the load, with the
+    /// agent's pid in `$AGENT_PID`: a profiler's start (`callgrind_control -i on $AGENT_PID`).
+    #[arg(long)]
+    before_load: Option<String>,
+    /// The same once every plugin is registered (before the idle window), and again once
+    /// everything is removed: a profiler's dump (`callgrind_control -d load $AGENT_PID`).
+    #[arg(long)]
+    after_load: Option<String>,
+    /// Run the floor instead of the agent (`--agent` and the agent's arguments are then unused):
+    /// the least CPU the same registrations can cost (issue 49; see `floor`).
+    #[arg(long, conflicts_with = "kubelet_harness")]
+    floor: bool,
+    /// Run this kubelet plugin-manager harness instead of the agent, as `PATH --plugin-dir DIR`
+    /// (see `harness`; none is committed).
+    #[arg(long)]
+    kubelet_harness: Option<PathBuf>,
     #[command(flatten)]
     params: Params,
     /// Arguments for `plugin-agent run` (`--source ebpf`, `--reconcile-mode polling`...).
@@ -134,6 +161,7 @@ fn main() -> anyhow::Result<()> {
                 versions,
             },
         )),
+        Command::Floor { plugin_dir } => runtime.block_on(floor::serve(plugin_dir)),
         Command::Run(args) => {
             let result = runtime.block_on(run(&args))?;
             println!("{result}");
@@ -184,23 +212,17 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let (ledger, reports_tx) = ledger_fed_by_workers();
     let mut pool = workers::WorkerPool::spawn(args.workers, &plugin_dir, &announce, reports_tx)?;
 
-    let mut agent = AgentUnderTest::new(
-        args.agent.clone(),
-        plugin_dir.clone(),
-        &work.path,
-        agent_args,
-    );
-    agent.start().await?;
-    admin::follow(&agent.admin_socket, ledger.clone()).await?;
+    let (mut agent_slot, other) =
+        subject::start(args, &plugin_dir, &work.path, agent_args, &ledger).await?;
     ledger.lock().agent_up.push((now_ns(), None));
-    let pid = agent.pid().context("agent pid")?;
+    let pid = subject::pid(agent_slot.as_ref(), other.as_ref())?;
 
     // Warm-up: proves the agent watches the directory before anything is measured.
     warm_up(&mut pool, &ledger).await?;
+    subject::hook(args.before_load.as_deref(), pid).await?;
     let before = procfs::sample(pid)?;
 
     let mut progress = Progress::new();
-    let mut agent_slot = Some(agent);
     let mut ctx = scenarios::Ctx {
         pool: &mut pool,
         ledger: &ledger,
@@ -213,24 +235,33 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     let load_started = now_ns();
     scenarios::run(args.scenario, &args.params, &mut ctx).await?;
     let created = ctx.next_id;
-    let mut agent = agent_slot.context("agent lost by the scenario")?;
-    let pid = agent.pid().unwrap_or(pid);
+    let pid = subject::pid(agent_slot.as_ref(), other.as_ref()).context("after the scenario")?;
 
     // Everything alive should register; the wait is bounded and the shortfall is measured.
     wait_registered(&ledger, created, args.params.timeout, &mut progress).await;
     let loaded = procfs::sample(pid)?;
     let load_usage = loaded.since(&before);
+    subject::hook(args.after_load.as_deref(), pid).await?;
 
     let (idle, settle) = measure_idle(pid, args.idle, &mut progress).await?;
 
     // Everything goes away; deregistrations are awaited up to the stale bound.
     progress.set("removing", 0, 1);
+    let before_removal = procfs::sample(pid)?;
     remove_all(&mut pool, &ledger, created, args.stale_bound, &mut progress).await?;
-    let still = admin::registered_now(&agent.admin_socket).await?;
+    let removal_usage = procfs::sample(pid)?.since(&before_removal);
+    subject::hook(args.after_load.as_deref(), pid).await?;
+    let still = match &agent_slot {
+        Some(agent) => admin::registered_now(&agent.admin_socket).await?,
+        None => subject::other_holds(&ledger),
+    };
     let end_ns = now_ns();
     pool.shutdown().await?;
-    agent.stop().await?;
-    cleanup(&args.agent, &agent.admin_socket, &plugin_dir);
+    if let Some(mut agent) = agent_slot {
+        agent.stop().await?;
+        cleanup(&args.agent, &agent.admin_socket, &plugin_dir);
+    }
+    subject::stop(other).await?;
 
     let totals = {
         let l = ledger.lock();
@@ -252,6 +283,8 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         "load_ms": (end_ns.saturating_sub(load_started)) / 1_000_000,
         "totals": totals,
         "agent_load": load_usage,
+        // Everything going away (the stale bound's wait included): the deregistrations' cost.
+        "agent_removal": removal_usage,
         "agent_idle": idle,
         "idle_settle_ms": settle.as_millis() as u64,
         // Received by --otlp-sink once the stopped agent flushed (null: traces off).

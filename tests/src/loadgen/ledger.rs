@@ -47,6 +47,9 @@ pub struct Ledger {
     pub deregistered: usize,
     /// The restart scenarios' agent restarts.
     pub restarts: Vec<Restart>,
+    /// With `loadgen run --floor`: the floor's input, told of every plugin that listens (`+ id`)
+    /// or goes (`- id`) as the report arrives (see `floor`).
+    pub floor: Option<tokio::sync::mpsc::UnboundedSender<String>>,
 }
 
 /// One agent restart, on the ledger's clock.
@@ -91,6 +94,9 @@ impl SharedLedger {
                     let record = ledger.plugins.entry(id).or_default();
                     record.bound_ns = bound_ns;
                     record.serving_ns = Some(serving_ns);
+                    if let Some(floor) = &ledger.floor {
+                        let _ = floor.send(format!("+ {id}\n"));
+                    }
                 }
                 Report::Notified {
                     id,
@@ -108,6 +114,9 @@ impl SharedLedger {
                     }
                 }
                 Report::Stopped { id, at_ns } => {
+                    if let Some(floor) = &ledger.floor {
+                        let _ = floor.send(format!("- {id}\n"));
+                    }
                     let record = ledger.plugins.entry(id).or_default();
                     record.stopped_ns = Some(at_ns);
                     if !record.deregistered_events.is_empty() {
@@ -121,6 +130,12 @@ impl SharedLedger {
             }
         }
         self.changed();
+    }
+
+    /// Tells the floor (see `floor`) of every plugin that listens or goes from now on; `None`
+    /// stops telling it (its input then closes).
+    pub fn tell_floor(&self, floor: Option<tokio::sync::mpsc::UnboundedSender<String>>) {
+        self.lock().floor = floor;
     }
 
     /// Records an admin `registered` event for plugin `id`.

@@ -324,11 +324,12 @@ async fn churn(p: &Params, ctx: &mut Ctx<'_>, restart: Option<Signal>) -> anyhow
             break;
         }
         ctx.pool.flush().await?;
+        // The floor (no agent) has nothing to restart: its survivors need nothing.
         if let Some(signal) = restart
             && restarting.is_none()
             && now >= start + p.duration / 2
+            && let Some(agent) = ctx.agent.take()
         {
-            let agent = ctx.agent.take().context("no agent to restart")?;
             restarting = Some(tokio::spawn(restart_agent(
                 agent,
                 ctx.ledger.clone(),

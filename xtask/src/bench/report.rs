@@ -1,5 +1,7 @@
 //! The benchmark's markdown: one row per scenario and mode, then the targets, met or not.
 
+use super::floor;
+
 use serde_json::Value;
 use std::fmt::Write;
 
@@ -110,9 +112,9 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         kernel.trim()
     );
     out.push_str(
-        "| scenario | mode | plugins | registered | lost | stale | dup | reg p50 | reg p99 | reg max | all registered | dereg p50 | dereg p99 | agent CPU s | RSS MiB (loaded / idle / peak) | idle wake-ups/s |\n",
+        "| scenario | mode | plugins | registered | lost | stale | dup | reg p50 | reg p99 | reg max | all registered | dereg p50 | dereg p99 | agent CPU s | CPU µs / reg (x floor) | RSS MiB (loaded / idle / peak) | idle wake-ups/s |\n",
     );
-    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for r in results {
         let (scenario, mode) = (
             r["scenario"].as_str().unwrap_or("?"),
@@ -121,7 +123,7 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         if let Some(error) = r["error"].as_str() {
             let _ = writeln!(
                 out,
-                "| {scenario} | {mode} | error: {} |||||||||||||||",
+                "| {scenario} | {mode} | error: {} ||||||||||||||||",
                 error.replace('|', "/")
             );
             continue;
@@ -130,7 +132,7 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         let (reg, dereg) = (&t["registration"], &t["deregistration"]);
         let _ = writeln!(
             out,
-            "| {scenario} | {mode} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {:.2} | {} / {} / {} | {:.2} |",
+            "| {scenario} | {mode} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {:.2} | {} | {} / {} / {} | {:.2} |",
             t["plugins"],
             t["registered"],
             t["lost"],
@@ -143,6 +145,7 @@ pub fn markdown(results: &[Value], command: &str) -> String {
             ms(&dereg["p50_us"]),
             ms(&dereg["p99_us"]),
             r["agent_load"]["cpu_ms"].as_f64().unwrap_or(0.0) / 1000.0,
+            floor::column(r),
             mib(&r["agent_load"]["rss_kib"]),
             mib(&r["agent_idle"]["rss_kib"]),
             mib(&r["agent_idle"]["rss_peak_kib"]),
@@ -158,11 +161,16 @@ pub fn markdown(results: &[Value], command: &str) -> String {
         );
     }
     restarts(results, &mut out);
+    floor::section(results, &mut out);
     against_fanotify(results, &mut out);
     out.push_str(
         "\n### Targets (latency, loss, CPU, memory and wake-ups per mode)\n\n| target | mode | measured | met |\n|---|---|---|---|\n",
     );
-    for r in results.iter().filter(|r| r["error"].is_null()) {
+    // The floor and a kubelet harness are references, not the agent these targets are for.
+    let agents = results.iter().filter(|r| {
+        r["error"].is_null() && !matches!(r["mode"].as_str(), Some(floor::MODE | "kubelet"))
+    });
+    for r in agents {
         for (target, measured, met) in targets(r) {
             let _ = writeln!(
                 out,
