@@ -3,7 +3,8 @@
 //! ```text
 //! embedded object + layout (kernel BTF, read in a child process) + EbpfOptions
 //!   --EbpfLoader (CONFIG, map sizes)--> Ebpf
-//!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename} (FEntry/FExit load+attach)
+//!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename}: their exit checks
+//!                    (tracepoints), the fexits, the fentries (FEntry/FExit load+attach, in that order)
 //!                    else tracefs::ensure_mounted + TracePoint load/attach on syscalls/sys_{enter,exit}_*
 //! ```
 //!
@@ -22,8 +23,8 @@ use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
 use super::hook_table::{
-    CLOSE_HOOKS, CONNECT_HOOKS, FUNCTION_HOOKS, LISTEN_HOOKS, SHUTDOWN_HOOKS, TRACEPOINT_HOOKS,
-    TracepointHook,
+    CLOSE_HOOKS, CONNECT_HOOKS, FUNCTION_HOOKS, IN_FLIGHT_CHECK, LISTEN_HOOKS,
+    OPTIONAL_TRACEPOINTS, SHUTDOWN_HOOKS, TRACEPOINT_HOOKS, TracepointHook,
 };
 use super::hooks::{self, HookChoice, HookFamily, Selection};
 use super::layout::{self, KernelLayout};
@@ -139,6 +140,11 @@ fn arch_has_tracepoint(tracepoint: &str) -> bool {
     nr >= 0
 }
 
+/// Threads the fentry family follows at once (`names::IN_FLIGHT`): an LRU that keeps every
+/// thread that made a traced call, so its entry is evicted only after this many other threads
+/// made calls since; ~5 MiB of kernel memory, preallocated. Where fentry is not tried, one entry.
+const IN_FLIGHT_ENTRIES: u32 = 65_536;
+
 /// What [`load`] sizes and tunes.
 pub struct LoadParams {
     /// Ring buffer size in bytes (a power of two, multiple of the page size).
@@ -252,7 +258,9 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     timings.btf = started.elapsed();
     let started = Instant::now();
-    let mut ebpf = load_object(object, params, offsets, &vfs)?;
+    let fentry_tried = fentry_refused.is_none()
+        && params.hooks != HookChoice::Only(HookFamily::Tracepoints);
+    let mut ebpf = load_object(object, params, offsets, &vfs, fentry_tried)?;
     timings.object = started.elapsed();
 
     let mut mounted_tracefs = false;
@@ -263,7 +271,10 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         |ebpf, family| match family {
             HookFamily::Fentry => match &fentry_refused {
                 Some(reason) => bail!("{reason}"),
-                None => attach_functions(ebpf, &vfs, &mut timings, &mut links),
+                None => {
+                    mounted_tracefs = tracefs::ensure_mounted()?;
+                    attach_functions(ebpf, &vfs, &mut timings, &mut links)
+                }
             },
             HookFamily::Tracepoints => {
                 mounted_tracefs = tracefs::ensure_mounted()?;
@@ -303,6 +314,7 @@ fn load_object(
     params: &LoadParams,
     offsets: agent_ebpf::KernelOffsets,
     vfs: &Result<VfsArgs, String>,
+    fentry_tried: bool,
 ) -> anyhow::Result<Ebpf> {
     let config = Config {
         offsets,
@@ -331,6 +343,10 @@ fn load_object(
         .map_max_entries(names::WATCHED, params.watched_capacity)
         .map_max_entries(names::NAMES, params.names_capacity)
         .map_max_entries(names::LOSSES, loss_slots)
+        .map_max_entries(
+            names::IN_FLIGHT,
+            if fentry_tried { IN_FLIGHT_ENTRIES } else { 1 },
+        )
         .load(object)
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
     Ok(ebpf)
@@ -379,6 +395,13 @@ fn attach_functions(
     }
     // aya's own BTF view, which fentry/fexit loads resolve their target functions in.
     let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry/fexit targets")?;
+    // The exit checks first (see `FUNCTION_HOOKS` for the order), named after the functions.
+    let checks = attach_tracepoints(
+        ebpf,
+        std::slice::from_ref(&IN_FLIGHT_CHECK),
+        timings,
+        links,
+    )?;
     let mut attached = Vec::new();
     for hook in FUNCTION_HOOKS {
         let started = Instant::now();
@@ -425,11 +448,18 @@ fn attach_functions(
         let kind = if hook.exit { "fexit" } else { "fentry" };
         attached.push(format!("{kind} {}", hook.function));
     }
+    attached.extend(checks);
     Ok(attached)
 }
 
 /// Unloads (and so detaches) whatever of the fentry/fexit family got loaded.
 fn detach_functions(ebpf: &mut Ebpf) {
+    if let Some(Ok(check)) = ebpf
+        .program_mut(IN_FLIGHT_CHECK.program)
+        .map(<&mut TracePoint>::try_from)
+    {
+        let _ = check.unload();
+    }
     for hook in FUNCTION_HOOKS {
         let Some(program) = ebpf.program_mut(hook.program) else {
             continue;
@@ -471,11 +501,11 @@ fn attach_tracepoints(
             .programs
             .push((hook.program.to_string(), started.elapsed(), insns));
         let started = Instant::now();
-        for tracepoint in hook
-            .tracepoints
-            .iter()
-            .filter(|tracepoint| arch_has_tracepoint(tracepoint))
-        {
+        for tracepoint in hook.tracepoints.iter().filter(|tracepoint| {
+            arch_has_tracepoint(tracepoint)
+                && (!OPTIONAL_TRACEPOINTS.contains(tracepoint)
+                    || tracefs::has_event("syscalls", tracepoint))
+        }) {
             let link = program.attach("syscalls", tracepoint).map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
@@ -501,8 +531,12 @@ pub enum LinkId {
 }
 
 impl LinkId {
+    /// The family the link belongs to: the fentry family's exit checks are tracepoints.
     fn family(&self) -> HookFamily {
         match self {
+            LinkId::TracePoint(program, _) if *program == IN_FLIGHT_CHECK.program => {
+                HookFamily::Fentry
+            }
             LinkId::TracePoint(..) => HookFamily::Tracepoints,
             LinkId::FEntry(..) | LinkId::FExit(..) => HookFamily::Fentry,
         }
