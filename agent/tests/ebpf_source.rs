@@ -1716,7 +1716,11 @@ mod uffd {
     pub const EVENT_PAGEFAULT: u8 = 0x12;
 
     /// `ioctl(fd, request, arg)`, or the error it returned.
-    pub fn ioctl<T>(fd: &impl std::os::fd::AsRawFd, request: u64, arg: &mut T) -> std::io::Result<()> {
+    pub fn ioctl<T>(
+        fd: &impl std::os::fd::AsRawFd,
+        request: u64,
+        arg: &mut T,
+    ) -> std::io::Result<()> {
         // SAFETY: `arg` is the struct `request` reads and writes, alive for the call.
         let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
         if ret == 0 {
@@ -1847,8 +1851,9 @@ impl Interactive {
         Interactive { child, stdout }
     }
 
-    /// The rest of the first line the helper prints that starts with `mark` (it fails the test
-    /// if the helper ends first: its own waits are bounded).
+    /// What follows `mark` on the first line the helper prints with it (the test harness
+    /// prints the test's name before it on the same line); it fails the test if the helper ends
+    /// first (its own waits are bounded).
     fn line_after(&mut self, mark: &str) -> String {
         use std::io::BufRead;
         let mut printed = String::new();
@@ -1856,7 +1861,7 @@ impl Interactive {
             let mut line = String::new();
             let read = self.stdout.read_line(&mut line).expect("helper stdout");
             assert!(read > 0, "the helper ended without {mark:?}:\n{printed}");
-            if let Some(rest) = line.strip_prefix(mark) {
+            if let Some((_, rest)) = line.split_once(mark) {
                 return rest.trim().to_owned();
             }
             printed.push_str(&line);

@@ -217,3 +217,45 @@ pub const FUNCTION_HOOKS: &[FunctionHook] = &[
         function: "unix_release",
     },
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order `FUNCTION_HOOKS` documents: every fexit before any fentry, so no call is
+    /// counted in before its function's fexit is there; and every function with an fexit has
+    /// an fentry counting its calls in.
+    #[test]
+    fn every_fexit_attaches_before_any_fentry_and_has_one() {
+        let first_fentry = FUNCTION_HOOKS.iter().position(|hook| !hook.exit);
+        let last_fexit = FUNCTION_HOOKS.iter().rposition(|hook| hook.exit);
+        assert!(
+            matches!((first_fentry, last_fexit), (Some(entry), Some(exit)) if exit < entry),
+            "{first_fentry:?} {last_fexit:?}"
+        );
+        for exit in FUNCTION_HOOKS.iter().filter(|hook| hook.exit) {
+            assert!(
+                FUNCTION_HOOKS
+                    .iter()
+                    .any(|hook| !hook.exit && hook.function == exit.function),
+                "nothing counts {}'s calls in",
+                exit.function
+            );
+        }
+    }
+
+    /// Every syscall whose exit the tracepoint family reports is checked in the fentry family.
+    #[test]
+    fn the_exit_checks_cover_every_path_syscall() {
+        let path_exits = TRACEPOINT_HOOKS
+            .iter()
+            .filter(|hook| hook.program.ends_with("_exit"))
+            .flat_map(|hook| hook.tracepoints.iter());
+        for tracepoint in path_exits {
+            assert!(
+                IN_FLIGHT_CHECK.tracepoints.contains(tracepoint),
+                "{tracepoint}"
+            );
+        }
+    }
+}

@@ -258,8 +258,8 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     timings.btf = started.elapsed();
     let started = Instant::now();
-    let fentry_tried = fentry_refused.is_none()
-        && params.hooks != HookChoice::Only(HookFamily::Tracepoints);
+    let fentry_tried =
+        fentry_refused.is_none() && params.hooks != HookChoice::Only(HookFamily::Tracepoints);
     let mut ebpf = load_object(object, params, offsets, &vfs, fentry_tried)?;
     timings.object = started.elapsed();
 
@@ -396,12 +396,7 @@ fn attach_functions(
     // aya's own BTF view, which fentry/fexit loads resolve their target functions in.
     let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry/fexit targets")?;
     // The exit checks first (see `FUNCTION_HOOKS` for the order), named after the functions.
-    let checks = attach_tracepoints(
-        ebpf,
-        std::slice::from_ref(&IN_FLIGHT_CHECK),
-        timings,
-        links,
-    )?;
+    let checks = attach_tracepoints(ebpf, std::slice::from_ref(&IN_FLIGHT_CHECK), timings, links)?;
     let mut attached = Vec::new();
     for hook in FUNCTION_HOOKS {
         let started = Instant::now();
