@@ -1885,7 +1885,9 @@ impl Interactive {
 /// `function` and detaches it again: the kernel rebuilds the function's trampoline twice, as
 /// for a second agent or any other tool attaching there.
 fn rebuild_the_trampoline_of(function: &str, program: &str) {
-    let path = option_env!("PLUGIN_AGENT_EBPF_OBJ_PATH").expect("built with the eBPF object");
+    let Some(path) = option_env!("PLUGIN_AGENT_EBPF_OBJ_PATH") else {
+        panic!("built without the eBPF object");
+    };
     let object = std::fs::read(path).expect(path);
     let mut ebpf = aya::EbpfLoader::new()
         .btf(None)
