@@ -228,12 +228,12 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
             HookFamily::Fentry => match &fentry_refused {
                 Some(reason) => bail!("{reason}"),
                 None => {
-                    mounted_tracefs = tracefs::ensure_mounted()?;
+                    mounted_tracefs |= tracefs::ensure_mounted()?;
                     attach_functions(ebpf, &vfs, &mut timings, &mut links)
                 }
             },
             HookFamily::Tracepoints => {
-                mounted_tracefs = tracefs::ensure_mounted()?;
+                mounted_tracefs |= tracefs::ensure_mounted()?;
                 attach_tracepoints(ebpf, TRACEPOINT_HOOKS, &mut timings, &mut links)
             }
         },
@@ -351,7 +351,7 @@ fn attach_functions(
     }
     // aya's own BTF view, which fentry/fexit loads resolve their target functions in.
     let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry/fexit targets")?;
-    // The exit checks first (see `FUNCTION_HOOKS` for the order), named after the functions.
+    // The exit checks first (see `FUNCTION_HOOKS` for the order); `attached` lists them last.
     let checks = attach_tracepoints(ebpf, std::slice::from_ref(&IN_FLIGHT_CHECK), timings, links)?;
     let mut attached = Vec::new();
     for hook in FUNCTION_HOOKS {
