@@ -38,6 +38,9 @@ pub mod names {
     /// is not reported back (0 reports everyone), and whether the name table is incomplete.
     /// Written by every agent that loads or adopts the programs.
     pub const AGENT: &str = "AGENT";
+    /// `LruHashMap<u64, u64>`: per thread (`pid_tgid`), the traced VFS calls entered and not left
+    /// (fentry/fexit family only; see [`crate::loss::FEXIT_SKIPPED`]). Sized by the loader.
+    pub const IN_FLIGHT: &str = "IN_FLIGHT";
     /// `Array<[u8; META_BYTES]>`, one entry: what the loader computed (object hash, settings,
     /// hooks), for the next agent deciding whether to adopt the pinned programs. Never read by
     /// the programs.
@@ -56,8 +59,14 @@ pub mod loss {
     /// Not counted any more (the agent is the name table's one writer and handles a full table
     /// itself); the index stays so the counter array keeps its layout.
     pub const NAMES_FULL: u32 = 2;
-    /// Number of counters.
-    pub const COUNT: u32 = 3;
+    /// Calls of the traced VFS functions that returned without running their fexit programs:
+    /// the function's BPF trampoline was rebuilt (a program attached to it or detached) while
+    /// they ran, and the kernel sends calls still inside the old image past its fexit programs.
+    /// Counted when the thread's syscall returns with such a call left in `IN_FLIGHT`.
+    pub const FEXIT_SKIPPED: u32 = 3;
+    /// Number of counters. The agent never reads a `LOSSES` map laid out with another count: a
+    /// pinned set is adopted only when its object's hash is this object's.
+    pub const COUNT: u32 = 4;
 }
 
 /// What happened, in [`Event::kind`].

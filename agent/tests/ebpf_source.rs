@@ -16,6 +16,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use plugin_agent::event_source::ebpf::{self, EbpfOptions, EbpfSource, HookChoice, HookFamily};
@@ -32,6 +33,68 @@ const SCRIPT_ENV: &str = "EBPF_SOURCE_SCRIPT";
 
 /// How long a step may take before the test gives up (a guard against hangs, not a wait).
 const STEP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Held shared by every test while it has a source loaded, and alone by the one that rebuilds a
+/// trampoline on purpose with a call inside the function: every loaded fentry source counts
+/// that call's skipped fexit as a loss, whoever made it, and the other tests' event lists would
+/// carry its rescan. (A lock of its own because the standard one's guards cannot cross the
+/// awaits of a multi-threaded test.)
+static LOADED: Mutex<Holders> = Mutex::new(Holders {
+    shared: 0,
+    alone: false,
+    waiting_alone: 0,
+});
+static LOADED_CHANGED: Condvar = Condvar::new();
+
+/// Who holds [`LOADED`], and who waits to hold it alone (new shared holders wait behind them).
+struct Holders {
+    shared: u32,
+    alone: bool,
+    waiting_alone: u32,
+}
+
+/// A test's hold on [`LOADED`], released when dropped.
+struct Loaded {
+    alone: bool,
+}
+
+impl Loaded {
+    fn shared() -> Loaded {
+        let mut holders = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        while holders.alone || holders.waiting_alone > 0 {
+            holders = LOADED_CHANGED
+                .wait(holders)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        holders.shared += 1;
+        Loaded { alone: false }
+    }
+
+    fn alone() -> Loaded {
+        let mut holders = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        holders.waiting_alone += 1;
+        while holders.alone || holders.shared > 0 {
+            holders = LOADED_CHANGED
+                .wait(holders)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        holders.waiting_alone -= 1;
+        holders.alone = true;
+        Loaded { alone: true }
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let mut holders = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        if self.alone {
+            holders.alone = false;
+        } else {
+            holders.shared -= 1;
+        }
+        LOADED_CHANGED.notify_all();
+    }
+}
 
 /// Why these tests cannot run here, if they cannot.
 fn skip_reason() -> Option<&'static str> {
@@ -115,6 +178,10 @@ enum Action {
     /// Bind `dir/<prefix>-<i>` for i in 0..count, one every this many microseconds, printing
     /// `<name> <CLOCK_MONOTONIC ns when bind returned>` for each.
     BindPaced(PathBuf, String, u64, u64),
+    /// Create a regular file and `unlink` it while its inode is locked, so that the unlink
+    /// waits inside `vfs_unlink`; print [`BLOCKED`] then, and let it finish once a line
+    /// arrives on stdin (see [`unlink_blocked_in_vfs`]).
+    UnlinkBlockedInVfs(PathBuf),
 }
 
 impl Action {
@@ -164,6 +231,7 @@ impl Action {
             Action::BindPaced(dir, prefix, count, gap_us) => {
                 format!("bind_paced\t{}\t{prefix}\t{count}\t{gap_us}", p(dir))
             }
+            Action::UnlinkBlockedInVfs(path) => format!("unlink_blocked_in_vfs\t{}", p(path)),
         }
     }
 
@@ -336,6 +404,7 @@ impl Action {
                     std::thread::sleep(gap);
                 }
             }
+            ["unlink_blocked_in_vfs", path] => unlink_blocked_in_vfs(path),
             _ => panic!("unknown helper action {line:?}"),
         }
     }
@@ -425,6 +494,7 @@ impl From<FsEvent> for Seen {
 /// removal is matched by name.
 struct Fixture {
     source: EbpfSource,
+    _loaded: Loaded,
     events: mpsc::Receiver<FsEvent>,
     _stop: DropGuard,
     _tmp: TempDir,
@@ -438,6 +508,15 @@ struct Fixture {
 
 impl Fixture {
     fn open(test: &str, options: EbpfOptions, channel: usize) -> Fixture {
+        Self::open_holding(Loaded::shared(), test, options, channel)
+    }
+
+    /// [`Fixture::open`] with no other test's source loaded meanwhile (see [`LOADED`]).
+    fn open_alone(test: &str, options: EbpfOptions, channel: usize) -> Fixture {
+        Self::open_holding(Loaded::alone(), test, options, channel)
+    }
+
+    fn open_holding(loaded: Loaded, test: &str, options: EbpfOptions, channel: usize) -> Fixture {
         let tmp = tempfile::Builder::new()
             .prefix("ebpf-source-")
             .tempdir()
@@ -455,6 +534,7 @@ impl Fixture {
             .expect("watch");
         Fixture {
             source,
+            _loaded: loaded,
             events,
             _stop: cancel.drop_guard(),
             _tmp: tmp,
@@ -1232,6 +1312,8 @@ async fn describe_names_the_attached_hooks_and_ring_size() {
             "fentry vfs_rename",
             "fexit vfs_rename",
             "fentry unix_release",
+            "fentry vfs_unlink",
+            "sys_exit_unlinkat",
             "sys_exit_listen",
             "sys_exit_connect",
         ]
@@ -1306,9 +1388,12 @@ async fn hooks_are_fentry_where_the_kernel_allows_them_and_tracepoints_where_it_
         hooks: Some(HookChoice::Only(HookFamily::Fentry)),
         ..EbpfOptions::default()
     };
-    let mandatory = ebpf::open(sink, CancellationToken::new(), only_fentry)
-        .map(|source| source.describe())
-        .map_err(|e| format!("{e:#}"));
+    let mandatory = {
+        let _loaded = Loaded::shared();
+        ebpf::open(sink, CancellationToken::new(), only_fentry)
+            .map(|source| source.describe())
+            .map_err(|e| format!("{e:#}"))
+    };
     eprintln!("fentry only: {mandatory:?}");
     let auto = EbpfOptions {
         hooks: Some(HookChoice::Auto),
@@ -1326,8 +1411,13 @@ async fn hooks_are_fentry_where_the_kernel_allows_them_and_tracepoints_where_it_
                 "{description}"
             );
             assert!(!description.contains("passed over"), "{description}");
-            // Only the liveness hints are tracepoints in this family (no VFS function for them).
-            assert!(!description.contains("sys_exit_bind"), "{description}");
+            // Only the liveness hints and the exit checks of the calls followed into the VFS
+            // are tracepoints in this family: no tracepoint event program runs.
+            assert!(!description.contains("sys_enter_bind"), "{description}");
+            assert!(
+                description.contains("tracepoint syscalls/sys_exit_unlinkat"),
+                "{description}"
+            );
             assert!(
                 description.contains("tracepoint syscalls/sys_exit_listen"),
                 "{description}"
@@ -1527,6 +1617,294 @@ async fn a_full_ring_buffer_becomes_a_rescan_and_counted_drops() {
     assert_eq!(after.ring_buffer_used_bytes, Some(0), "{after:?}");
 }
 
+/// A call inside a traced VFS function when its trampoline is rebuilt (any program attached to
+/// the function or detached from it: a second agent, any other tool) returns without running
+/// its fexit programs, so its event is lost: the loss is counted (`dropped`) and rescanned, never
+/// silent. An `unlink` is held inside `vfs_unlink` (its file's inode lock held by a `write`
+/// waiting on a userfaultfd page), a second fexit is attached there and detached, and the
+/// unlink is let go.
+#[tokio::test]
+async fn a_call_whose_fexit_a_trampoline_rebuild_skipped_is_a_counted_loss() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open_alone("rebuilt", EbpfOptions::default(), 1024);
+    if !f.exact() {
+        eprintln!("syscall tracepoints: no trampoline to rebuild, no exit to skip");
+        return;
+    }
+    assert_eq!(f.source.stats().dropped, 0);
+    let held = f.in_watched("held");
+    let path = held.clone();
+    let waited_at = tokio::task::spawn_blocking(move || {
+        let mut helper = Interactive::spawn(&[Action::UnlinkBlockedInVfs(path)]);
+        let waited_at = helper.line_after(BLOCKED);
+        rebuild_the_trampoline_of("vfs_unlink", "vfs_unlink_exit");
+        helper.finish();
+        waited_at
+    })
+    .await
+    .expect("the held unlink");
+    eprintln!("the unlink waited in the kernel at {waited_at}");
+    let sentinel = f.in_watched("sentinel.sock");
+    run_helper(&[Action::Bind(sentinel.clone())]);
+    let mut seen = f.collect_until(&Seen::Created(sentinel)).await;
+    // The count moved when the unlink returned, before the sentinel was bound.
+    let dropped = f.source.stats().dropped;
+    assert!(
+        !seen.contains(&Seen::Removed(held.clone())),
+        "the unlink's fexit ran: it was not inside vfs_unlink across the rebuild: {seen:?}"
+    );
+    assert!(
+        dropped >= 1,
+        "the removal of {} was lost, and no loss was counted: {seen:?}",
+        held.display()
+    );
+    // The reader reads the counters after each drain: the rescan may follow the sentinel.
+    while !seen.contains(&Seen::Rescan) {
+        let event = f.next_event(|| format!("no rescan after {seen:?}")).await;
+        match Seen::from(event) {
+            Seen::Serving(..) => {}
+            other => seen.push(other),
+        }
+    }
+    assert_eq!(seen, vec![Seen::Rescan]);
+    assert_eq!(f.source.stats().dropped, dropped);
+}
+
+/// What [`unlink_blocked_in_vfs`] prints once its unlink waits inside `vfs_unlink`, followed by
+/// where (`/proc/<tid>/wchan`).
+const BLOCKED: &str = "unlink-blocked-in-vfs";
+
+/// userfaultfd(2)'s interface (`linux/userfaultfd.h`), for [`unlink_blocked_in_vfs`]: the
+/// calls are made directly, as the crate's dependencies have none of them.
+mod uffd {
+    #[repr(C)]
+    pub struct Api {
+        pub api: u64,
+        pub features: u64,
+        pub ioctls: u64,
+    }
+    #[repr(C)]
+    pub struct Range {
+        pub start: u64,
+        pub len: u64,
+    }
+    #[repr(C)]
+    pub struct Register {
+        pub range: Range,
+        pub mode: u64,
+        pub ioctls: u64,
+    }
+    #[repr(C)]
+    pub struct Zeropage {
+        pub range: Range,
+        pub mode: u64,
+        pub zeropage: i64,
+    }
+    pub const API: u64 = 0xAA;
+    pub const REGISTER_MODE_MISSING: u64 = 1;
+    /// `_IOWR(0xAA, nr, T)` (the same encoding on x86_64 and arm64).
+    const fn iowr<T>(nr: u64) -> u64 {
+        (3 << 30) | ((core::mem::size_of::<T>() as u64) << 16) | (API << 8) | nr
+    }
+    pub const IOC_API: u64 = iowr::<Api>(0x3F);
+    pub const IOC_REGISTER: u64 = iowr::<Register>(0x00);
+    pub const IOC_ZEROPAGE: u64 = iowr::<Zeropage>(0x04);
+    /// A `struct uffd_msg`, whose first byte says what happened.
+    pub const MSG_BYTES: usize = 32;
+    pub const EVENT_PAGEFAULT: u8 = 0x12;
+
+    /// `ioctl(fd, request, arg)`, or the error it returned.
+    pub fn ioctl<T>(
+        fd: &impl std::os::fd::AsRawFd,
+        request: u64,
+        arg: &mut T,
+    ) -> std::io::Result<()> {
+        // SAFETY: `arg` is the struct `request` reads and writes, alive for the call.
+        let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+}
+
+/// The helper's side of the rebuild test: writes `path` from a page that is not there yet
+/// (registered with userfaultfd, missing), so the write holds the file's inode lock while it
+/// waits for the page; then unlinks `path` from another thread, which waits for that lock
+/// inside `vfs_unlink` (uninterruptibly: the first lock an unlink can wait for in that state,
+/// the parent directory's being free). Prints [`BLOCKED`], and on a line from stdin supplies
+/// the page: the write, then the unlink, complete.
+fn unlink_blocked_in_vfs(path: &str) {
+    use std::io::{BufRead, Write};
+    use std::os::fd::{FromRawFd, OwnedFd};
+    std::fs::write(path, b"held").expect(path);
+    // SAFETY: userfaultfd takes flags only; the descriptor it returns is owned below.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
+    // SAFETY: a new descriptor nothing else owns.
+    let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut api = uffd::Api {
+        api: uffd::API,
+        features: 0,
+        ioctls: 0,
+    };
+    uffd::ioctl(&uffd, uffd::IOC_API, &mut api).expect("UFFDIO_API");
+    // SAFETY: sysconf reads a constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    // SAFETY: a fresh anonymous mapping, never unmapped (the helper exits after).
+    let buf = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(buf, libc::MAP_FAILED, "mmap");
+    let range = || uffd::Range {
+        start: buf as u64,
+        len: page as u64,
+    };
+    let mut register = uffd::Register {
+        range: range(),
+        mode: uffd::REGISTER_MODE_MISSING,
+        ioctls: 0,
+    };
+    uffd::ioctl(&uffd, uffd::IOC_REGISTER, &mut register).expect("UFFDIO_REGISTER");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect(path);
+    let address = buf as usize;
+    let writer = std::thread::spawn(move || {
+        // SAFETY: the page stays mapped for the helper's life; reading it waits for the fault.
+        let data = unsafe { std::slice::from_raw_parts(address as *const u8, page) };
+        (&file).write(data)
+    });
+    // The write's fault: from now on it holds the file's inode lock.
+    let mut msg = [0u8; uffd::MSG_BYTES];
+    let read = nix::unistd::read(&uffd, &mut msg).expect("read the fault");
+    assert_eq!((read, msg[0]), (uffd::MSG_BYTES, uffd::EVENT_PAGEFAULT));
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let unlinked = path.to_owned();
+    let unlinker = std::thread::spawn(move || {
+        tid_tx.send(nix::unistd::gettid()).expect("send the tid");
+        std::fs::remove_file(&unlinked)
+    });
+    let tid = tid_rx.recv().expect("the unlinker's tid");
+    let stat = format!("/proc/self/task/{tid}/stat");
+    let until = Instant::now() + STEP_TIMEOUT;
+    loop {
+        let line = std::fs::read_to_string(&stat).expect(&stat);
+        // The state follows the command, which is in parentheses.
+        let state = line
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        if state == Some("D") {
+            break;
+        }
+        assert!(Instant::now() < until, "the unlink never waited: {line}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let wchan = std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan")).unwrap_or_default();
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{BLOCKED} {wchan}").expect("stdout");
+    stdout.flush().expect("stdout");
+    drop(stdout);
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).expect("stdin");
+    let mut zeropage = uffd::Zeropage {
+        range: range(),
+        mode: 0,
+        zeropage: 0,
+    };
+    uffd::ioctl(&uffd, uffd::IOC_ZEROPAGE, &mut zeropage).expect("UFFDIO_ZEROPAGE");
+    let written = writer.join().expect("the writer").expect("the write");
+    assert_eq!(written, page);
+    unlinker.join().expect("the unlinker").expect("the unlink");
+}
+
+/// A helper process the test talks to while it runs (stdin and stdout piped).
+struct Interactive {
+    child: std::process::Child,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Interactive {
+    fn spawn(actions: &[Action]) -> Interactive {
+        let script: Vec<String> = actions.iter().map(Action::encode).collect();
+        let exe = std::env::current_exe().expect("test executable");
+        let mut child = Command::new(exe)
+            .args(["--exact", "helper_process_performs_actions", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env(SCRIPT_ENV, script.join("\n"))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn helper process");
+        let stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        Interactive { child, stdout }
+    }
+
+    /// What follows `mark` on the first line the helper prints with it (the test harness
+    /// prints the test's name before it on the same line); it fails the test if the helper ends
+    /// first (its own waits are bounded).
+    fn line_after(&mut self, mark: &str) -> String {
+        use std::io::BufRead;
+        let mut printed = String::new();
+        loop {
+            let mut line = String::new();
+            let read = self.stdout.read_line(&mut line).expect("helper stdout");
+            assert!(read > 0, "the helper ended without {mark:?}:\n{printed}");
+            if let Some((_, rest)) = line.split_once(mark) {
+                return rest.trim().to_owned();
+            }
+            printed.push_str(&line);
+        }
+    }
+
+    /// Tells the helper to go on, and waits for it to end well.
+    fn finish(mut self) {
+        use std::io::{Read, Write};
+        let mut stdin = self.child.stdin.take().expect("piped stdin");
+        stdin.write_all(b"go\n").expect("helper stdin");
+        drop(stdin);
+        let mut rest = String::new();
+        let _ = self.stdout.read_to_string(&mut rest);
+        let status = self.child.wait().expect("wait for the helper");
+        assert!(status.success(), "helper failed: {rest}");
+    }
+}
+
+/// Attaches a second copy of the fexit program `program` (from this agent's own object) to
+/// `function` and detaches it again: the kernel rebuilds the function's trampoline twice, as
+/// for a second agent or any other tool attaching there.
+fn rebuild_the_trampoline_of(function: &str, program: &str) {
+    let Some(path) = option_env!("PLUGIN_AGENT_EBPF_OBJ_PATH") else {
+        panic!("built without the eBPF object");
+    };
+    let object = std::fs::read(path).expect(path);
+    let mut ebpf = aya::EbpfLoader::new()
+        .btf(None)
+        .map_max_entries(agent_ebpf::names::IN_FLIGHT, 1)
+        .load(&object)
+        .expect("load the object");
+    let btf = aya::Btf::from_sys_fs().expect("the kernel's BTF");
+    let fexit: &mut aya::programs::FExit = ebpf
+        .program_mut(program)
+        .expect(program)
+        .try_into()
+        .expect("an fexit program");
+    fexit.load(function, &btf).expect("load the fexit");
+    let link = fexit.attach().expect("attach the fexit");
+    fexit.detach(link).expect("detach the fexit");
+}
+
 /// The reader maps the ring's data once, so a record that crosses the ring's end is read in two
 /// pieces and put back together: through a one-page ring, binds whose names have every length
 /// from 1 to 40 bytes (records of different sizes, so they straddle the end at every offset)
@@ -1640,12 +2018,14 @@ struct Measured {
     load: Option<String>,
     events: mpsc::Receiver<FsEvent>,
     _stop: DropGuard,
+    _loaded: Loaded,
     _tmp: TempDir,
     dir: PathBuf,
 }
 
 impl Measured {
     async fn open(kind: SourceKind, channel: usize) -> Measured {
+        let loaded = Loaded::shared();
         let tmp = tempfile::Builder::new()
             .prefix("bench-sources-")
             .tempdir()
@@ -1679,6 +2059,7 @@ impl Measured {
             load,
             events,
             _stop: cancel.drop_guard(),
+            _loaded: loaded,
             _tmp: tmp,
             dir,
         }

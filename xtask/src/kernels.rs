@@ -42,8 +42,9 @@ pub struct Options {
     /// newest's pick, fentry, runs its kernel suite on 6.1 in `cargo xtask vm-test`, every CI run).
     #[arg(long)]
     pub ci: bool,
-    /// The probe only, no suite (CI's newest end).
-    #[arg(skip)]
+    /// The probe only, no suite (CI's newest end; a program change checked through every
+    /// kernel's verifier in minutes).
+    #[arg(long)]
     pub probe_only: bool,
     /// QEMU accelerator.
     #[arg(long, default_value = "tcg,thread=multi")]
@@ -112,7 +113,7 @@ pub fn kernels(options: &Options) -> anyhow::Result<()> {
     for (i, row) in rows.iter().enumerate() {
         let started = std::time::Instant::now();
         let row_options = Options {
-            probe_only: options.ci && i > 0 && i + 1 == rows.len(),
+            probe_only: options.probe_only || (options.ci && i > 0 && i + 1 == rows.len()),
             ..options.clone()
         };
         let result = run_row(&row_options, &dir, &mirror, &object, row);

@@ -117,6 +117,16 @@ pub struct Options {
     /// Give up on the guest after this many seconds.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
     pub timeout_secs: u64,
+    /// Only these runs, by label (`ebpf_source-fentry`, `discovery-fentry`, ...); default all.
+    #[arg(long = "run")]
+    pub runs: Vec<String>,
+    /// Only the tests whose names contain this, in the runs chosen (instead of each run's filter).
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Run each chosen run this many times in the one boot (a flaky or timing-dependent test
+    /// proven several times); a run fails if any repetition fails.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
 }
 
 const DEFAULT_ACCEL: &str = "tcg,thread=multi";
@@ -128,12 +138,27 @@ impl Default for Options {
             kernel_package: None,
             accel: DEFAULT_ACCEL.into(),
             timeout_secs: DEFAULT_TIMEOUT_SECS,
+            runs: Vec::new(),
+            filter: None,
+            repeat: 1,
         }
     }
 }
 
 /// Boots the kernel and runs [`RUNS`]; fails unless every run passed.
 pub fn vm_test(options: &Options) -> anyhow::Result<()> {
+    let runs: Vec<&Run> = RUNS
+        .iter()
+        .filter(|run| options.runs.is_empty() || options.runs.iter().any(|l| l == run.label))
+        .collect();
+    if let Some(unknown) = options
+        .runs
+        .iter()
+        .find(|label| !RUNS.iter().any(|run| run.label == label.as_str()))
+    {
+        let labels: Vec<&str> = RUNS.iter().map(|run| run.label).collect();
+        bail!("--run {unknown}: no such run ({})", labels.join(", "));
+    }
     deps::install_missing()?;
     deps::install_apt_packages(deps::VM_TEST_APT_PACKAGES)?;
     let dir = shell::workspace_root().join("target/vm-test");
@@ -144,20 +169,20 @@ pub fn vm_test(options: &Options) -> anyhow::Result<()> {
     };
     let kernel = vm::unpack_kernel(&dir, &package, || apt_download(&dir, &package))?;
     let initramfs = vm::make_initramfs(&dir, &kernel, Path::new("/bin/busybox"))?;
-    let binaries = build_suites()?;
+    let binaries = build_suites(&runs)?;
 
-    for run in RUNS {
+    for run in &runs {
         let _ = fs::remove_file(vm::status_file(&dir, run.label));
     }
     let script = dir.join("guest.sh");
-    fs::write(&script, guest_script(&binaries, &dir))
+    fs::write(&script, guest_script(&runs, &binaries, &dir, options))
         .with_context(|| format!("write {}", script.display()))?;
 
     eprintln!(
         "xtask: vm-test: booting {package} ({}) under {}; {} test runs",
         kernel.vmlinuz.display(),
         options.accel,
-        RUNS.len()
+        runs.len()
     );
     vm::Boot {
         arch: vm::Arch::X86_64,
@@ -171,7 +196,7 @@ pub fn vm_test(options: &Options) -> anyhow::Result<()> {
     .run();
 
     let mut failed = Vec::new();
-    for run in RUNS {
+    for run in &runs {
         let label = run.label;
         match vm::status(&dir, label).as_deref() {
             Some("0") => eprintln!("xtask: vm-test: {label}: passed on {package}"),
@@ -225,33 +250,40 @@ fn apt_download(dir: &Path, package: &str) -> anyhow::Result<PathBuf> {
         .with_context(|| format!("apt-get download left no {package}_*.deb"))
 }
 
-/// Builds the eBPF object, the agent and test-plugin binaries the tests start, and every test
-/// binary in [`RUNS`]; returns their paths in the order of [`RUNS`].
-fn build_suites() -> anyhow::Result<Vec<PathBuf>> {
+/// Builds the eBPF object, the agent and test-plugin binaries the tests start, and the test
+/// binary of every run in `runs`; returns their paths in the order of `runs`.
+fn build_suites(runs: &[&Run]) -> anyhow::Result<Vec<PathBuf>> {
     let object = build_ebpf::build(&build_ebpf::Options::default())?;
     build::agent_and_test_bins(Some(&object), false)?;
-    RUNS.iter()
+    runs.iter()
         .map(|run| vm::test_executable(&object, vm::Arch::X86_64, run.package, run.test))
         .collect()
 }
 
-/// The script the guest runs: every run in order, each exit code written to its status file.
-fn guest_script(binaries: &[PathBuf], dir: &Path) -> String {
+/// The script the guest runs: every run in order (each `options.repeat` times), each exit code
+/// (the first failure's) written to its status file.
+fn guest_script(runs: &[&Run], binaries: &[PathBuf], dir: &Path, options: &Options) -> String {
     let mut script = format!(
         "cd {root}\nexport CI=true TMPDIR=/dev/shm RUST_BACKTRACE=1\n",
         root = shell::workspace_root().display()
     );
-    for (run, binary) in RUNS.iter().zip(binaries) {
+    let repeats: Vec<String> = (1..=options.repeat.max(1)).map(|i| i.to_string()).collect();
+    for (run, binary) in runs.iter().zip(binaries) {
         let skip: String = run.skip.iter().map(|t| format!(" --skip {t}")).collect();
         script.push_str(&format!(
-            "echo 'vm-test: {label}'\n\
+            "status=0\n\
+             for repeat in {repeats}; do\n\
+             echo \"vm-test: {label} ($repeat)\"\n\
              PLUGIN_AGENT_EBPF_HOOKS={family} {binary} --test-threads {threads} {filter}{skip}\n\
-             echo $? > {status}\n",
+             rc=$?; [ $status -eq 0 ] && status=$rc\n\
+             done\n\
+             echo $status > {status}\n",
+            repeats = repeats.join(" "),
             label = run.label,
             threads = run.threads,
             family = run.family,
             binary = binary.display(),
-            filter = run.filter,
+            filter = options.filter.as_deref().unwrap_or(run.filter),
             status = vm::status_file(dir, run.label).display(),
         ));
     }

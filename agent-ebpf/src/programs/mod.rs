@@ -30,7 +30,8 @@
 //! - [`socket`]: `bind_*`, `listen_*`, `close_*` (a socket's life: bound, served, closed);
 //! - [`connect`]: `connect_*` (who first contacts a plugin socket);
 //! - [`release`]: `unix_release_enter` (fentry: a listener's last reference dropped);
-//! - [`vfs`]: the fentry/fexit programs on the VFS, the preferred family.
+//! - [`vfs`]: the fentry/fexit programs on the VFS, the preferred family, with [`in_flight`]
+//!   (`in_flight_check`): the calls whose fexit the kernel skipped, counted as a loss.
 //!
 //! Shared by them: [`kernel`] (CONFIG, kernel memory reads, the descriptor -> file -> socket ->
 //! sock -> dentry walk), [`maps`], [`report`] (the caller, the tree filter, building, parking and
@@ -38,6 +39,7 @@
 //! arguments and result).
 
 mod connect;
+mod in_flight;
 mod kernel;
 mod maps;
 mod path_scan;

@@ -23,12 +23,17 @@ const BPF_RB_AVAIL_DATA: u64 = 0;
 const MAX_DEPTH: usize = 8;
 
 pub(super) fn count_loss(index: u32) {
+    count_losses(index, 1);
+}
+
+/// Adds `n` to this CPU's counter of loss `index`.
+pub(super) fn count_losses(index: u32, n: u64) {
     // SAFETY: a helper without arguments, valid in every tracing program.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     if let Some(counter) = LOSSES.get_ptr_mut(cpu.wrapping_mul(loss::COUNT).wrapping_add(index)) {
         // SAFETY: this CPU's slot (a tracepoint program is not re-entered on one CPU); an
         // aligned u64, which the agent reads whole.
-        unsafe { *counter += 1 };
+        unsafe { *counter = (*counter).wrapping_add(n) };
     }
 }
 

@@ -6,6 +6,10 @@
 //! `vfs_mknod(S_IFSOCK)`, so one program covers `bind` and `mknod`. Argument positions and
 //! `struct renamedata` offsets come from the running kernel's BTF ([`VfsArgs`](agent_ebpf::VfsArgs)).
 //!
+//! Every traced call is counted in by an fentry program and out by its fexit, first thing and
+//! whatever the call did ([`in_flight`](super::in_flight)): a call whose fexit the kernel
+//! skipped (its trampoline rebuilt meanwhile) is a counted loss, not a silent one.
+//!
 //! The build machine's kernel refuses fentry/fexit (EPERM) and the loader falls back to the
 //! tracepoints there (and says why); `cargo xtask vm-test` runs these on Debian's 6.1.
 
@@ -15,6 +19,7 @@ use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::{fentry, fexit};
 use aya_ebpf::programs::{FEntryContext, FExitContext};
 
+use super::in_flight::{entered, left};
 use super::kernel::{RENAME_EXCHANGE, S_IFMT, S_IFSOCK, func_arg, kptr, kread, offset};
 use super::maps::{PENDING, scratch_slot};
 use super::report::{
@@ -48,9 +53,17 @@ fn int_ok(ret: Option<u64>) -> bool {
     matches!(ret, Some(r) if r as u32 == 0)
 }
 
+/// Counts a `vfs_mknod` call in (see [`in_flight`](super::in_flight)).
+#[fentry(function = "vfs_mknod")]
+pub fn vfs_mknod_enter(_ctx: FEntryContext) -> u32 {
+    entered();
+    0
+}
+
 /// A socket inode created: `bind` of a unix socket to a path, or `mknod(S_IFSOCK)`.
 #[fexit(function = "vfs_mknod")]
 pub fn vfs_mknod_exit(ctx: FExitContext) -> u32 {
+    left();
     let _ = try_vfs_mknod_exit(&ctx);
     0
 }
@@ -67,9 +80,17 @@ fn try_vfs_mknod_exit(ctx: &FExitContext) -> Option<()> {
     report_below_watched(dentry, kind::CREATE)
 }
 
+/// Counts a `vfs_mkdir` call in.
+#[fentry(function = "vfs_mkdir")]
+pub fn vfs_mkdir_enter(_ctx: FEntryContext) -> u32 {
+    entered();
+    0
+}
+
 /// A directory created: joins the watched set at once (`mkdir -p a/b/c` reports `a`).
 #[fexit(function = "vfs_mkdir")]
 pub fn vfs_mkdir_exit(ctx: FExitContext) -> u32 {
+    left();
     let _ = try_vfs_mkdir_exit(&ctx);
     0
 }
@@ -94,16 +115,32 @@ fn try_vfs_mkdir_exit(ctx: &FExitContext) -> Option<()> {
     report_below_watched(dentry, kind::CREATE)
 }
 
+/// Counts a `vfs_unlink` call in.
+#[fentry(function = "vfs_unlink")]
+pub fn vfs_unlink_enter(_ctx: FEntryContext) -> u32 {
+    entered();
+    0
+}
+
 /// An entry unlinked.
 #[fexit(function = "vfs_unlink")]
 pub fn vfs_unlink_exit(ctx: FExitContext) -> u32 {
+    left();
     let _ = try_vfs_removal_exit(&ctx, vfs!(unlink_dentry), vfs!(unlink_ret));
+    0
+}
+
+/// Counts a `vfs_rmdir` call in.
+#[fentry(function = "vfs_rmdir")]
+pub fn vfs_rmdir_enter(_ctx: FEntryContext) -> u32 {
+    entered();
     0
 }
 
 /// A directory removed.
 #[fexit(function = "vfs_rmdir")]
 pub fn vfs_rmdir_exit(ctx: FExitContext) -> u32 {
+    left();
     let _ = try_vfs_removal_exit(&ctx, vfs!(rmdir_dentry), vfs!(rmdir_ret));
     0
 }
@@ -118,10 +155,11 @@ fn try_vfs_removal_exit(ctx: &FExitContext, dentry_arg: u32, ret_slot: u32) -> O
     report_dentry(dentry, parent, kind::REMOVE)
 }
 
-/// Before a rename: the source's directory and name, which the move overwrites, parked for
-/// the thread until [`vfs_rename_exit`].
+/// Before a rename: counts the call in, and parks the source's directory and name, which the
+/// move overwrites, for the thread until [`vfs_rename_exit`].
 #[fentry(function = "vfs_rename")]
 pub fn vfs_rename_enter(ctx: FEntryContext) -> u32 {
+    entered();
     let _ = try_vfs_rename_enter(&ctx);
     0
 }
@@ -156,6 +194,7 @@ fn try_vfs_rename_enter(ctx: &FEntryContext) -> Option<()> {
 /// dentry now is (`d_move` gave it the target's parent and name).
 #[fexit(function = "vfs_rename")]
 pub fn vfs_rename_exit(ctx: FExitContext) -> u32 {
+    left();
     let succeeded = int_ok(func_ret(ctx.as_ptr(), vfs!(rename_ret)));
     let thread = bpf_get_current_pid_tgid();
     report_parked(&PENDING, thread, succeeded);

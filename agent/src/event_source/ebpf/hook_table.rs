@@ -1,6 +1,6 @@
 //! Where each program of the object goes: the syscall tracepoints of each family, the socket
-//! hints every family attaches, and the fentry/fexit programs on the VFS functions. Data only,
-//! read by `loader` when it attaches.
+//! hints every family attaches, and the fentry/fexit programs on the VFS functions with their
+//! exit checks. Data only, read by `loader` when it attaches.
 
 /// A syscall tracepoint program and the tracepoints it is attached to.
 pub struct TracepointHook {
@@ -113,6 +113,33 @@ pub const SHUTDOWN_HOOKS: &[TracepointHook] = &[
     },
 ];
 
+/// The fentry family's check for calls whose fexit the kernel skipped (`loss::FEXIT_SKIPPED`):
+/// the exit of every syscall by which a user thread reaches the traced VFS functions. `bind`
+/// creates its inode with `vfs_mknod` (and unlinks it again when the bind fails after);
+/// io_uring runs a `bind` (6.11+) in the submitting thread, while its `unlinkat`, `mkdirat` and
+/// `renameat` always go to its worker threads, which pass no syscall exit (docs/operations.md).
+pub const IN_FLIGHT_CHECK: TracepointHook = TracepointHook {
+    program: "in_flight_check",
+    tracepoints: &[
+        "sys_exit_bind",
+        "sys_exit_mknod",
+        "sys_exit_mknodat",
+        "sys_exit_mkdir",
+        "sys_exit_mkdirat",
+        "sys_exit_unlink",
+        "sys_exit_unlinkat",
+        "sys_exit_rmdir",
+        "sys_exit_rename",
+        "sys_exit_renameat",
+        "sys_exit_renameat2",
+        "sys_exit_io_uring_enter",
+    ],
+};
+
+/// Tracepoints a kernel may lack by its configuration (`CONFIG_IO_URING=n`), attached where
+/// they exist: without io_uring, no call comes that way.
+pub const OPTIONAL_TRACEPOINTS: &[&str] = &["sys_exit_io_uring_enter"];
+
 /// An fentry or fexit program of the preferred family and the kernel function it traces.
 pub struct FunctionHook {
     pub program: &'static str,
@@ -121,8 +148,18 @@ pub struct FunctionHook {
     pub function: &'static str,
 }
 
-/// The fentry/fexit event programs: one per VFS function that makes or removes an entry. Unix
-/// `bind` creates its socket inode through `vfs_mknod`.
+/// The fentry/fexit event programs, one fexit per VFS function that makes or removes an entry
+/// (unix `bind` creates its socket inode through `vfs_mknod`) and an fentry on each that counts
+/// its calls in (`in_flight`), in the order they are attached, after [`IN_FLIGHT_CHECK`]: every
+/// exit check, then every fexit, then the fentries. Each attachment rebuilds the function's
+/// trampoline, so a call inside the function then leaves without the fexit programs it entered
+/// with; in this order no such call was counted in (its fentry was not there yet), so the
+/// agent's own start counts no loss for calls it never followed, and every call counted in
+/// meets an fexit and an exit check already attached (a later rebuild by someone else skips
+/// that fexit, and the check counts it). A call in flight during the attachment is the start's
+/// race, as in every family (no hook sees a call that began before it existed): the start's
+/// walk, which follows the attachment, sees what the call did if it returned before the walk
+/// looked, the safety pass otherwise.
 pub const FUNCTION_HOOKS: &[FunctionHook] = &[
     FunctionHook {
         program: "vfs_mknod_exit",
@@ -145,13 +182,33 @@ pub const FUNCTION_HOOKS: &[FunctionHook] = &[
         function: "vfs_rmdir",
     },
     FunctionHook {
-        program: "vfs_rename_enter",
-        exit: false,
+        program: "vfs_rename_exit",
+        exit: true,
         function: "vfs_rename",
     },
     FunctionHook {
-        program: "vfs_rename_exit",
-        exit: true,
+        program: "vfs_mknod_enter",
+        exit: false,
+        function: "vfs_mknod",
+    },
+    FunctionHook {
+        program: "vfs_mkdir_enter",
+        exit: false,
+        function: "vfs_mkdir",
+    },
+    FunctionHook {
+        program: "vfs_unlink_enter",
+        exit: false,
+        function: "vfs_unlink",
+    },
+    FunctionHook {
+        program: "vfs_rmdir_enter",
+        exit: false,
+        function: "vfs_rmdir",
+    },
+    FunctionHook {
+        program: "vfs_rename_enter",
+        exit: false,
         function: "vfs_rename",
     },
     FunctionHook {
@@ -160,3 +217,45 @@ pub const FUNCTION_HOOKS: &[FunctionHook] = &[
         function: "unix_release",
     },
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order `FUNCTION_HOOKS` documents: every fexit before any fentry, so no call is
+    /// counted in before its function's fexit is there; and every function with an fexit has
+    /// an fentry counting its calls in.
+    #[test]
+    fn every_fexit_attaches_before_any_fentry_and_has_one() {
+        let first_fentry = FUNCTION_HOOKS.iter().position(|hook| !hook.exit);
+        let last_fexit = FUNCTION_HOOKS.iter().rposition(|hook| hook.exit);
+        assert!(
+            matches!((first_fentry, last_fexit), (Some(entry), Some(exit)) if exit < entry),
+            "{first_fentry:?} {last_fexit:?}"
+        );
+        for exit in FUNCTION_HOOKS.iter().filter(|hook| hook.exit) {
+            assert!(
+                FUNCTION_HOOKS
+                    .iter()
+                    .any(|hook| !hook.exit && hook.function == exit.function),
+                "nothing counts {}'s calls in",
+                exit.function
+            );
+        }
+    }
+
+    /// Every syscall whose exit the tracepoint family reports is checked in the fentry family.
+    #[test]
+    fn the_exit_checks_cover_every_path_syscall() {
+        let path_exits = TRACEPOINT_HOOKS
+            .iter()
+            .filter(|hook| hook.program.ends_with("_exit"))
+            .flat_map(|hook| hook.tracepoints.iter());
+        for tracepoint in path_exits {
+            assert!(
+                IN_FLIGHT_CHECK.tracepoints.contains(tracepoint),
+                "{tracepoint}"
+            );
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! ```text
 //! embedded object + layout (kernel BTF, read in a child process) + EbpfOptions
 //!   --EbpfLoader (CONFIG, map sizes)--> Ebpf
-//!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename} (FEntry/FExit load+attach)
+//!   --hooks::select: fentry/fexit on vfs_{mknod,mkdir,unlink,rmdir,rename}: their exit checks
+//!                    (tracepoints), the fexits, the fentries (FEntry/FExit load+attach, in that order)
 //!                    else tracefs::ensure_mounted + TracePoint load/attach on syscalls/sys_{enter,exit}_*
 //! ```
 //!
@@ -21,9 +22,10 @@ use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, FExit, ProgramError, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
+use super::clones;
 use super::hook_table::{
-    CLOSE_HOOKS, CONNECT_HOOKS, FUNCTION_HOOKS, LISTEN_HOOKS, SHUTDOWN_HOOKS, TRACEPOINT_HOOKS,
-    TracepointHook,
+    CLOSE_HOOKS, CONNECT_HOOKS, FUNCTION_HOOKS, IN_FLIGHT_CHECK, LISTEN_HOOKS,
+    OPTIONAL_TRACEPOINTS, SHUTDOWN_HOOKS, TRACEPOINT_HOOKS, TracepointHook,
 };
 use super::hooks::{self, HookChoice, HookFamily, Selection};
 use super::layout::{self, KernelLayout};
@@ -44,51 +46,6 @@ static OBJECT: Option<&[u8]> = None;
 static OBJECT_HASH: Option<&str> = Some(env!("PLUGIN_AGENT_EBPF_OBJ_FNV"));
 #[cfg(not(ebpf_object))]
 static OBJECT_HASH: Option<&str> = None;
-
-/// Why fentry/fexit on `functions` would miss calls on this kernel, if they would: the compiler
-/// split or cloned one of them (`vfs_rmdir.part.0`, `.isra.N`, `.constprop.N` in
-/// `/proc/kallsyms`), and callers in its own file call the clone, which a program on the
-/// function's own symbol never sees (Debian's 5.10: `do_rmdir` calls `vfs_rmdir.part.0`, so no
-/// rmdir(2) reaches fexit `vfs_rmdir`). The tracepoints see every call; a kernel whose symbols
-/// cannot be read is given the benefit of the doubt (its BTF and loads decide, as before).
-fn split_functions(functions: &[&str]) -> Option<String> {
-    let kallsyms = std::fs::File::open("/proc/kallsyms").ok()?;
-    split_functions_in(std::io::BufReader::new(kallsyms), functions)
-}
-
-/// [`split_functions`] on a `kallsyms` text.
-fn split_functions_in(kallsyms: impl std::io::BufRead, functions: &[&str]) -> Option<String> {
-    let mut clones = Vec::new();
-    for line in kallsyms.lines() {
-        let Ok(line) = line else { break };
-        // "<address> <type> <name>[ [module]]": only the kernel's own text.
-        let mut fields = line.split_ascii_whitespace();
-        let (Some(_), Some(kind), Some(name), None) =
-            (fields.next(), fields.next(), fields.next(), fields.next())
-        else {
-            continue;
-        };
-        if !matches!(kind, "t" | "T") {
-            continue;
-        }
-        let Some((base, suffix)) = name.split_once('.') else {
-            continue;
-        };
-        let cloned = ["part.", "isra.", "constprop."]
-            .iter()
-            .any(|kind| suffix.starts_with(kind));
-        if cloned && functions.contains(&base) {
-            clones.push(name.to_owned());
-        }
-    }
-    (!clones.is_empty()).then(|| {
-        format!(
-            "the compiler split {} on this kernel: callers call the clone, which fentry/fexit on \
-             the function itself do not see",
-            clones.join(", ")
-        )
-    })
-}
 
 /// This architecture's path syscall numbers, from the agent's own libc (same architecture as the
 /// kernel it runs on). The legacy single-path syscalls exist on x86_64 only.
@@ -138,6 +95,11 @@ fn arch_has_tracepoint(tracepoint: &str) -> bool {
     };
     nr >= 0
 }
+
+/// Threads the fentry family follows at once (`names::IN_FLIGHT`): an LRU that keeps every
+/// thread that made a traced call, so its entry is evicted only after this many other threads
+/// made calls since; ~5 MiB of kernel memory, preallocated. Where fentry is not tried, one entry.
+const IN_FLIGHT_ENTRIES: u32 = 65_536;
 
 /// What [`load`] sizes and tunes.
 pub struct LoadParams {
@@ -252,7 +214,9 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
     };
     timings.btf = started.elapsed();
     let started = Instant::now();
-    let mut ebpf = load_object(object, params, offsets, &vfs)?;
+    let fentry_tried =
+        fentry_refused.is_none() && params.hooks != HookChoice::Only(HookFamily::Tracepoints);
+    let mut ebpf = load_object(object, params, offsets, &vfs, fentry_tried)?;
     timings.object = started.elapsed();
 
     let mut mounted_tracefs = false;
@@ -263,10 +227,13 @@ pub fn load(params: &LoadParams) -> anyhow::Result<Loaded> {
         |ebpf, family| match family {
             HookFamily::Fentry => match &fentry_refused {
                 Some(reason) => bail!("{reason}"),
-                None => attach_functions(ebpf, &vfs, &mut timings, &mut links),
+                None => {
+                    mounted_tracefs |= tracefs::ensure_mounted()?;
+                    attach_functions(ebpf, &vfs, &mut timings, &mut links)
+                }
             },
             HookFamily::Tracepoints => {
-                mounted_tracefs = tracefs::ensure_mounted()?;
+                mounted_tracefs |= tracefs::ensure_mounted()?;
                 attach_tracepoints(ebpf, TRACEPOINT_HOOKS, &mut timings, &mut links)
             }
         },
@@ -303,6 +270,7 @@ fn load_object(
     params: &LoadParams,
     offsets: agent_ebpf::KernelOffsets,
     vfs: &Result<VfsArgs, String>,
+    fentry_tried: bool,
 ) -> anyhow::Result<Ebpf> {
     let config = Config {
         offsets,
@@ -331,6 +299,10 @@ fn load_object(
         .map_max_entries(names::WATCHED, params.watched_capacity)
         .map_max_entries(names::NAMES, params.names_capacity)
         .map_max_entries(names::LOSSES, loss_slots)
+        .map_max_entries(
+            names::IN_FLIGHT,
+            if fentry_tried { IN_FLIGHT_ENTRIES } else { 1 },
+        )
         .load(object)
         .map_err(|err| with_hint(anyhow::Error::new(err), "cannot load the eBPF object"))?;
     Ok(ebpf)
@@ -374,11 +346,13 @@ fn attach_functions(
         );
     }
     let functions: Vec<&str> = FUNCTION_HOOKS.iter().map(|hook| hook.function).collect();
-    if let Some(split) = split_functions(&functions) {
+    if let Some(split) = clones::split_functions(&functions) {
         bail!("{split}");
     }
     // aya's own BTF view, which fentry/fexit loads resolve their target functions in.
     let btf = aya::Btf::from_sys_fs().context("no kernel BTF for fentry/fexit targets")?;
+    // The exit checks first (see `FUNCTION_HOOKS` for the order); `attached` lists them last.
+    let checks = attach_tracepoints(ebpf, std::slice::from_ref(&IN_FLIGHT_CHECK), timings, links)?;
     let mut attached = Vec::new();
     for hook in FUNCTION_HOOKS {
         let started = Instant::now();
@@ -425,11 +399,18 @@ fn attach_functions(
         let kind = if hook.exit { "fexit" } else { "fentry" };
         attached.push(format!("{kind} {}", hook.function));
     }
+    attached.extend(checks);
     Ok(attached)
 }
 
 /// Unloads (and so detaches) whatever of the fentry/fexit family got loaded.
 fn detach_functions(ebpf: &mut Ebpf) {
+    if let Some(Ok(check)) = ebpf
+        .program_mut(IN_FLIGHT_CHECK.program)
+        .map(<&mut TracePoint>::try_from)
+    {
+        let _ = check.unload();
+    }
     for hook in FUNCTION_HOOKS {
         let Some(program) = ebpf.program_mut(hook.program) else {
             continue;
@@ -471,11 +452,11 @@ fn attach_tracepoints(
             .programs
             .push((hook.program.to_string(), started.elapsed(), insns));
         let started = Instant::now();
-        for tracepoint in hook
-            .tracepoints
-            .iter()
-            .filter(|tracepoint| arch_has_tracepoint(tracepoint))
-        {
+        for tracepoint in hook.tracepoints.iter().filter(|tracepoint| {
+            arch_has_tracepoint(tracepoint)
+                && (!OPTIONAL_TRACEPOINTS.contains(tracepoint)
+                    || tracefs::has_event("syscalls", tracepoint))
+        }) {
             let link = program.attach("syscalls", tracepoint).map_err(|err| {
                 with_hint(
                     anyhow::Error::new(err),
@@ -501,8 +482,12 @@ pub enum LinkId {
 }
 
 impl LinkId {
+    /// The family the link belongs to: the fentry family's exit checks are tracepoints.
     fn family(&self) -> HookFamily {
         match self {
+            LinkId::TracePoint(program, _) if *program == IN_FLIGHT_CHECK.program => {
+                HookFamily::Fentry
+            }
             LinkId::TracePoint(..) => HookFamily::Tracepoints,
             LinkId::FEntry(..) | LinkId::FExit(..) => HookFamily::Fentry,
         }
@@ -593,29 +578,6 @@ fn with_hint(err: anyhow::Error, what: &str) -> anyhow::Error {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_hooked_function_the_compiler_split_is_named_and_others_are_not() {
-        let kallsyms = "ffffffff8170b090 t vfs_kern_mount.part.0\n\
-                        ffffffff81733270 t vfs_statfs.part.0.isra.0\n\
-                        ffffffff81733280 t __pfx_vfs_rmdir.part.0\n\
-                        ffffffff81733290 T vfs_rmdir\n\
-                        ffffffff817332a0 t vfs_rmdir.part.0\n\
-                        ffffffff817332b0 t vfs_unlink.cold\n\
-                        ffffffffc0a00000 t vfs_mknod.isra.0\t[some_module]\n";
-        let hooked = ["vfs_rmdir", "vfs_unlink", "vfs_mknod"];
-        let split = super::split_functions_in(kallsyms.as_bytes(), &hooked);
-        assert_eq!(
-            split.as_deref(),
-            Some(
-                "the compiler split vfs_rmdir.part.0 on this kernel: callers call the clone, \
-                 which fentry/fexit on the function itself do not see"
-            ),
-            "a cold section is no clone, a module's symbol is not the kernel's"
-        );
-        let none = super::split_functions_in(kallsyms.as_bytes(), &["vfs_unlink"]);
-        assert_eq!(none, None);
-    }
-
     use super::*;
 
     #[test]

@@ -44,6 +44,7 @@ mod adopt;
 mod batched;
 mod btf;
 mod child;
+mod clones;
 mod filters;
 mod fnv;
 mod hook_table;

@@ -302,6 +302,10 @@ fn new_losses(
                 format!("{lost} events lost: eBPF ring buffer ({ring_buffer_bytes} bytes) was full")
             }
             loss::PENDING_FULL => format!("{lost} syscalls not tracked: per-thread table was full"),
+            loss::FEXIT_SKIPPED => format!(
+                "{lost} VFS calls returned without their exit program: a trampoline was rebuilt \
+                 while they ran"
+            ),
             _ => {
                 names_full = true;
                 format!("{lost} names not recorded: eBPF name table was full")

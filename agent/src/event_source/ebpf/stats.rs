@@ -40,6 +40,18 @@ impl LossCounters {
             info.value_size()
         );
         let slots = usize::try_from(info.max_entries()).unwrap_or(usize::MAX);
+        // The layout is `loss::COUNT` per possible CPU; a map made by another object (another
+        // count) is never handed here (a pinned set is adopted only with this object's hash),
+        // and this says so if one ever were, rather than misreading its counters.
+        let cpus = aya::util::nr_cpus().map_err(|(file, err)| {
+            anyhow::anyhow!("cannot read the possible CPUs from {file}: {err}")
+        })?;
+        anyhow::ensure!(
+            slots == cpus.saturating_mul(loss::COUNT as usize),
+            "the eBPF loss counters hold {slots} slots, not {} per possible CPU ({cpus}): made \
+             by another build of the programs",
+            loss::COUNT
+        );
         let counters = Mapped::read_only(data.fd(), 0, slots * 8)
             .context("cannot map the eBPF loss counters read-only")?;
         Ok(LossCounters { counters, slots })
@@ -55,11 +67,12 @@ impl LossCounters {
         totals
     }
 
-    /// Events the kernel side recorded nothing for: a full ring buffer, or a syscall whose entry
-    /// could not be tracked to its exit. (A full name table loses no event, only precision.)
+    /// Events the kernel side recorded nothing for: a full ring buffer, a syscall whose entry
+    /// could not be tracked to its exit, or a VFS call whose fexit programs the kernel skipped.
+    /// (A full name table loses no event, only precision.)
     pub fn dropped(&self) -> u64 {
         let totals = self.totals();
-        [loss::RING_FULL, loss::PENDING_FULL]
+        [loss::RING_FULL, loss::PENDING_FULL, loss::FEXIT_SKIPPED]
             .iter()
             .map(|&index| totals[index as usize])
             .fold(0, u64::wrapping_add)

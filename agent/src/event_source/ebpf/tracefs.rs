@@ -53,6 +53,18 @@ pub fn ensure_mounted() -> anyhow::Result<bool> {
     Ok(true)
 }
 
+/// Whether the running kernel has the tracepoint `category/name` (tracefs mounted, see
+/// [`ensure_mounted`]): one its configuration leaves out has no directory.
+pub fn has_event(category: &str, name: &str) -> bool {
+    [TRACEFS, TRACEFS_UNDER_DEBUGFS].iter().any(|root| {
+        Path::new(root)
+            .join("events")
+            .join(category)
+            .join(name)
+            .is_dir()
+    })
+}
+
 /// A mounted tracefs has entries; the bare mount point the kernel creates is empty.
 fn has_entries(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some())
