@@ -96,6 +96,20 @@ pub struct AgentProcess {
 }
 
 impl AgentProcess {
+    /// A register-mode agent on `dir` in kubelet's place (inotify, the default handler), with
+    /// its own runtime directory beside the tree: each agent locks the directory of its admin
+    /// socket, so it can run next to the agent under test.
+    pub async fn start_kubelet_stand_in(test: &str, dir: &crate::PluginDir) -> AgentProcess {
+        let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root());
+        let runtime = dir.outside("kubelet-run");
+        std::fs::create_dir_all(&runtime).expect("mkdir runtime");
+        kubelet.admin_socket = runtime.join("admin.sock");
+        kubelet.extra = vec!["--mode".into(), "register".into()];
+        AgentProcess::start(&format!("{test}-kubelet"), kubelet)
+            .await
+            .expect("inotify needs no privileges")
+    }
+
     /// Starts the agent and waits until it has scanned the plugin directory once. Returns `None`
     /// when the test must be skipped (see [`skip`]): a privileged source without root, or an eBPF
     /// source the agent was built without.

@@ -371,7 +371,7 @@ async fn a_plugin_that_exits_on_notify_false_beside_kubelet_stopped_after_kubele
     let Some(observer) = AgentProcess::start(test, options).await else {
         return;
     };
-    let _kubelet = stand_in_kubelet(test, &dir, &["CSIPlugin=accept-all"]).await;
+    let _kubelet = AgentProcess::start_kubelet_stand_in(test, &dir).await;
     let plugin = plugin!(dir.path("registrar.sock"))
         .plugin_type("DRAPlugin")
         .name("dra.example.com")
@@ -384,18 +384,6 @@ async fn a_plugin_that_exits_on_notify_false_beside_kubelet_stopped_after_kubele
     assert_eq!(result, "fail", "{test}: {one:#}");
     assert!(detail.contains("has exited"), "{test}: {detail}");
     assert!(fix.contains("RegisterPlugin error"), "{test}: {fix}");
-}
-
-/// A register-mode agent on `dir`, with `handlers`, in kubelet's place.
-async fn stand_in_kubelet(test: &str, dir: &PluginDir, handlers: &[&str]) -> AgentProcess {
-    let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root()).handlers(handlers);
-    let runtime = dir.outside("kubelet-run");
-    std::fs::create_dir_all(&runtime).expect("mkdir runtime");
-    kubelet.admin_socket = runtime.join("admin.sock");
-    kubelet.extra = vec!["--mode".into(), "register".into()];
-    AgentProcess::start(&format!("{test}-kubelet"), kubelet)
-        .await
-        .expect("inotify needs no privileges")
 }
 
 /// Two sockets announce one driver name: the older is the duplicate, the newer is what kubelet

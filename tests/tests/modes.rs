@@ -167,16 +167,8 @@ async fn an_observer_beside_a_registering_agent_never_notifies_and_reports_the_f
     let Some(observer) = AgentProcess::start(test, options.clone()).await else {
         return;
     };
-    let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root());
-    // Its own runtime directory: each agent locks the directory of its admin socket.
-    let runtime = dir.outside("kubelet-run");
-    std::fs::create_dir_all(&runtime).expect("mkdir runtime");
-    kubelet.admin_socket = runtime.join("admin.sock");
-    let kubelet_admin = kubelet.admin_socket.clone();
-    kubelet.extra = vec!["--mode".into(), "register".into()];
-    let kubelet = AgentProcess::start(&format!("{test}-kubelet"), kubelet)
-        .await
-        .expect("inotify needs no privileges");
+    let kubelet = AgentProcess::start_kubelet_stand_in(test, &dir).await;
+    let kubelet_admin = kubelet.admin_socket().to_path_buf();
     let kubelet_pid = kubelet.pid().expect("the stand-in runs");
     let observer_pid = observer.pid().expect("the observer runs");
 
@@ -332,14 +324,7 @@ async fn an_observer_leaves_kubelet_the_first_call(source: Source) {
     // kubelet's reconciler dials a new socket within its 1 s period, not at once: the stand-in
     // starts half a second after the plugin listens (its first walk finds it).
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let mut kubelet = AgentOptions::new(Source::Inotify, &dir.root());
-    let runtime = dir.outside("kubelet-run");
-    std::fs::create_dir_all(&runtime).expect("mkdir runtime");
-    kubelet.admin_socket = runtime.join("admin.sock");
-    kubelet.extra = vec!["--mode".into(), "register".into()];
-    let kubelet = AgentProcess::start(&format!("{test}-kubelet"), kubelet)
-        .await
-        .expect("inotify needs no privileges");
+    let kubelet = AgentProcess::start_kubelet_stand_in(test, &dir).await;
     let kubelet_pid = i64::from(kubelet.pid().expect("the stand-in runs"));
     once.wait_for_notify(true, EVENT_TIMEOUT).await;
     let callers: Vec<i64> = once
