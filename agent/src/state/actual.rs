@@ -37,6 +37,27 @@ pub struct RegisteredPlugin {
     pub interrupted: bool,
 }
 
+/// What the reconciler reads of a registration (see `view::next`): which socket instance it is
+/// of, and whether a kill interrupted it. Read in place: a registration's entry is not copied
+/// to decide that it needs nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    pub generation: Uuid,
+    pub socket: SocketId,
+    pub interrupted: bool,
+}
+
+impl RegisteredPlugin {
+    /// See [`Registered`].
+    pub fn summary(&self) -> Registered {
+        Registered {
+            generation: self.generation,
+            socket: self.socket,
+            interrupted: self.interrupted,
+        }
+    }
+}
+
 impl std::fmt::Debug for RegisteredPlugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredPlugin")
@@ -64,15 +85,15 @@ pub struct ActualState {
 /// path is one allocation shared by the key and the desired state's entry.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>, super::PathHasher>,
+    by_path: super::PathMap<Arc<Path>, Box<RegisteredPlugin>>,
     /// The paths registered under each plugin name (`PluginInfo.name`), usually one.
-    by_name: HashMap<Box<str>, Vec<Arc<Path>>>,
+    by_name: HashMap<Box<str>, smallvec::SmallVec<[Arc<Path>; 1]>, super::PathHasher>,
 }
 
 impl Plugins {
     fn insert(&mut self, path: Arc<Path>, entry: RegisteredPlugin) {
         // An entry already there keeps its key (and its allocation).
-        let path = match self.by_path.remove_entry(&*path) {
+        let path = match self.by_path.remove_entry(&path) {
             Some((old_path, old)) => {
                 self.unindex(&old_path, &old.plugin.name);
                 old_path
@@ -89,7 +110,7 @@ impl Plugins {
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
         let (key, entry) = self.by_path.remove_entry(path)?;
         self.unindex(&key, &entry.plugin.name);
-        crate::memory::shrink_if_sparse(&mut self.by_path);
+        self.by_path.shrink_if_sparse();
         Some(*entry)
     }
 
@@ -196,6 +217,11 @@ impl ActualState {
     /// The entry for `path`.
     pub fn get(&self, path: &Path) -> Option<RegisteredPlugin> {
         self.lock().by_path.get(path).map(|entry| (**entry).clone())
+    }
+
+    /// [`Registered`] of the entry for `path`, without copying the entry.
+    pub fn summary(&self, path: &Path) -> Option<Registered> {
+        self.lock().by_path.get(path).map(|entry| entry.summary())
     }
 
     /// Kubelet's `PluginExistsWithCorrectUUID`: registered, and for this generation.

@@ -24,9 +24,12 @@
 /// collide cannot be chosen in advance by whoever creates sockets in the tree.
 pub type PathHasher = foldhash::fast::RandomState;
 
+pub use path_key::{PathKey, PathMap};
+
 pub mod actual;
 pub mod backoff;
 pub mod desired;
+pub mod path_key;
 pub mod plugin_state;
 pub mod queue;
 pub mod safety_pass;
