@@ -263,6 +263,25 @@ impl ActualState {
             .collect()
     }
 
+    /// The other sockets registered with `plugin`'s type and name than the one at `path`, with
+    /// when each was registered: a lookup by name that copies no entry (every watch event's
+    /// reason asks, and the name is almost always the plugin's alone).
+    pub fn others_named(&self, path: &Path, plugin: &Plugin) -> Vec<(PathBuf, SystemTime)> {
+        let plugins = self.lock();
+        let Some(paths) = plugins.by_name.get(plugin.name.as_str()) else {
+            return Vec::new();
+        };
+        paths
+            .iter()
+            .filter(|other| &***other != path)
+            .filter_map(|other| {
+                let entry = plugins.by_path.get(other)?;
+                (entry.plugin.plugin_type == plugin.plugin_type)
+                    .then(|| (other.to_path_buf(), entry.registered_at))
+            })
+            .collect()
+    }
+
     /// Every registered path (the table's own allocations, shared).
     pub fn paths(&self) -> Vec<Arc<Path>> {
         self.lock().by_path.keys().cloned().collect()

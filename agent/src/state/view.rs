@@ -185,7 +185,7 @@ impl StateView {
             Some(registered) if !registered.plugin.name.is_empty() => verdict::duplicates(
                 &status.path,
                 registered,
-                self.actual.named(&registered.plugin.name),
+                self.actual.others_named(&status.path, &registered.plugin),
             ),
             _ => Vec::new(),
         }
