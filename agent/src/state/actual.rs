@@ -439,7 +439,7 @@ mod tests {
             crate::provenance::Provenance::default(),
         );
         let plugins = state.lock();
-        let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");
+        let (key, _) = plugins.by_path.get_key_value(&path).expect("entry");
         assert!(Arc::ptr_eq(key, &path));
         // The caller's handle, the key and the name index (the same allocation): nothing else
         // holds the path.

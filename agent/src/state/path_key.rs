@@ -87,7 +87,7 @@ fn is_plain(bytes: &[u8]) -> bool {
     let odd = bytes.iter().zip(rest).fold(false, |odd, (a, b)| {
         odd | ((*a == b'/') & ((*b == b'/') | (*b == b'.')))
     });
-    !odd && !(rest.last() == Some(&b'/'))
+    !odd && rest.last() != Some(&b'/')
 }
 
 /// A map keyed by socket path ([`PathKey`] over `K`, `Arc<Path>` or `PathBuf`), looked up by
