@@ -26,6 +26,8 @@ use crate::state::desired::DesiredState;
 use crate::state::queue::{ReconcileQueue, Work};
 use crate::state::safety_pass::SafetyPass;
 use crate::state::view::Next;
+use crate::state::{PathHasher, PathKey};
+use indexmap::IndexSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -98,9 +100,13 @@ impl<S: Scheduler> Reconciler<S> {
         let mut schedule = SafetySchedule::new(self.safety_period, Instant::now());
         let pass = tokio::time::sleep_until(schedule.due());
         tokio::pin!(pass);
+        // One wait for the cancellation, kept across wake-ups (a new one registered itself
+        // with the token and left it again on every wake-up, thousands a second in a burst).
+        let cancelled = cancel.cancelled();
+        tokio::pin!(cancelled);
         loop {
             tokio::select! {
-                _ = cancel.cancelled() => return,
+                () = &mut cancelled => return,
                 _ = self.queue.changed() => {}
                 _ = &mut pass => {
                     let now = Instant::now();
@@ -143,55 +149,52 @@ impl<S: Scheduler> Reconciler<S> {
     /// One pass over `work`: unregister what is no longer desired (or re-created), then register
     /// what is desired and not registered. Never blocks: operations run in the executor.
     pub fn reconcile(&self, work: Work) {
-        let paths: Vec<Arc<Path>> = match work {
+        match work {
             Work::Everything => {
                 // In the order the sockets were found, as marked paths are (see `state::queue`).
                 // The tables' own paths, shared: a pass over 100,000 sockets copied every entry
                 // of both tables (~100 MB at once) to put paths in order.
                 let mut desired = self.desired.paths_seen();
                 desired.sort_by_key(|(_, seen)| *seen);
-                let mut all: indexmap::IndexSet<Arc<Path>> =
-                    desired.into_iter().map(|(p, _)| p).collect();
-                all.extend(self.actual.paths());
-                all.into_iter().collect()
+                let mut all: IndexSet<PathKey<Arc<Path>>, PathHasher> =
+                    desired.into_iter().map(|(path, _)| PathKey(path)).collect();
+                all.extend(self.actual.paths().into_iter().map(PathKey));
+                trace!(paths = all.len(), "reconciling");
+                for path in &all {
+                    self.reconcile_path(&path.0);
+                }
             }
-            Work::Paths(paths) => paths.into_iter().map(Arc::from).collect(),
-        };
-        trace!(paths = paths.len(), "reconciling");
-        for path in paths {
-            self.reconcile_path(&path);
+            Work::Paths(paths) => {
+                trace!(paths = paths.len(), "reconciling");
+                for path in &paths {
+                    self.reconcile_path(path);
+                }
+            }
         }
         self.scheduler.after_pass();
     }
 
-    /// Asks for what `path` needs next (see `state::view::next`).
+    /// Asks for what `path` needs next (see `state::view::next`). Decided on the entries read
+    /// in place (one lookup in each table); an entry is copied only for the operation it needs.
     fn reconcile_path(&self, path: &Path) {
-        let registered = self.actual.get(path);
-        let socket = match &registered {
+        let registered = self.actual.summary(path);
+        let desired = self.desired.instance_of(path);
+        let socket = match registered {
             Some(registered) => Some(registered.socket),
-            None => self.desired.socket_of(path),
+            None => desired.map(|(_, socket)| socket),
         };
         let held = socket.is_some_and(|socket| self.scheduler.is_held(path, socket));
-        // Held and not registered: nothing to do until the socket changes, decided without
-        // copying its entry (most of a tree of dead sockets).
-        let desired = match registered.is_none() && held {
-            true => None,
-            false => self.desired.get(path),
-        };
-        match crate::state::view::next(
-            desired.as_ref().map(|d| d.generation),
-            registered.as_ref(),
-            held,
-        ) {
+        match crate::state::view::next(desired.map(|(generation, _)| generation), registered, held)
+        {
             Next::Keep | Next::Hold => {}
             Next::Deregister => {
-                if let Some(registered) = registered {
+                if let Some(registered) = self.actual.get(path) {
                     let outcome = self.scheduler.deregister(path, registered);
                     debug!(socket_path = %path.display(), ?outcome, "unregister");
                 }
             }
             Next::Register => {
-                if let Some(desired) = desired {
+                if let Some(desired) = self.desired.get(path) {
                     let outcome = self.scheduler.register(path, desired);
                     debug!(socket_path = %path.display(), ?outcome, "register");
                 }

@@ -2,10 +2,9 @@
 //! released by a guard, so an operation that ends any way, a panic included, frees its path, and
 //! the path is looked at again.
 
-use crate::state::PathHasher;
+use crate::state::PathMap;
 use crate::state::queue::ReconcileQueue;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// Kind of operation.
@@ -19,7 +18,8 @@ pub enum OperationKind {
 
 /// The paths operations hold now.
 pub struct Claims {
-    in_flight: Mutex<HashMap<PathBuf, Claim, PathHasher>>,
+    /// Keyed by the path the claim holds (one allocation for the key and the claim).
+    in_flight: Mutex<PathMap<Arc<Path>, Claim>>,
     /// Told about every released path: the reconciler looks at it again.
     queue: Arc<ReconcileQueue>,
     trimmer: crate::memory::Trimmer,
@@ -29,7 +29,7 @@ impl Claims {
     /// Claims that mark each released path in `queue`.
     pub fn new(queue: Arc<ReconcileQueue>) -> Arc<Self> {
         Arc::new(Claims {
-            in_flight: Mutex::new(HashMap::default()),
+            in_flight: Mutex::new(PathMap::default()),
             queue,
             trimmer: crate::memory::Trimmer::default(),
         })
@@ -46,8 +46,9 @@ impl Claims {
             return Err(running.kind);
         }
         let listened = Arc::new(tokio::sync::Notify::new());
+        let path: Arc<Path> = Arc::from(path);
         in_flight.insert(
-            path.to_path_buf(),
+            path.clone(),
             Claim {
                 kind,
                 listened: listened.clone(),
@@ -55,7 +56,7 @@ impl Claims {
         );
         Ok(InFlight {
             claims: self.clone(),
-            path: path.to_path_buf(),
+            path,
             listened,
         })
     }
@@ -95,7 +96,7 @@ impl Claims {
         self.trimmer.finished(idle);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Claim, PathHasher>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PathMap<Arc<Path>, Claim>> {
         self.in_flight
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -113,7 +114,7 @@ struct Claim {
 /// the path is then looked at again.
 pub struct InFlight {
     claims: Arc<Claims>,
-    path: PathBuf,
+    path: Arc<Path>,
     listened: Arc<tokio::sync::Notify>,
 }
 

@@ -362,12 +362,13 @@ impl Scheduler for OperationExecutor {
     fn register(self: &Arc<Self>, path: &Path, desired: DesiredPlugin) -> Start {
         let first_contact = desired.first_contact.is_some();
         let now = Instant::now();
-        if let Some(until) = self
+        let attempt = match self
             .backoff
-            .blocked_until(path, desired.socket, now, first_contact)
+            .attempt(path, desired.socket, now, first_contact)
         {
-            return Start::BackingOff { until };
-        }
+            Ok(attempt) => attempt,
+            Err(until) => return Start::BackingOff { until },
+        };
         // A socket an event reported goes before the sockets a walk found (see `slots`).
         let lane = if desired.by_event {
             Lane::Prompt
@@ -384,10 +385,6 @@ impl Scheduler for OperationExecutor {
                 return Start::AlreadyRunning(running);
             }
         };
-        let attempt = self
-            .backoff
-            .get(path, desired.socket)
-            .map_or(1, |b| b.failures + 1);
         if attempt > 1 {
             self.telemetry.metrics.retry();
         }

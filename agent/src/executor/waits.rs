@@ -9,8 +9,7 @@ use crate::liveness::Probe;
 use crate::state::backoff::{BackoffTable, ListenReleased};
 use crate::state::desired::{DesiredState, ListenSeen, Listening};
 use crate::state::queue::ReconcileQueue;
-use crate::state::{PathHasher, SocketId};
-use std::collections::HashMap;
+use crate::state::{PathMap, SocketId};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
@@ -21,9 +20,9 @@ use tracing::debug;
 /// See the module docs.
 pub struct Waits {
     /// Pending timers by path.
-    timers: Mutex<HashMap<PathBuf, CancellationToken, PathHasher>>,
+    timers: Mutex<PathMap<PathBuf, CancellationToken>>,
     /// Connections a look at a socket waiting to listen made, for its registration's first try.
-    found: Mutex<HashMap<PathBuf, (SocketId, tokio::net::UnixStream), PathHasher>>,
+    found: Mutex<PathMap<PathBuf, (SocketId, tokio::net::UnixStream)>>,
     backoff: Arc<BackoffTable>,
     /// Where a look that finds a socket listening records when (`explain`'s timeline).
     desired: Arc<DesiredState>,
@@ -46,8 +45,8 @@ impl Waits {
         cancel: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Waits {
-            timers: Mutex::new(HashMap::default()),
-            found: Mutex::new(HashMap::default()),
+            timers: Mutex::new(PathMap::default()),
+            found: Mutex::new(PathMap::default()),
             backoff,
             desired,
             queue,
@@ -202,9 +201,7 @@ impl Waits {
         self.lock_timers().len()
     }
 
-    fn lock_timers(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<PathBuf, CancellationToken, PathHasher>> {
+    fn lock_timers(&self) -> std::sync::MutexGuard<'_, PathMap<PathBuf, CancellationToken>> {
         lock(&self.timers)
     }
 }

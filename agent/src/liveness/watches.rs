@@ -43,7 +43,7 @@ pub(super) type Processes = HashMap<u64, ProcessWatch>;
 #[derive(Default)]
 pub(super) struct Watches {
     /// Keyed by the desired state's allocation of the path, shared with the watch's task.
-    pub(super) by_path: HashMap<Arc<Path>, Watch, crate::state::PathHasher>,
+    pub(super) by_path: crate::state::PathMap<Arc<Path>, Watch>,
     pub(super) processes: Processes,
 }
 

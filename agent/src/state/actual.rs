@@ -37,6 +37,27 @@ pub struct RegisteredPlugin {
     pub interrupted: bool,
 }
 
+/// What the reconciler reads of a registration (see `view::next`): which socket instance it is
+/// of, and whether a kill interrupted it. Read in place: a registration's entry is not copied
+/// to decide that it needs nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    pub generation: Uuid,
+    pub socket: SocketId,
+    pub interrupted: bool,
+}
+
+impl RegisteredPlugin {
+    /// See [`Registered`].
+    pub fn summary(&self) -> Registered {
+        Registered {
+            generation: self.generation,
+            socket: self.socket,
+            interrupted: self.interrupted,
+        }
+    }
+}
+
 impl std::fmt::Debug for RegisteredPlugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredPlugin")
@@ -64,15 +85,15 @@ pub struct ActualState {
 /// path is one allocation shared by the key and the desired state's entry.
 #[derive(Debug, Default)]
 struct Plugins {
-    by_path: HashMap<Arc<Path>, Box<RegisteredPlugin>, super::PathHasher>,
+    by_path: super::PathMap<Arc<Path>, Box<RegisteredPlugin>>,
     /// The paths registered under each plugin name (`PluginInfo.name`), usually one.
-    by_name: HashMap<Box<str>, Vec<Arc<Path>>>,
+    by_name: HashMap<Box<str>, smallvec::SmallVec<[Arc<Path>; 1]>, super::PathHasher>,
 }
 
 impl Plugins {
     fn insert(&mut self, path: Arc<Path>, entry: RegisteredPlugin) {
         // An entry already there keeps its key (and its allocation).
-        let path = match self.by_path.remove_entry(&*path) {
+        let path = match self.by_path.remove_entry(&path) {
             Some((old_path, old)) => {
                 self.unindex(&old_path, &old.plugin.name);
                 old_path
@@ -89,7 +110,7 @@ impl Plugins {
     fn remove(&mut self, path: &Path) -> Option<RegisteredPlugin> {
         let (key, entry) = self.by_path.remove_entry(path)?;
         self.unindex(&key, &entry.plugin.name);
-        crate::memory::shrink_if_sparse(&mut self.by_path);
+        self.by_path.shrink_if_sparse();
         Some(*entry)
     }
 
@@ -198,6 +219,11 @@ impl ActualState {
         self.lock().by_path.get(path).map(|entry| (**entry).clone())
     }
 
+    /// [`Registered`] of the entry for `path`, without copying the entry.
+    pub fn summary(&self, path: &Path) -> Option<Registered> {
+        self.lock().by_path.get(path).map(|entry| entry.summary())
+    }
+
     /// Kubelet's `PluginExistsWithCorrectUUID`: registered, and for this generation.
     pub fn is_registered(&self, path: &Path, generation: Uuid) -> bool {
         self.lock()
@@ -233,6 +259,25 @@ impl ActualState {
             .filter_map(|p| {
                 let entry = plugins.by_path.get(p)?;
                 Some((p.to_path_buf(), (**entry).clone()))
+            })
+            .collect()
+    }
+
+    /// The other sockets registered with `plugin`'s type and name than the one at `path`, with
+    /// when each was registered: a lookup by name that copies no entry (every watch event's
+    /// reason asks, and the name is almost always the plugin's alone).
+    pub fn others_named(&self, path: &Path, plugin: &Plugin) -> Vec<(PathBuf, SystemTime)> {
+        let plugins = self.lock();
+        let Some(paths) = plugins.by_name.get(plugin.name.as_str()) else {
+            return Vec::new();
+        };
+        paths
+            .iter()
+            .filter(|other| &***other != path)
+            .filter_map(|other| {
+                let entry = plugins.by_path.get(other)?;
+                (entry.plugin.plugin_type == plugin.plugin_type)
+                    .then(|| (other.to_path_buf(), entry.registered_at))
             })
             .collect()
     }
@@ -394,7 +439,7 @@ mod tests {
             crate::provenance::Provenance::default(),
         );
         let plugins = state.lock();
-        let (key, _) = plugins.by_path.get_key_value(&*path).expect("entry");
+        let (key, _) = plugins.by_path.get_key_value(&path).expect("entry");
         assert!(Arc::ptr_eq(key, &path));
         // The caller's handle, the key and the name index (the same allocation): nothing else
         // holds the path.

@@ -15,10 +15,10 @@
 //! through the wait cost ~6 KB.
 
 use super::SocketId;
+use super::path_key::{BySocket, PathKey};
 use crate::handler::Plugin;
 use crate::policy::Refusal;
 use crate::provenance::Provenance;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -172,12 +172,17 @@ impl Backoff {
     }
 }
 
-type Key = (PathBuf, SocketId);
+type Key = (PathKey<PathBuf>, SocketId);
 
 /// All backoffs, keyed by (path, socket identity).
 #[derive(Debug, Default)]
 pub struct BackoffTable {
-    entries: Mutex<HashMap<Key, Backoff, super::PathHasher>>,
+    entries: Mutex<hashbrown::HashMap<Key, Backoff, super::PathHasher>>,
+}
+
+/// The key of `socket` at `path`, to put an entry in.
+fn key(path: &Path, socket: SocketId) -> Key {
+    (PathKey(path.to_path_buf()), socket)
 }
 
 impl BackoffTable {
@@ -191,11 +196,33 @@ impl BackoffTable {
         contacted: bool,
     ) -> Option<Instant> {
         let entries = self.lock();
-        let backoff = entries.get(&(path.to_path_buf(), socket))?;
+        let backoff = entries.get(&BySocket(path, socket))?;
         if contacted && matches!(backoff.kind, FailureKind::WaitingForKubelet { .. }) {
             return None;
         }
         (backoff.retry_at > now).then_some(backoff.retry_at)
+    }
+
+    /// Whether an attempt at this socket may start at `now`: `Err` with when it may while it
+    /// backs off (as [`Self::blocked_until`]), else the attempt's number (1 for a socket that
+    /// never failed). One lookup, where the two questions were two.
+    pub fn attempt(
+        &self,
+        path: &Path,
+        socket: SocketId,
+        now: Instant,
+        contacted: bool,
+    ) -> Result<u32, Instant> {
+        let entries = self.lock();
+        let Some(backoff) = entries.get(&BySocket(path, socket)) else {
+            return Ok(1);
+        };
+        let contact_ends_it =
+            contacted && matches!(backoff.kind, FailureKind::WaitingForKubelet { .. });
+        if !contact_ends_it && backoff.retry_at > now {
+            return Err(backoff.retry_at);
+        }
+        Ok(backoff.failures + 1)
     }
 
     /// Records a failure and returns the backoff now in force.
@@ -208,9 +235,9 @@ impl BackoffTable {
         now: Instant,
     ) -> Backoff {
         let mut entries = self.lock();
-        let entry = entries.entry((path.to_path_buf(), socket));
+        let entry = entries.entry(key(path, socket));
         match entry {
-            std::collections::hash_map::Entry::Occupied(mut occupied) => {
+            hashbrown::hash_map::Entry::Occupied(mut occupied) => {
                 let b = occupied.get_mut();
                 b.delay = if kind == FailureKind::SlowNewPlugin && b.failures < QUICK_RETRIES {
                     QUICK_RETRY_DELAY
@@ -226,7 +253,7 @@ impl BackoffTable {
                 b.kind = kind;
                 b.clone()
             }
-            std::collections::hash_map::Entry::Vacant(vacant) => {
+            hashbrown::hash_map::Entry::Vacant(vacant) => {
                 let delay = if kind == FailureKind::SlowNewPlugin {
                     QUICK_RETRY_DELAY
                 } else {
@@ -265,8 +292,7 @@ impl BackoffTable {
             kind,
             answered: previous.and_then(|b| b.answered),
         };
-        self.lock()
-            .insert((path.to_path_buf(), socket), backoff.clone());
+        self.lock().insert(key(path, socket), backoff.clone());
         backoff
     }
 
@@ -284,8 +310,7 @@ impl BackoffTable {
         now: Instant,
     ) -> Backoff {
         let mut entries = self.lock();
-        let key = (path.to_path_buf(), socket);
-        let previous = entries.get(&key);
+        let previous = entries.get(&BySocket(path, socket));
         let failures = previous.map_or(0, |b| b.failures);
         let delay = match previous {
             Some(b) if b.kind.is_waiting_to_listen() => (b.delay * 2).min(LISTEN_POLL_MAX),
@@ -304,7 +329,7 @@ impl BackoffTable {
             kind: FailureKind::WaitingToListen { until },
             answered: previous.and_then(|b| b.answered.clone()),
         };
-        entries.insert(key, backoff.clone());
+        entries.insert(key(path, socket), backoff.clone());
         backoff
     }
 
@@ -317,7 +342,7 @@ impl BackoffTable {
         now: Instant,
     ) -> Option<Instant> {
         let mut entries = self.lock();
-        let backoff = entries.get_mut(&(path.to_path_buf(), socket))?;
+        let backoff = entries.get_mut(&BySocket(path, socket))?;
         let FailureKind::WaitingToListen { until } = backoff.kind else {
             return None;
         };
@@ -336,8 +361,7 @@ impl BackoffTable {
         reason: String,
     ) -> Backoff {
         let mut entries = self.lock();
-        let key = (path.to_path_buf(), socket);
-        let previous = entries.get(&key);
+        let previous = entries.get(&BySocket(path, socket));
         let backoff = Backoff {
             failures: previous.map_or(0, |b| b.failures),
             delay: Duration::ZERO,
@@ -346,7 +370,7 @@ impl BackoffTable {
             kind: FailureKind::WaitingForKubelet { until },
             answered: previous.and_then(|b| b.answered.clone()),
         };
-        entries.insert(key, backoff.clone());
+        entries.insert(key(path, socket), backoff.clone());
         backoff
     }
 
@@ -355,7 +379,7 @@ impl BackoffTable {
     /// the table may hold 100,000 dead sockets.
     pub fn release_on_listen(&self, path: &Path, socket: SocketId) -> ListenReleased {
         let mut entries = self.lock();
-        let key = (path.to_path_buf(), socket);
+        let key = BySocket(path, socket);
         let released = match entries.get(&key).map(|b| &b.kind) {
             Some(FailureKind::Unserved { .. }) => ListenReleased::Unserved,
             Some(FailureKind::WaitingToListen { .. }) => ListenReleased::Waiting,
@@ -382,7 +406,7 @@ impl BackoffTable {
         self.lock().retain(|(path, _), backoff| {
             let lift = lifted(&backoff.kind);
             if lift {
-                released.push(path.clone());
+                released.push(path.0.clone());
             }
             !lift
         });
@@ -394,20 +418,20 @@ impl BackoffTable {
         self.lock()
             .iter()
             .filter(|(_, b)| b.kind.is_unserved())
-            .map(|(key, _)| key.clone())
+            .map(|((path, socket), _)| (path.0.clone(), *socket))
             .collect()
     }
 
     /// Whether nothing serves this socket (see [`Self::unserved`]).
     pub fn is_unserved(&self, path: &Path, socket: SocketId) -> bool {
         self.lock()
-            .get(&(path.to_path_buf(), socket))
+            .get(&BySocket(path, socket))
             .is_some_and(|b| b.kind.is_unserved())
     }
 
     /// The end of this socket's wait to listen, if it waits.
     pub fn waiting_to_listen_until(&self, path: &Path, socket: SocketId) -> Option<Instant> {
-        match self.lock().get(&(path.to_path_buf(), socket))?.kind {
+        match self.lock().get(&BySocket(path, socket))?.kind {
             FailureKind::WaitingToListen { until } => Some(until),
             _ => None,
         }
@@ -416,18 +440,22 @@ impl BackoffTable {
     /// Whether this socket is held (unserved or rejected): a registration of it is ended.
     pub fn is_held(&self, path: &Path, socket: SocketId) -> bool {
         self.lock()
-            .get(&(path.to_path_buf(), socket))
+            .get(&BySocket(path, socket))
             .is_some_and(|b| b.kind.is_held())
     }
 
     /// Forgets the socket's failures (success, or the socket is gone).
     pub fn reset(&self, path: &Path, socket: SocketId) {
-        self.lock().remove(&(path.to_path_buf(), socket));
+        let mut entries = self.lock();
+        // Most sockets never failed: no key to hash.
+        if !entries.is_empty() {
+            entries.remove(&BySocket(path, socket));
+        }
     }
 
     /// Forgets every backoff of `path` (its socket is gone from the tree).
     pub fn forget_path(&self, path: &Path) {
-        self.lock().retain(|(p, _), _| p != path);
+        self.lock().retain(|(p, _), _| p.0 != path);
     }
 
     /// Lifts the backoff of every plugin that failed only for lack of a (reachable) `plugin_type`
@@ -441,13 +469,13 @@ impl BackoffTable {
 
     /// The backoff of a socket, for status reporting.
     pub fn get(&self, path: &Path, socket: SocketId) -> Option<Backoff> {
-        self.lock().get(&(path.to_path_buf(), socket)).cloned()
+        self.lock().get(&BySocket(path, socket)).cloned()
     }
 
     /// Keeps `answered`, the GetInfo answer of the failed socket `socket` at `path`, with its
     /// failure (nothing when it has none).
     pub fn answered(&self, path: &Path, socket: SocketId, answered: Arc<Answered>) {
-        if let Some(backoff) = self.lock().get_mut(&(path.to_path_buf(), socket)) {
+        if let Some(backoff) = self.lock().get_mut(&BySocket(path, socket)) {
             backoff.answered = Some(answered);
         }
     }
@@ -459,11 +487,13 @@ impl BackoffTable {
         self.lock()
             .iter()
             .filter(|(_, b)| b.plugin().is_some_and(|plugin| plugin.name == name))
-            .map(|((path, _), _)| path.clone())
+            .map(|((path, _), _)| path.0.clone())
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Backoff, super::PathHasher>> {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, hashbrown::HashMap<Key, Backoff, super::PathHasher>> {
         self.entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

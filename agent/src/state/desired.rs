@@ -6,7 +6,6 @@
 
 use super::SocketId;
 use crate::provenance::{Actor, Contact, Creator};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -95,7 +94,7 @@ pub struct DesiredState {
     /// old table too; at 10,000 sockets unboxed entries made that 3.1 MB held and 1.6 MB more at
     /// the last growth, with a burst's registrations in flight (0.4 and 0.2 MB, plus 1.9 MB of
     /// entries, boxed).
-    plugins: Mutex<HashMap<Arc<Path>, Box<DesiredPlugin>, super::PathHasher>>,
+    plugins: Mutex<super::PathMap<Arc<Path>, Box<DesiredPlugin>>>,
 }
 
 impl DesiredState {
@@ -233,7 +232,7 @@ impl DesiredState {
     pub fn remove(&self, path: &Path) -> bool {
         let mut plugins = self.lock();
         let removed = plugins.remove(path).is_some();
-        crate::memory::shrink_if_sparse(&mut plugins);
+        plugins.shrink_if_sparse();
         removed
     }
 
@@ -248,7 +247,7 @@ impl DesiredState {
         for path in &gone {
             plugins.remove(path.as_path());
         }
-        crate::memory::shrink_if_sparse(&mut plugins);
+        plugins.shrink_if_sparse();
         gone
     }
 
@@ -260,6 +259,11 @@ impl DesiredState {
     /// The socket instance desired at `path`, without copying its entry.
     pub fn socket_of(&self, path: &Path) -> Option<SocketId> {
         self.lock().get(path).map(|d| d.socket)
+    }
+
+    /// The generation and socket instance desired at `path`, without copying its entry.
+    pub fn instance_of(&self, path: &Path) -> Option<(Uuid, SocketId)> {
+        self.lock().get(path).map(|d| (d.generation, d.socket))
     }
 
     /// Every desired path (the table's own allocations, shared) with when it was seen: what a
@@ -303,9 +307,7 @@ impl DesiredState {
         self.len() == 0
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<Arc<Path>, Box<DesiredPlugin>, super::PathHasher>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, super::PathMap<Arc<Path>, Box<DesiredPlugin>>> {
         // A panic while holding the lock cannot leave the map half-updated (single inserts/removes),
         // so a poisoned lock is still consistent.
         self.plugins

@@ -24,16 +24,19 @@
 /// collide cannot be chosen in advance by whoever creates sockets in the tree.
 pub type PathHasher = foldhash::fast::RandomState;
 
+pub use path_key::{PathKey, PathMap};
+
 pub mod actual;
 pub mod backoff;
 pub mod desired;
+pub mod path_key;
 pub mod plugin_state;
 pub mod queue;
 pub mod safety_pass;
 pub mod verdict;
 pub mod view;
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::os::fd::{AsRawFd as _, BorrowedFd};
 use std::path::Path;
 
@@ -81,8 +84,13 @@ pub enum EntryKind {
 impl EntryKind {
     /// Looks at `path` without following a final symlink.
     pub fn of(path: &Path) -> std::io::Result<EntryKind> {
-        let c_path = c_path(path)?;
-        Self::at(nix::fcntl::AT_FDCWD, &c_path)
+        use nix::NixPath as _;
+        // The path with its NUL on the stack (nix's copy, under 1 KiB), not a `CString`: two
+        // looks per plugin, an allocation each.
+        path.with_nix_path(|c_path| Self::at(nix::fcntl::AT_FDCWD, c_path))
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL")
+            })?
     }
 
     /// Looks at `name` in the open directory `dir` without following a final symlink: one
@@ -116,12 +124,6 @@ impl EntryKind {
             _ => EntryKind::Other,
         })
     }
-}
-
-fn c_path(path: &Path) -> std::io::Result<CString> {
-    use std::os::unix::ffi::OsStrExt;
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"))
 }
 
 /// Hash of the entry's file handle, which includes the inode generation; `None` when the
@@ -200,6 +202,7 @@ fn statx(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc::statx> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
     use std::os::fd::AsFd as _;
 
     /// Issue 44, item 7: a tree of 100,000 dead sockets holds one desired entry and one held

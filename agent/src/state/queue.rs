@@ -12,6 +12,7 @@
 //! hashed set started them in hash order: with eBPF, whose ring delivers a burst's binds in a few
 //! large batches, the median plugin waited for half the burst.)
 
+use super::PathKey;
 use indexmap::IndexSet;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -27,7 +28,7 @@ pub struct ReconcileQueue {
 #[derive(Debug, Default)]
 struct Dirty {
     everything: bool,
-    paths: IndexSet<PathBuf, super::PathHasher>,
+    paths: IndexSet<PathKey<PathBuf>, super::PathHasher>,
 }
 
 /// What the reconciler should look at.
@@ -35,14 +36,14 @@ struct Dirty {
 pub enum Work {
     /// Every desired and every registered path.
     Everything,
-    /// Just these, in the order they were first marked.
-    Paths(IndexSet<PathBuf, super::PathHasher>),
+    /// Just these, in the order they were first marked (each once).
+    Paths(Vec<PathBuf>),
 }
 
 impl ReconcileQueue {
     /// `path` changed: look at it soon.
     pub fn mark(&self, path: PathBuf) {
-        self.lock().paths.insert(path);
+        self.lock().paths.insert(PathKey(path));
         self.wake.notify_one();
     }
 
@@ -61,7 +62,8 @@ impl ReconcileQueue {
         } else if dirty.paths.is_empty() {
             return None;
         } else {
-            Work::Paths(std::mem::take(&mut dirty.paths))
+            let paths = std::mem::take(&mut dirty.paths);
+            Work::Paths(paths.into_iter().map(|path| path.0).collect())
         };
         Some(work)
     }

@@ -268,20 +268,18 @@ pub struct Duplicate {
 
 /// The other sockets registered (or observed) with `registered`'s type and name, each said
 /// newer or older (by registration time, then path).
+/// `others` are those sockets, with when each was registered (`ActualState::others_named`).
 pub fn duplicates(
     path: &Path,
     registered: &RegisteredPlugin,
-    named: Vec<(PathBuf, RegisteredPlugin)>,
+    others: Vec<(PathBuf, SystemTime)>,
 ) -> Vec<Duplicate> {
     let mine = (registered.registered_at, path);
-    named
+    others
         .into_iter()
-        .filter(|(other, entry)| {
-            other != path && entry.plugin.plugin_type == registered.plugin.plugin_type
-        })
-        .map(|(other, entry)| Duplicate {
-            newer: (entry.registered_at, other.as_path()) > mine,
-            registered_at: entry.registered_at,
+        .map(|(other, registered_at)| Duplicate {
+            newer: (registered_at, other.as_path()) > mine,
+            registered_at,
             path: other,
         })
         .collect()

@@ -22,7 +22,7 @@
 //!   yes      no                                  no (none, or due)   Pending
 //! ```
 
-use super::actual::{ActualState, RegisteredPlugin};
+use super::actual::{ActualState, Registered, RegisteredPlugin};
 use super::backoff::{Backoff, BackoffTable, FailureKind};
 use super::desired::{DesiredPlugin, DesiredState};
 pub use super::plugin_state::PluginState;
@@ -91,11 +91,7 @@ pub enum Next {
 /// The rule of [`Next`]. `desired` is the generation of the socket desired at the path; when
 /// nothing is registered and the socket is held, it is not looked at (the reconciler need not
 /// read the entry of every dead socket in a tree).
-pub fn next(
-    desired: Option<uuid::Uuid>,
-    registered: Option<&RegisteredPlugin>,
-    held: bool,
-) -> Next {
+pub fn next(desired: Option<uuid::Uuid>, registered: Option<Registered>, held: bool) -> Next {
     match registered {
         Some(r) if desired == Some(r.generation) && !held => {
             if r.interrupted {
@@ -121,7 +117,11 @@ pub fn derive(
 ) -> PluginState {
     let held = backoff.map(|b| &b.kind).filter(|kind| kind.is_held());
     match (
-        next(desired.map(|d| d.generation), registered, held.is_some()),
+        next(
+            desired.map(|d| d.generation),
+            registered.map(RegisteredPlugin::summary),
+            held.is_some(),
+        ),
         registered,
     ) {
         (Next::Keep, Some(r)) if r.handler.is_none() => PluginState::Observed,
@@ -185,7 +185,7 @@ impl StateView {
             Some(registered) if !registered.plugin.name.is_empty() => verdict::duplicates(
                 &status.path,
                 registered,
-                self.actual.named(&registered.plugin.name),
+                self.actual.others_named(&status.path, &registered.plugin),
             ),
             _ => Vec::new(),
         }

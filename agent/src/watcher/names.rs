@@ -31,8 +31,8 @@ impl Watcher {
         let dirs: Vec<PathBuf> = self
             .dirs
             .keys()
-            .chain(self.anchor.iter().map(|a| &a.path))
-            .cloned()
+            .chain(self.anchor.iter().map(|a| a.path.as_path()))
+            .map(Path::to_path_buf)
             .collect();
         let mut candidates: Vec<PathBuf> = Vec::new();
         for dir in &dirs {
@@ -70,7 +70,7 @@ impl Watcher {
             self.dirs
                 .keys()
                 .filter(|path| has_wanted_name(path))
-                .cloned(),
+                .map(Path::to_path_buf),
         );
         for dir in dirs {
             let Ok(entries) = std::fs::read_dir(dir) else {

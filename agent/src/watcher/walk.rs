@@ -199,7 +199,7 @@ impl Watcher {
             if let Err(e) = self.source.watch(watched) {
                 warn!(dir = %dir.display(), error = %e, "cannot watch directory; relying on rescans for it");
             }
-            self.dirs.insert(dir.to_path_buf(), watched.clone());
+            self.dirs.insert(dir, watched.clone());
             self.telemetry
                 .watcher
                 .watched_dirs
@@ -343,7 +343,7 @@ impl Watcher {
             .dirs
             .keys()
             .filter(|d| !seen_dirs.contains(d.as_os_str()) && !report.keeps(d))
-            .cloned()
+            .map(Path::to_path_buf)
             .collect();
         // The desired paths the walk did not find (copying no entry: a safety pass over 100,000
         // sockets copied every one, ~30 MB at a time, to compare paths).
