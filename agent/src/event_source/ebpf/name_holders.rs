@@ -8,11 +8,15 @@
 //! copy of the names: a burst of 10,000 plugins keeps 10,000 in the kernel's table and none here.
 //! Before, userspace kept a row per name (a 22-byte inline name, the directory, the id): 0.54 MB
 //! at 10,000 plugins, the one table an eBPF agent kept that a fanotify agent does not, bought
-//! back with a map lookup (one `bpf` syscall) per removal and per name a walk announces (a new
-//! name announced alone is still one insertion: see `Filters::remember_name`; a start's first
-//! walk looks nothing up: see `Fresh` there). What stays here is
-//! what is rare: the other directories holding a name (`csi.sock` in every driver's directory)
-//! and the names of directories by id.
+//! back with a map lookup (one `bpf` syscall) per name a walk announces that the table may hold
+//! already (a new name announced alone is still one insertion: see `Filters::remember_name`; a
+//! start's first walk looks nothing up: see `Fresh` there) and per removal of a name shared or
+//! a directory's. What stays here is what is rare: the other directories holding a name
+//! (`csi.sock` in every driver's directory) and the names of directories by id.
+//!
+//! A socket's name no other directory holds leaves the table by one deletion, without looking
+//! its entry up first: its only holder is the kernel entry's, the directory letting go (see
+//! [`NameHolders::release`]). A churn's removals were a lookup and a deletion each.
 
 use std::collections::HashMap;
 
@@ -49,6 +53,8 @@ pub struct NameHolders {
     also_in: HashMap<Box<[u8]>, Vec<DirIndex>>,
     /// Directory names only: a record names its path's parent component, never a socket.
     by_id: HashMap<u32, Box<[u8]>>,
+    /// The names `by_id` holds, to tell a directory's name from a socket's without a lookup.
+    ids: HashMap<Box<[u8]>, u32>,
     dirs: HashMap<DirKey, DirIndex>,
     next_dir: u32,
 }
@@ -118,12 +124,21 @@ impl NameHolders {
 
     /// The name `name` in the table has the id `id` now.
     pub fn named(&mut self, name: &[u8], id: u32) {
-        self.by_id.insert(id, name.into());
+        if let Some(previous) = self.by_id.insert(id, name.into()) {
+            self.ids.remove(&previous);
+        }
+        self.ids.insert(name.into(), id);
     }
 
     /// `dir` no longer holds `name` (`key`). The name leaves the kernel's table when no watched
     /// directory holds it any more (then true); another holder takes the entry's place when it
     /// was the entry's.
+    ///
+    /// A socket's name that no other directory holds is deleted without a lookup: `dir` holds
+    /// it, so the kernel entry is `dir`'s. (`dir` holds every name the watcher takes back in it
+    /// but one whose announcement was not kept, and the table is then marked incomplete, which
+    /// has the kernel place removals by their parent directory's name: a name deleted that way
+    /// while another directory held it loses no removal.)
     pub fn release(
         &mut self,
         table: &mut NameTable,
@@ -131,6 +146,14 @@ impl NameHolders {
         name: &[u8],
         dir: DirIndex,
     ) -> bool {
+        if dir == DirIndex::NONE {
+            // An index is given on a directory's first announcement: this one holds nothing.
+            return false;
+        }
+        if !self.also_in.contains_key(name) && !self.ids.contains_key(name) {
+            // Absent keys are fine (`ENOENT`: not in the table).
+            return table.remove(key).is_ok();
+        }
         let Some(mut holder) = holder(table, key) else {
             return false;
         };
@@ -142,9 +165,12 @@ impl NameHolders {
             // Absent keys are fine: the lookup and the removal are both under the caller's lock,
             // so only a kernel error leaves the name, which then over-reports.
             let removed = table.remove(key).is_ok();
-            if holder.id != 0 {
-                self.by_id.remove(&holder.id);
+            if holder.id != 0
+                && let Some(name) = self.by_id.remove(&holder.id)
+            {
+                self.ids.remove(&name);
                 crate::memory::shrink_if_sparse(&mut self.by_id);
+                crate::memory::shrink_if_sparse(&mut self.ids);
             }
             return removed;
         };
@@ -173,6 +199,7 @@ impl NameHolders {
     pub fn clear(&mut self) {
         self.also_in = HashMap::new();
         self.by_id = HashMap::new();
+        self.ids = HashMap::new();
     }
 }
 
@@ -306,10 +333,38 @@ mod tests {
         assert_eq!(h.name_of(7), Some(b"driver".as_slice()));
         assert!(!release(t, h, "driver", a));
         assert_eq!(h.name_of(7), None);
+        assert!(
+            h.ids.is_empty(),
+            "a directory's name is forgotten with its id"
+        );
         insert(t, h, "other", a, 8);
         h.clear();
         assert_eq!(h.name_of(8), None);
         assert_eq!(h.dir(key(1)), a, "a watched directory keeps its index");
+    }
+
+    /// A socket's name held by one directory goes in one deletion (no lookup): the kernel
+    /// entry is that directory's. A directory that never announced anything holds nothing.
+    #[test]
+    fn a_sole_holder_lets_go_of_its_name() {
+        let Some(mut table) = name_table(16) else {
+            return;
+        };
+        let mut holders = NameHolders::default();
+        let (a, b) = (holders.dir(key(1)), holders.dir(key(2)));
+        let (t, h) = (&mut table, &mut holders);
+        insert(t, h, "p.sock", a, 0);
+        assert!(
+            release(t, h, "p.sock", DirIndex::NONE),
+            "no directory's index: stays"
+        );
+        assert!(!release(t, h, "p.sock", a), "its one holder takes it out");
+        assert!(!release(t, h, "p.sock", a), "gone: nothing to take out");
+        // Shared, it leaves with its last holder, whichever went first.
+        insert(t, h, "q.sock", a, 0);
+        assert_eq!(hold(t, h, "q.sock", b), Some(true));
+        assert!(release(t, h, "q.sock", a));
+        assert!(!release(t, h, "q.sock", b));
     }
 
     #[test]
