@@ -252,12 +252,17 @@ pub fn peer_pidfd(connection: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 }
 
 /// Whether `pidfd` lives on pidfs (Linux 6.9: one inode per process, never reused; before, pidfds
-/// are anonymous inodes, all alike).
+/// are anonymous inodes, all alike). Where pidfds live is the running kernel's property, the same
+/// for every pidfd: the first answer is kept, so a registration pays no `fstatfs(2)` for it.
 pub fn on_pidfs(pidfd: BorrowedFd<'_>) -> io::Result<bool> {
     /// `PID_FS_MAGIC`.
     const PIDFS_MAGIC: i64 = 0x5049_4446;
+    static ON_PIDFS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if let Some(&known) = ON_PIDFS.get() {
+        return Ok(known);
+    }
     let fs = nix::sys::statfs::fstatfs(pidfd).map_err(io::Error::from)?;
-    Ok(fs.filesystem_type().0 as i64 == PIDFS_MAGIC)
+    Ok(*ON_PIDFS.get_or_init(|| fs.filesystem_type().0 as i64 == PIDFS_MAGIC))
 }
 
 fn pidfd_of_self() -> Result<OwnedFd, Found> {
