@@ -14,9 +14,11 @@
 //! registers the plugin again, which handlers take as a refresh (docs/operations.md).
 
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 /// SIGTERM to exit, at most.
 pub const DEADLINE: Duration = Duration::from_secs(5);
@@ -41,11 +43,34 @@ pub fn remaining() -> Duration {
 }
 
 /// Runs `work` unless `stop` fires first (then `None`: the work is dropped where it waits).
-pub async fn unless_stopping<F: Future>(stop: &CancellationToken, work: F) -> Option<F::Output> {
-    tokio::select! {
-        biased;
-        _ = stop.cancelled() => None,
-        output = work => Some(output),
+pub fn unless_stopping<F: Future>(stop: &CancellationToken, work: F) -> UnlessStopping<'_, F> {
+    UnlessStopping {
+        stopped: stop.cancelled(),
+        work,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`unless_stopping`]: `work` polled where it lies, after the stop. (As an `async fn` over
+    /// `select!`, the work was moved twice more before its first poll, and a registration's dial
+    /// is kilobytes of future.)
+    pub struct UnlessStopping<'a, F> {
+        #[pin]
+        stopped: WaitForCancellationFuture<'a>,
+        #[pin]
+        work: F,
+    }
+}
+
+impl<F: Future> Future for UnlessStopping<'_, F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if this.stopped.poll(cx).is_ready() {
+            return Poll::Ready(None);
+        }
+        this.work.poll(cx).map(Some)
     }
 }
 
@@ -69,6 +94,20 @@ mod tests {
         stop.cancel();
         let ran = unless_stopping(&stop, async { true }).await;
         assert_eq!(ran, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_ends_where_it_waits_when_the_stop_comes_and_runs_to_its_end_otherwise() {
+        let stop = CancellationToken::new();
+        assert_eq!(unless_stopping(&stop, async { 7 }).await, Some(7));
+        let stopping = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stopping.cancel();
+        });
+        let started = Instant::now();
+        let waited = unless_stopping(&stop, std::future::pending::<()>()).await;
+        assert_eq!((waited, started.elapsed()), (None, Duration::from_secs(1)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -186,7 +186,8 @@ pub fn event_to_api(event: &AgentEvent) -> api::AgentEvent {
     api::AgentEvent {
         time_unix_nanos: unix_nanos(event.at),
         kind: kind as i32,
-        socket_path: event.socket_path.display().to_string(),
+        // As `display()` writes it (invalid UTF-8 replaced), without the formatting machinery.
+        socket_path: event.socket_path.to_string_lossy().into_owned(),
         plugin: event.plugin.as_ref().map(to_api),
         error: event.error.clone().unwrap_or_default(),
         latency_us: event

@@ -35,9 +35,13 @@ pub use contract::{HandlerError, Plugin, PluginHandler};
 /// Handlers by plugin type. It can change while the agent runs: adding a handler makes the
 /// plugins that were waiting for it register at once (the executor is told through `on_change`).
 pub struct HandlerRegistry {
-    handlers: RwLock<HashMap<String, Arc<dyn PluginHandler>>>,
+    handlers: RwLock<Handlers>,
     on_change: RwLock<Vec<ChangeCallback>>,
 }
+
+/// Handlers by plugin type, looked up once per operation: hashed with foldhash (SipHash's
+/// lookup cost as much as the in-process handler's call).
+type Handlers = HashMap<String, Arc<dyn PluginHandler>, foldhash::fast::RandomState>;
 
 /// Called with the plugin type whose handler was added, replaced or removed.
 type ChangeCallback = Box<dyn Fn(&str) + Send + Sync>;
@@ -45,7 +49,7 @@ type ChangeCallback = Box<dyn Fn(&str) + Send + Sync>;
 impl Default for HandlerRegistry {
     fn default() -> Self {
         HandlerRegistry {
-            handlers: RwLock::new(HashMap::new()),
+            handlers: RwLock::new(Handlers::default()),
             on_change: RwLock::new(Vec::new()),
         }
     }
@@ -136,7 +140,7 @@ impl HandlerRegistry {
         }
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<dyn PluginHandler>>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Handlers> {
         self.handlers
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -154,11 +154,15 @@ impl HandlerCalls {
 /// One async lock per (plugin type, name): handler calls for one plugin are strictly sequential.
 #[derive(Default)]
 struct NameLocks {
-    locks: Mutex<HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Mutex<Locks>,
 }
 
 /// (plugin type, plugin name).
 type PluginKey = (String, String);
+
+/// The locks held or waited for, hashed with foldhash (SipHash cost more than the rest of a
+/// lock's taking and release).
+type Locks = HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>, foldhash::fast::RandomState>;
 
 impl NameLocks {
     async fn lock(&self, plugin_type: &str, name: &str) -> NameGuard<'_> {
@@ -173,7 +177,7 @@ impl NameLocks {
         }
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<PluginKey, Arc<tokio::sync::Mutex<()>>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, Locks> {
         self.locks
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -9,6 +9,7 @@ use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::{Contact, KUBELET_FIRST};
 use crate::registration::OnInvalid;
+use crate::state::actual::RegisteredPlugin;
 use crate::state::desired::DesiredPlugin;
 use std::path::Path;
 
@@ -23,7 +24,7 @@ impl Runner {
         slot: &mut Slot,
         found: Option<tokio::net::UnixStream>,
         contact: Contact,
-    ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
+    ) -> Result<(RegisteredPlugin, Option<Server>), RegisterFailure> {
         let mut server = None;
         let plugin = match contact {
             Contact::Never => Plugin {
@@ -54,14 +55,14 @@ impl Runner {
                 .map_err(RegisterFailure::Rejected)?,
             Contact::Never => self.admission.provenance_of(desired, None),
         };
-        self.actual.add_observed(
+        let entry = self.actual.add_observed(
             desired.path.clone(),
             desired.generation,
             desired.socket,
-            plugin.clone(),
+            plugin,
             provenance,
         );
-        Ok((plugin, server))
+        Ok((entry, server))
     }
 
     /// Whether the plugin may be asked now: kubelet (any process but the agent) has connected

@@ -6,7 +6,6 @@
 use crate::persist::Journal;
 use crate::provenance::Provenance;
 use crate::state::actual::{ActualState, RegisteredPlugin};
-use crate::state::desired::DesiredPlugin;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use uuid::Uuid;
@@ -40,17 +39,18 @@ impl Records {
         }
     }
 
-    /// A registration of `desired` finished: journalled (if a journal is kept); returns who
-    /// made and serves the socket, for its report.
-    pub fn registered(&self, path: &Path, desired: &DesiredPlugin) -> Option<Provenance> {
-        let entry = self
-            .actual
-            .get(path)
-            .filter(|e| e.generation == desired.generation)?;
-        if let Some(journal) = self.journal.get() {
-            journal.registered(path, &entry);
+    /// The registration `entry` (as [`Records::begin`] was given it) finished: journalled (if a
+    /// journal is kept) unless its entry left actual state meanwhile; returns who made and
+    /// serves the socket, for its report. (Entries are replaced, never changed in place: the
+    /// operation's copy is the recorded entry, and is not copied again.)
+    pub fn registered(&self, path: &Path, entry: &RegisteredPlugin) -> Option<Provenance> {
+        if !self.actual.is_registered(path, entry.generation) {
+            return None;
         }
-        Some(entry.provenance)
+        if let Some(journal) = self.journal.get() {
+            journal.registered(path, entry);
+        }
+        Some(entry.provenance.clone())
     }
 
     /// Takes `path`'s registration `generation` out of actual state for its deregistration or

@@ -35,56 +35,77 @@ impl Runner {
         slot: &mut Slot,
         found: Option<tokio::net::UnixStream>,
         answered: &mut Option<Answered>,
-    ) -> Result<(Plugin, Option<Server>), RegisterFailure> {
+    ) -> Result<(RegisteredPlugin, Option<Server>), RegisterFailure> {
         // Every step is boxed where it is awaited: a future is as large as its largest step, and
         // an operation that waits (for a slot, or in a dial's pauses) should cost that wait's
-        // few bytes, not the HTTP/2 connection's and the handler call's kilobytes.
-        let (mut connection, plugin, provenance) =
+        // few bytes, not the HTTP/2 connection's and the handler call's kilobytes. The steps
+        // after the plugin answered share one box: one runs at a time.
+        let (connection, plugin, provenance) =
             Box::pin(self.describe(path, desired, slot, found)).await?;
-        // Kept with a failure from here on (`explain` by driver name, its timeline).
-        *answered = Some(Answered {
-            at: std::time::SystemTime::now(),
-            plugin: plugin.clone(),
-        });
+        let described_at = std::time::SystemTime::now();
+        let steps = self.register_described(path, desired, slot, connection, &plugin, provenance);
+        match Box::pin(steps).await {
+            Ok(registered) => Ok(registered),
+            Err(error) => {
+                // Kept with a failure after GetInfo (`explain` by driver name, its timeline).
+                *answered = Some(Answered {
+                    at: described_at,
+                    plugin,
+                });
+                Err(error)
+            }
+        }
+    }
+
+    /// The steps after a valid `GetInfo` answer: the handler's validation, actual state and
+    /// the journal, the handler's Register, Notify(true); a failure is told to the plugin and
+    /// rolled back. Returns the actual-state entry and who serves the socket.
+    async fn register_described(
+        &self,
+        path: &Path,
+        desired: &DesiredPlugin,
+        slot: &mut Slot,
+        mut connection: PluginConnection,
+        plugin: &Plugin,
+        provenance: Provenance,
+    ) -> Result<(RegisteredPlugin, Option<Server>), RegisterFailure> {
         let Some(handler) = self.handlers.get(&plugin.plugin_type) else {
             let error = RegisterFailure::NoHandler {
                 plugin_type: plugin.plugin_type.clone(),
                 socket: plugin.socket_path.clone(),
             };
-            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
+            notify_failure(&mut connection, &error.to_string()).await;
             return Err(error);
         };
         // Every handler call about this plugin, the rollback's too, one at a time.
-        let _name = self.calls.one_at_a_time(&plugin).await;
-        let validated = self.validate_and_record(path, desired, &plugin, &handler, provenance);
-        let entry = match Box::pin(validated).await {
+        let _name = self.calls.one_at_a_time(plugin).await;
+        let validated = self.validate_and_record(path, desired, plugin, &handler, provenance);
+        let entry = match validated.await {
             Ok(entry) => entry,
             Err(error) => {
-                Box::pin(notify_failure(&mut connection, &error.to_string())).await;
+                notify_failure(&mut connection, &error.to_string()).await;
                 return Err(error);
             }
         };
         let call = HandlerCall::Register;
         let registered = self
             .calls
-            .call(call, &plugin.plugin_type, handler.register(&plugin));
-        if let Err(e) = Box::pin(registered).await {
-            let error = call.failure(e, &plugin);
-            Box::pin(notify_failure(&mut connection, &error.to_string())).await;
+            .call(call, &plugin.plugin_type, handler.register(plugin));
+        if let Err(e) = registered.await {
+            let error = call.failure(e, plugin);
+            notify_failure(&mut connection, &error.to_string()).await;
             Box::pin(self.roll_back(path, &entry)).await;
             return Err(error);
         }
-        if let Err(e) = Box::pin(
-            connection
-                .notify_redialing(path, desired.socket, true, "", slot)
-                .instrument(info_span!("NotifyRegistrationStatus", registered = true)),
-        )
-        .await
+        if let Err(e) = connection
+            .notify_redialing(path, desired.socket, true, "", slot)
+            .instrument(info_span!("NotifyRegistrationStatus", registered = true))
+            .await
         {
             Box::pin(self.roll_back(path, &entry)).await;
             return Err(e.into());
         }
-        Ok((plugin, connection.take_server()))
+        Ok((entry, connection.take_server()))
     }
 
     /// Dials the plugin, asks what it is, and whether the policy lets it register (a refusal
@@ -157,7 +178,7 @@ impl Runner {
         found: Option<tokio::net::UnixStream>,
         on_invalid: OnInvalid,
     ) -> Result<(PluginConnection, PluginInfo), RegisterFailure> {
-        let steps = self.steps_recording_listen(path, desired);
+        let steps = self.steps_recording_listen(desired);
         let answer = slot.dialling(async |slot: &mut Slot| {
             PluginConnection::get_info(
                 path,
@@ -170,7 +191,8 @@ impl Runner {
             )
             .await
         });
-        match Box::pin(crate::shutdown::unless_stopping(&self.cancel, answer)).await {
+        // Not boxed: this future is the step's own (`describe`'s box, observe mode's).
+        match crate::shutdown::unless_stopping(&self.cancel, answer).await {
             Some(answer) => Ok(answer?),
             None => Err(RegisterFailure::ShuttingDown),
         }
@@ -178,11 +200,11 @@ impl Runner {
 
     /// The step timer of a dial of `desired`, recording the socket listening when the dial
     /// reaches it, if no listen of it is known yet (`explain`'s timeline).
-    fn steps_recording_listen(&self, path: &Path, desired: &DesiredPlugin) -> StepTimer {
+    fn steps_recording_listen(&self, desired: &DesiredPlugin) -> StepTimer {
         let (None, Some(table)) = (&desired.listening, self.desired.get()) else {
             return self.steps.clone();
         };
-        let (table, path, socket) = (table.clone(), path.to_path_buf(), desired.socket);
+        let (table, path, socket) = (table.clone(), desired.path.clone(), desired.socket);
         self.steps.also(move |step, _, ok| {
             if step == Step::Dial && ok {
                 let listening = Listening {

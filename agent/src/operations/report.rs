@@ -9,9 +9,9 @@
 
 use super::failure::RegisterFailure;
 use crate::event_source::monotonic_now_ns;
-use crate::handler::Plugin;
 use crate::provenance::Provenance;
 use crate::registration::StepTimer;
+use crate::state::actual::RegisteredPlugin;
 use crate::state::backoff::{BackoffTable, FailureKind};
 use crate::state::desired::DesiredPlugin;
 use crate::telemetry::Telemetry;
@@ -85,16 +85,21 @@ pub fn operation_span(
     (span, Some(cx))
 }
 
-/// Runs `operation` in `context` (its trace's, from [`operation_span`]), if any.
+/// Runs `operation` in `context` (its trace's, from [`operation_span`]), if any; without a
+/// trace, as it is (no context is attached to the tasks that run operations, so there is none
+/// to carry, and attaching one on every poll cost more than the rest of the span handling).
 /// One future either way (a `match` over two awaits made it twice the operation's size, and a
-/// registration waiting for its socket to listen holds it all along): without a trace, the
-/// context is the one current here.
+/// registration waiting for its socket to listen holds it all along).
 pub fn in_context<F: std::future::Future>(
     context: Option<opentelemetry::Context>,
     operation: F,
-) -> opentelemetry::trace::WithContext<F> {
+) -> futures::future::Either<opentelemetry::trace::WithContext<F>, F> {
+    use futures::future::Either;
     use opentelemetry::trace::FutureExt as _;
-    operation.with_context(context.unwrap_or_else(opentelemetry::Context::current))
+    match context {
+        Some(context) => Either::Left(operation.with_context(context)),
+        None => Either::Right(operation),
+    }
 }
 
 /// Writes `value` as the operation span's field `key` (the log's), and on its trace.
@@ -135,7 +140,7 @@ pub fn register_ended(
     telemetry: &Telemetry,
     source: &'static str,
     desired: &DesiredPlugin,
-    result: &Result<Plugin, RegisterFailure>,
+    result: &Result<RegisteredPlugin, RegisterFailure>,
     took: Duration,
 ) -> RegisterEnded {
     let outcome = result

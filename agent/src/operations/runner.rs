@@ -10,12 +10,12 @@ use super::records::Records;
 use super::report;
 use crate::event_source::monotonic_now_ns;
 use crate::executor::ExecutorConfig;
-use crate::handler::{HandlerRegistry, Plugin};
+use crate::handler::HandlerRegistry;
 use crate::liveness::{Liveness, ServedBy, Server, Unserved};
 use crate::notifications::{AgentEvent, EventKind, NotificationBus};
 use crate::policy::Policy;
 use crate::provenance::Resolver;
-use crate::state::actual::ActualState;
+use crate::state::actual::{ActualState, RegisteredPlugin};
 use crate::state::backoff::BackoffTable;
 use crate::state::desired::{DesiredPlugin, DesiredState};
 use crate::state::queue::ReconcileQueue;
@@ -190,12 +190,12 @@ impl Runner {
         reload
     }
 
-    /// A registration that succeeded (`started` when it got its slot): its socket's failures
-    /// cleared, then recorded, its server watched, and reported.
+    /// A registration that succeeded (`started` when it got its slot), its actual-state `entry`:
+    /// its socket's failures cleared, then recorded, its server watched, and reported.
     pub(super) fn registered(
         &self,
         desired: &DesiredPlugin,
-        plugin: Plugin,
+        entry: RegisteredPlugin,
         server: Option<Server>,
         started: Instant,
     ) {
@@ -210,7 +210,8 @@ impl Runner {
             (EventKind::Registered, "plugin registered")
         };
         // Recorded before it is reported: a kill after the report loses nothing.
-        let provenance = self.records.registered(path, desired);
+        let provenance = self.records.registered(path, &entry);
+        let plugin = entry.plugin;
         let (served_by, created_by) = report::describe(provenance.as_ref());
         if let Some(server) = server {
             debug!(%server, "the plugin's server, watched for its exit");

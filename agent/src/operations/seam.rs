@@ -6,7 +6,6 @@ use super::failure::RegisterFailure;
 use super::report;
 use super::runner::Runner;
 use crate::executor::{Ended, Operation, OperationRunner, Registration, Slot};
-use crate::handler::Plugin;
 use crate::liveness::Server;
 use crate::mode::Mode;
 use crate::state::actual::RegisteredPlugin;
@@ -55,8 +54,8 @@ impl OperationRunner for Runner {
             let report =
                 report::register_ended(telemetry, source, &desired, &result, queued.elapsed());
             let ended = match result {
-                Ok(plugin) => {
-                    self.registered(&desired, plugin, server, started);
+                Ok(entry) => {
+                    self.registered(&desired, entry, server, started);
                     Ended::Done
                 }
                 Err(error) => self.failures.record(&path, &desired, error, answered),
@@ -144,7 +143,8 @@ fn register_span(
 }
 
 /// Runs the mode's steps; what they found, as the report and the failure records want it
-/// (`answered`: the plugin's valid GetInfo answer, kept with a failure after it).
+/// (the plugin's actual-state entry; `answered`: the plugin's valid GetInfo answer, kept with a
+/// failure after it).
 async fn steps(
     runner: &Runner,
     path: &Path,
@@ -152,7 +152,7 @@ async fn steps(
     slot: &mut Slot,
     found: Option<tokio::net::UnixStream>,
     answered: &mut Option<Answered>,
-) -> (Result<Plugin, RegisterFailure>, Option<Server>) {
+) -> (Result<RegisteredPlugin, RegisterFailure>, Option<Server>) {
     // Boxed where awaited: this future lives as long as the operation (through every pause
     // of a socket that does not listen yet), the steps only while they run.
     match runner.config.mode {
@@ -161,5 +161,5 @@ async fn steps(
             Box::pin(runner.run_observe(path, desired, slot, found, contact)).await
         }
     }
-    .map_or_else(|e| (Err(e), None), |(plugin, server)| (Ok(plugin), server))
+    .map_or_else(|e| (Err(e), None), |(entry, server)| (Ok(entry), server))
 }

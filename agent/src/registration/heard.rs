@@ -5,6 +5,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
@@ -34,9 +35,13 @@ pub(super) struct HeardStream {
 /// HTTP/2 SETTINGS frame every gRPC server opens with).
 #[derive(Debug, Default)]
 pub(super) struct PeerBytes {
-    first: std::sync::Mutex<Vec<u8>>,
+    /// The first bytes and how many of them arrived (at most a frame header).
+    first: std::sync::Mutex<([u8; FRAME_HEADER], usize)>,
     /// When the first bytes arrived.
     heard_at: std::sync::OnceLock<Instant>,
+    /// All of a frame header is in `first`: later reads record nothing (every read of the
+    /// connection passes here; this spares them the lock and the clock).
+    full: AtomicBool,
 }
 
 /// Length of an HTTP/2 frame header: 3 bytes length, type, flags, 4 bytes stream id.
@@ -46,12 +51,20 @@ const SETTINGS: u8 = 0x4;
 
 impl PeerBytes {
     pub(super) fn record(&self, data: &[u8]) {
-        if !data.is_empty() {
+        if data.is_empty() || self.full.load(Ordering::Acquire) {
+            return;
+        }
+        if self.heard_at.get().is_none() {
             let _ = self.heard_at.set(Instant::now());
         }
         let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
-        let room = FRAME_HEADER.saturating_sub(first.len());
-        first.extend_from_slice(&data[..room.min(data.len())]);
+        let (bytes, len) = &mut *first;
+        let taken = (FRAME_HEADER - *len).min(data.len());
+        bytes[*len..*len + taken].copy_from_slice(&data[..taken]);
+        *len += taken;
+        if *len == FRAME_HEADER {
+            self.full.store(true, Ordering::Release);
+        }
     }
 
     pub(super) fn heard(&self) -> bool {
@@ -64,13 +77,14 @@ impl PeerBytes {
 
     /// Why the peer is not an HTTP/2 server, if its first bytes prove it.
     pub(super) fn not_http2(&self) -> Option<String> {
-        let first = self.first.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let (bytes, len) = *self.first.lock().unwrap_or_else(|p| p.into_inner());
+        let first = &bytes[..len];
         let wrong_type = first.len() > 3 && first[3] != SETTINGS;
         let wrong_stream = first.len() == FRAME_HEADER && first[5..9] != [0, 0, 0, 0];
         (wrong_type || wrong_stream).then(|| {
             format!(
                 "the plugin's listener does not speak gRPC: it sent {:?} instead of an HTTP/2 SETTINGS frame",
-                String::from_utf8_lossy(&first)
+                String::from_utf8_lossy(first)
             )
         })
     }
@@ -119,6 +133,24 @@ mod tests {
         peer.record(&[0, 0, 18, SETTINGS, 0, 0, 0, 0, 0, 0, 3]);
         assert!(peer.heard());
         assert_eq!(peer.not_http2(), None);
+    }
+
+    /// A frame header split over reads is put together; what follows it is not kept.
+    #[test]
+    fn the_first_frame_header_is_gathered_across_reads() {
+        let peer = PeerBytes::default();
+        peer.record(&[0, 0, 18]);
+        let heard_at = peer.heard_at();
+        assert!(heard_at.is_some());
+        peer.record(&[SETTINGS, 0, 0, 0, 0]);
+        peer.record(&[0, 0, 3, 0xff]);
+        assert_eq!(peer.not_http2(), None);
+        assert_eq!(peer.heard_at(), heard_at, "heard when the first bytes came");
+        let split = PeerBytes::default();
+        split.record(b"HTTP/1");
+        split.record(b".1 400 Bad Request");
+        let why = split.not_http2().expect("not HTTP/2");
+        assert!(why.contains("\"HTTP/1.1 \""), "{why}");
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub use steps::{Step, StepTimer};
 use crate::liveness::Server;
 use crate::state::{EntryKind, SocketId};
 use heard::{HeardStream, PeerBytes, heard};
+use http::uri::PathAndQuery;
 use plugin_agent_proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
@@ -54,8 +55,10 @@ use unary::UnaryClient;
 
 /// The `pluginregistration.Registration` methods (the package is the same for v1alpha1, v1beta1
 /// and v1: kubelet's wire contract).
-const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
-const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+const GET_INFO: PathAndQuery =
+    PathAndQuery::from_static("/pluginregistration.Registration/GetInfo");
+const NOTIFY: PathAndQuery =
+    PathAndQuery::from_static("/pluginregistration.Registration/NotifyRegistrationStatus");
 
 /// How an attempt waits between tries while a plugin is not listening or not serving yet. The
 /// executor's operation slot implements it by stepping out of the slot for the pause (see
@@ -415,30 +418,27 @@ async fn ask_info(
 ) -> Result<PluginInfo, PluginCallError> {
     let span = info_span!("GetInfo");
     let asked = Instant::now();
-    let called = telling_when_slow(
-        Box::pin(
-            answer_within(
-                client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, within),
-                peer,
-                within,
-            )
-            .instrument(span.clone()),
-        ),
-        waiting,
-    )
-    .await;
-    span.in_scope(|| steps.record(Step::GetInfo, asked.elapsed(), matches!(called, Ok(Ok(_)))));
+    let call = client.call::<_, PluginInfo>(GET_INFO, &InfoRequest {}, within);
+    let called =
+        Box::pin(answer_within(call, peer, within, waiting).instrument(span.clone())).await;
+    span.in_scope(|| {
+        steps.record(
+            Step::GetInfo,
+            asked.elapsed(),
+            matches!(called, Some(Ok(_))),
+        )
+    });
     match called {
-        Ok(Ok(info)) => Ok(info),
+        Some(Ok(info)) => Ok(info),
         // The plugin's server enforcing the deadline the call carries (`grpc-timeout`), when its
         // status lands before the agent's own timer: the same missed deadline (a just-started
         // plugin then gets its quick retry, whichever side noticed first).
-        Ok(Err(unary::CallError::Status {
+        Some(Err(unary::CallError::Status {
             code: tonic::Code::Cancelled | tonic::Code::DeadlineExceeded,
             ..
         })) if asked.elapsed() >= within => Err(PluginCallError::GetInfoTimeout(within)),
-        Ok(Err(e)) => Err(PluginCallError::GetInfo(e.to_string())),
-        Err(_elapsed) => Err(PluginCallError::GetInfoTimeout(within)),
+        Some(Err(e)) => Err(PluginCallError::GetInfo(e.to_string())),
+        None => Err(PluginCallError::GetInfoTimeout(within)),
     }
 }
 
@@ -573,47 +573,102 @@ async fn connect_when_listening(
     }
 }
 
-/// Awaits `call`, telling `waiting` when it has taken [`SLOW_ANSWER`].
-async fn telling_when_slow<F: std::future::Future + Unpin>(
-    mut call: F,
-    waiting: &mut dyn Pause,
-) -> F::Output {
-    match tokio::time::timeout(SLOW_ANSWER, &mut call).await {
-        Ok(answer) => answer,
-        Err(_) => {
-            waiting.answer_slow();
-            call.await
-        }
-    }
-}
-
 /// Waits for `call`'s answer for `deadline`, counted from the request or, when the peer only
 /// began to speak meanwhile, from its first bytes: a gRPC server speaks first (its SETTINGS), so
 /// one that starts serving while the request waits in its socket gets the whole `deadline` to
 /// answer, and only a server that spoke and then left the request unanswered that long is hung.
 /// (Counted from the request alone, a plugin that began serving just before the deadline was
-/// taken for a hung one.)
+/// taken for a hung one.) `waiting` is told when the answer has taken [`SLOW_ANSWER`]. `None`:
+/// no answer by the deadline.
+///
+/// One timer, moved from one deadline to the next (a timeout for each cost a timer wheel entry
+/// each, on every `GetInfo`).
 async fn answer_within<F: std::future::Future>(
     call: F,
     peer: &PeerBytes,
     deadline: Duration,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
+    waiting: &mut dyn Pause,
+) -> Option<F::Output> {
     let mut call = std::pin::pin!(call);
-    let mut end = Instant::now() + deadline;
+    let asked = Instant::now();
+    let mut end = asked + deadline;
+    // Until `waiting` is told.
+    let mut slow = Some(asked + SLOW_ANSWER);
+    let next = |end: Instant, slow: Option<Instant>| slow.map_or(end, |slow| slow.min(end));
+    let mut timer = std::pin::pin!(tokio::time::sleep_until(next(end, slow)));
     loop {
-        match tokio::time::timeout_at(end, &mut call).await {
-            Ok(answer) => return Ok(answer),
-            Err(elapsed) => match peer.heard_at() {
-                Some(heard) if heard + deadline > end => end = heard + deadline,
-                _ => return Err(elapsed),
-            },
+        tokio::select! {
+            biased;
+            answer = &mut call => return Some(answer),
+            () = &mut timer => {}
         }
+        let reached = timer.deadline();
+        if reached >= end {
+            match peer.heard_at() {
+                Some(heard) if heard + deadline > end => end = heard + deadline,
+                _ => return None,
+            }
+        }
+        if slow.is_some_and(|slow| reached >= slow) {
+            waiting.answer_slow();
+            slow = None;
+        }
+        timer.as_mut().reset(next(end, slow));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counts what an attempt tells its pauses.
+    #[derive(Default)]
+    struct Told {
+        slow: usize,
+    }
+
+    impl Pause for Told {
+        fn pause(
+            &mut self,
+            duration: Duration,
+        ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+            Box::pin(tokio::time::sleep(duration))
+        }
+        fn answer_slow(&mut self) {
+            self.slow += 1;
+        }
+    }
+
+    /// No answer: the deadline ends the wait, its second counted from the peer's first bytes
+    /// when they came later than the request; the slow answer is told once, at its quarter.
+    #[tokio::test(start_paused = true)]
+    async fn get_info_waits_a_deadline_from_the_request_or_the_first_bytes_and_tells_when_slow() {
+        let deadline = Duration::from_secs(1);
+        let silent = PeerBytes::default();
+        let mut told = Told::default();
+        let asked = Instant::now();
+        let answer = answer_within(std::future::pending::<()>(), &silent, deadline, &mut told);
+        assert_eq!(answer.await, None);
+        assert_eq!((asked.elapsed(), told.slow), (deadline, 1));
+
+        let late = Arc::new(PeerBytes::default());
+        let speaks = late.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            speaks.record(&[0, 0, 0, 4]);
+        });
+        let mut told = Told::default();
+        let asked = Instant::now();
+        let answer = answer_within(std::future::pending::<()>(), &late, deadline, &mut told);
+        assert_eq!(answer.await, None);
+        assert_eq!(asked.elapsed(), Duration::from_millis(1700));
+        assert_eq!(told.slow, 1);
+
+        let mut told = Told::default();
+        let quick = tokio::time::sleep(Duration::from_millis(100));
+        let answer = answer_within(quick, &silent, deadline, &mut told).await;
+        assert_eq!((answer, told.slow), (Some(()), 0));
+    }
 
     /// A plugin whose server starts 700 ms after the agent's `GetInfo` waits in its socket, and
     /// answers 600 ms after that: 1.3 s after the request, 0.6 s after it first spoke. It is not

@@ -29,9 +29,21 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use h2::client::{Connection, SendRequest};
-use http::{HeaderMap, Request};
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, TE, USER_AGENT};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderMap, Method, Request, Uri};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
+
+/// The request's authority: a registration socket has no host name, and gRPC servers ignore it.
+const AUTHORITY: Authority = Authority::from_static("plugin.invalid");
+const APPLICATION_GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
+const TRAILERS: HeaderValue = HeaderValue::from_static("trailers");
+const AGENT: HeaderValue =
+    HeaderValue::from_static(concat!("plugin-agent/", env!("CARGO_PKG_VERSION")));
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 
 /// Why a call failed. `Status` is a gRPC status the plugin answered; the others are transport.
 #[derive(Debug, thiserror::Error)]
@@ -93,7 +105,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> UnaryClient<T> {
     /// sent as `grpc-timeout`, as gRPC clients do).
     pub async fn call<Q: prost::Message, A: prost::Message + Default>(
         &mut self,
-        path: &'static str,
+        path: PathAndQuery,
         request: &Q,
         timeout: Duration,
     ) -> Result<A, CallError> {
@@ -146,21 +158,12 @@ fn frame<Q: prost::Message>(request: &Q) -> Bytes {
 /// succeeded.
 async fn exchange(
     mut send: SendRequest<Bytes>,
-    path: &'static str,
+    path: PathAndQuery,
     body: Bytes,
     timeout: Duration,
     max_message: usize,
 ) -> Result<Bytes, CallError> {
-    let request = Request::post(format!("http://plugin.invalid{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-timeout", grpc_timeout(timeout))
-        .header(
-            "user-agent",
-            concat!("plugin-agent/", env!("CARGO_PKG_VERSION")),
-        )
-        .body(())
-        .map_err(|e| CallError::Protocol(format!("building the request: {e}")))?;
+    let request = request_head(path, timeout)?;
     send = send.ready().await?;
     let (response, mut stream) = send.send_request(request, false)?;
     stream.send_data(body, true)?;
@@ -202,6 +205,27 @@ async fn exchange(
     unframe(received.freeze(), max_message)
 }
 
+/// The head of a call to `path`: `POST http://plugin.invalid/<path>` with gRPC's headers, in
+/// this order. Built from constants: a call formats, parses and copies nothing but its timeout.
+fn request_head(path: PathAndQuery, timeout: Duration) -> Result<Request<()>, CallError> {
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTP);
+    uri.authority = Some(AUTHORITY);
+    uri.path_and_query = Some(path);
+    let uri = Uri::from_parts(uri)
+        .map_err(|e| CallError::Protocol(format!("building the request: {e}")))?;
+    let mut headers = HeaderMap::with_capacity(4);
+    headers.insert(CONTENT_TYPE, APPLICATION_GRPC);
+    headers.insert(TE, TRAILERS);
+    headers.insert(GRPC_TIMEOUT, grpc_timeout(timeout)?);
+    headers.insert(USER_AGENT, AGENT);
+    let mut request = Request::new(());
+    *request.method_mut() = Method::POST;
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
 /// The single message of an answer.
 fn unframe(mut data: Bytes, max_message: usize) -> Result<Bytes, CallError> {
     if data.len() < 5 {
@@ -233,7 +257,7 @@ fn unframe(mut data: Bytes, max_message: usize) -> Result<Bytes, CallError> {
 
 /// `grpc-status` (and `grpc-message`) from headers or trailers: `None` when absent.
 fn grpc_status(headers: &HeaderMap) -> Option<Result<(), CallError>> {
-    let code = headers.get("grpc-status")?;
+    let code = headers.get(GRPC_STATUS)?;
     let code = std::str::from_utf8(code.as_bytes())
         .ok()
         .and_then(|c| c.trim().parse::<i32>().ok())
@@ -242,7 +266,7 @@ fn grpc_status(headers: &HeaderMap) -> Option<Result<(), CallError>> {
         return Some(Ok(()));
     }
     let message = headers
-        .get("grpc-message")
+        .get(GRPC_MESSAGE)
         .map(|m| percent_decode(m.as_bytes()))
         .unwrap_or_default();
     Some(Err(CallError::Status { code, message }))
@@ -268,19 +292,34 @@ fn percent_decode(raw: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// `grpc-timeout`: at most 8 digits, in the finest unit that fits.
-fn grpc_timeout(timeout: Duration) -> String {
+/// `grpc-timeout`: at most 8 digits, in the finest unit that fits (written out by hand: the
+/// formatting machinery cost more than the rest of the request head).
+fn grpc_timeout(timeout: Duration) -> Result<HeaderValue, CallError> {
     const MAX: u128 = 99_999_999;
-    let units: [(u128, char); 4] = [
-        (timeout.as_micros(), 'u'),
-        (timeout.as_millis(), 'm'),
-        (u128::from(timeout.as_secs()), 'S'),
-        (u128::from(timeout.as_secs() / 60), 'M'),
+    let units: [(u128, u8); 4] = [
+        (timeout.as_micros(), b'u'),
+        (timeout.as_millis(), b'm'),
+        (u128::from(timeout.as_secs()), b'S'),
+        (u128::from(timeout.as_secs() / 60), b'M'),
     ];
-    units.iter().find(|(value, _)| *value <= MAX).map_or_else(
-        || format!("{MAX}H"),
-        |(value, unit)| format!("{value}{unit}"),
-    )
+    let (mut value, unit) = units
+        .into_iter()
+        .find(|(value, _)| *value <= MAX)
+        .unwrap_or((MAX, b'H'));
+    // Eight digits and the unit, filled from the end.
+    let mut text = [0u8; 9];
+    let mut start = text.len() - 1;
+    text[start] = unit;
+    loop {
+        start -= 1;
+        text[start] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            break;
+        }
+    }
+    HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&text[start..]))
+        .map_err(|e| CallError::Protocol(format!("grpc-timeout of {timeout:?}: {e}")))
 }
 
 #[cfg(test)]
@@ -289,9 +328,42 @@ mod tests {
 
     #[test]
     fn grpc_timeout_uses_the_finest_unit_with_at_most_8_digits() {
-        assert_eq!(grpc_timeout(Duration::from_secs(1)), "1000000u");
-        assert_eq!(grpc_timeout(Duration::from_secs(5)), "5000000u");
-        assert_eq!(grpc_timeout(Duration::from_secs(1000)), "1000000m");
+        let timeout = |d| grpc_timeout(d).expect("a header value");
+        assert_eq!(timeout(Duration::from_secs(1)), "1000000u");
+        assert_eq!(timeout(Duration::from_secs(5)), "5000000u");
+        assert_eq!(timeout(Duration::from_secs(1000)), "1000000m");
+        assert_eq!(timeout(Duration::ZERO), "0u");
+        assert_eq!(timeout(Duration::from_micros(99_999_999)), "99999999u");
+        assert_eq!(timeout(Duration::from_secs(6_000_000_000)), "99999999H");
+    }
+
+    /// The head every call sends: gRPC's method, path and headers, in this order.
+    #[test]
+    fn a_request_head_is_a_grpc_post_with_its_timeout() {
+        let path = PathAndQuery::from_static("/pluginregistration.Registration/GetInfo");
+        let head = request_head(path, Duration::from_secs(1)).expect("a head");
+        assert_eq!(head.method(), Method::POST);
+        assert_eq!(
+            head.uri().to_string(),
+            "http://plugin.invalid/pluginregistration.Registration/GetInfo"
+        );
+        let headers: Vec<_> = head
+            .headers()
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.to_str().expect("ASCII")))
+            .collect();
+        assert_eq!(
+            headers,
+            [
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("grpc-timeout", "1000000u"),
+                (
+                    "user-agent",
+                    concat!("plugin-agent/", env!("CARGO_PKG_VERSION"))
+                ),
+            ]
+        );
     }
 
     #[test]
@@ -337,8 +409,10 @@ mod against_tonic {
     use std::sync::{Arc, Mutex};
     use tokio::net::{UnixListener, UnixStream};
 
-    const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
-    const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+    const GET_INFO: PathAndQuery =
+        PathAndQuery::from_static("/pluginregistration.Registration/GetInfo");
+    const NOTIFY: PathAndQuery =
+        PathAndQuery::from_static("/pluginregistration.Registration/NotifyRegistrationStatus");
     const MAX: usize = 64 * 1024;
     const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -446,7 +520,7 @@ mod against_tonic {
         let answer = tokio::time::timeout(
             TIMEOUT,
             client.call::<_, PluginInfo>(
-                "/pluginregistration.Registration/NoSuchMethod",
+                PathAndQuery::from_static("/pluginregistration.Registration/NoSuchMethod"),
                 &InfoRequest {},
                 TIMEOUT,
             ),
