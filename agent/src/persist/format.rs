@@ -1,12 +1,13 @@
-//! What the state files hold: the snapshot's shape and the journal's lines, as written and as
-//! read. Both the journal (writing) and the start (reading back) speak it; nothing here touches a
-//! file.
+//! What the state files hold: the snapshot's shape and the journal's lines, as read, and as
+//! serde writes them: the shape [`json`](super::json) writes byte for byte (its tests hold it to
+//! [`Entry::of`] and [`Line`]). Nothing here touches a file.
 
 use crate::provenance::Process;
+#[cfg(test)]
 use crate::state::actual::RegisteredPlugin;
 use std::borrow::Cow;
+#[cfg(test)]
 use std::path::Path;
-use std::time::SystemTime;
 
 /// The format this agent writes and reads; another is ignored (with a warning), never guessed at.
 pub const FORMAT: u32 = 1;
@@ -50,8 +51,10 @@ pub(super) struct Entry<'a> {
     pub(super) unfinished: bool,
 }
 
+#[cfg(test)]
 impl<'a> Entry<'a> {
-    /// None for a path that is not UTF-8: its plugin is registered again after a restart.
+    /// What serde writes for `entry` (the journal wrote this until [`json`](super::json) took
+    /// over). None for a path that is not UTF-8: its plugin is registered again after a restart.
     pub(super) fn of(path: &'a Path, entry: &'a RegisteredPlugin) -> Option<Entry<'a>> {
         Some(Entry {
             path: Cow::Borrowed(path.to_str()?),
@@ -65,10 +68,7 @@ impl<'a> Entry<'a> {
             endpoint: Cow::Borrowed(&entry.plugin.endpoint),
             versions: Cow::Borrowed(&entry.plugin.supported_versions),
             handler: entry.handler.as_ref().map(|h| h.describe()),
-            registered_at_unix_ms: entry
-                .registered_at
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            registered_at_unix_ms: super::json::unix_ms(entry.registered_at),
             creator: entry.provenance.creator.process().map(Cow::Borrowed),
             server: entry.provenance.server.as_deref().map(Cow::Borrowed),
             unfinished: entry.interrupted,
@@ -96,7 +96,9 @@ pub(super) enum Op {
     },
 }
 
-/// A journal line as written. Reads as [`Op`].
+/// A journal line as serde writes it (and [`json`](super::json) does, byte for byte). Reads as
+/// [`Op`].
+#[cfg(test)]
 #[derive(serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum Line<'a> {
