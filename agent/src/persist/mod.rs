@@ -33,8 +33,8 @@
 //! written from actual state (held still meanwhile), the one copy of each plugin in memory; the
 //! journal keeps only which registration each entry on disk is, and a copy of those whose
 //! deregistration is under way (actual state lets go of a plugin as its deregistration begins).
-//! Lines and snapshots are written by [`json`] straight from actual state into one buffer, reused
-//! under the journal's lock.
+//! Lines are serialized (serde_json, borrowing from actual state) into one buffer reused under the
+//! journal's lock; snapshots straight into the file's buffer.
 //! A start that read both files whole rewrites nothing (what it did not restore is appended as
 //! removed); after a torn or unreadable file it writes them afresh. Anything unreadable (corrupt,
 //! another format, another tree) is a warning and today's behaviour: everything found is
@@ -42,7 +42,6 @@
 
 mod files;
 mod format;
-mod json;
 mod read;
 mod restore;
 
@@ -50,10 +49,10 @@ pub use format::FORMAT;
 pub use restore::{Restore, RestoreReport, Restored};
 
 use crate::state::PathHasher;
-use crate::state::actual::{ActualState, RegisteredPlugin};
+use crate::state::actual::{ActualState, Held, RegisteredPlugin};
 use anyhow::Context;
 use files::{open_own_file, write_atomically};
-use format::Entry;
+use format::{Entry, Line};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -82,9 +81,53 @@ struct Recorded {
     leaving: Option<Box<RegisteredPlugin>>,
 }
 
-/// A snapshot goes to its file in pieces of about this size, written into the journal's line
-/// buffer (the file's own buffer passes pieces this large straight through).
-const SNAPSHOT_PIECE: usize = 64 * 1024;
+/// The snapshot as written (the same fields as [`format::StateFile`]).
+#[derive(serde::Serialize)]
+struct SnapshotOut<'a> {
+    format: u32,
+    root: &'a str,
+    plugins: EntriesOut<'a>,
+}
+
+/// The entries on disk, serialized one at a time (no list of them first) from actual state as it
+/// is held still, or from the copy kept of a deregistration under way.
+struct EntriesOut<'a> {
+    recorded: &'a HashMap<Box<str>, Recorded, PathHasher>,
+    actual: &'a Held<'a>,
+}
+
+impl serde::Serialize for EntriesOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = serializer.serialize_seq(None)?;
+        for (path, recorded) in self.recorded {
+            let registered = self
+                .actual
+                .get(Path::new(&**path))
+                .filter(|entry| entry.generation == recorded.generation)
+                .or(recorded.leaving.as_deref());
+            let Some(registered) = registered else {
+                tracing::debug!(
+                    socket_path = &**path,
+                    "a recorded registration is in neither actual state nor a deregistration under way: left out of the snapshot"
+                );
+                continue;
+            };
+            let mut generation = Uuid::encode_buffer();
+            let generation = registered
+                .generation
+                .hyphenated()
+                .encode_lower(&mut generation);
+            seq.serialize_element(&Entry::of(
+                path,
+                registered,
+                generation,
+                recorded.unfinished,
+            ))?;
+        }
+        seq.end()
+    }
+}
 
 /// The state on disk: what began and what finished, by path.
 pub struct Journal {
@@ -100,8 +143,8 @@ pub struct Journal {
 struct Inner {
     /// By socket path (hashed as the other tables keyed by it are: foldhash, not SipHash).
     entries: HashMap<Box<str>, Recorded, PathHasher>,
-    /// The line being written, then each piece of a snapshot: one buffer, reused (a line is
-    /// written whole with one `write(2)`, so nothing of it is left for the next).
+    /// The line being written: one buffer, reused (a line is written whole with one `write(2)`, so
+    /// nothing of it is left for the next).
     line: Vec<u8>,
     /// What the files held, by path, from `open` until [`Journal::restored`] takes it.
     on_disk: HashMap<String, Entry<'static>>,
@@ -210,9 +253,13 @@ impl Journal {
             if kept.is_some_and(|kept| kept.generation.to_string() == read.generation) {
                 continue;
             }
-            inner.line.clear();
-            json::remove(&mut inner.line, &read.path, &read.generation);
-            let _ = self.append(inner);
+            let line = Line::Remove {
+                path: &read.path,
+                generation: &read.generation,
+            };
+            if Self::line(&mut inner.line, &line).is_ok() {
+                let _ = self.append(inner);
+            }
         }
     }
 
@@ -223,10 +270,15 @@ impl Journal {
             // Not recordable at all (not UTF-8): registered again after a restart, as ever.
             return Ok(());
         };
+        let mut generation = Uuid::encode_buffer();
+        let generation = registered
+            .generation
+            .hyphenated()
+            .encode_lower(&mut generation);
+        let entry = Entry::of(key, registered, generation, true);
         let mut inner = self.lock();
         let inner = &mut *inner;
-        inner.line.clear();
-        json::begin(&mut inner.line, key, registered);
+        Self::line(&mut inner.line, &Line::Begin(&entry))?;
         let recorded = Recorded {
             generation: registered.generation,
             unfinished: true,
@@ -254,29 +306,42 @@ impl Journal {
     /// here is logged only: the entry stays unfinished on disk, which a restart registers again.
     pub fn registered(&self, path: &Path, registered: &RegisteredPlugin) {
         let Some(key) = path.to_str() else { return };
+        let mut generation = Uuid::encode_buffer();
+        let generation = &*registered
+            .generation
+            .hyphenated()
+            .encode_lower(&mut generation);
         let mut inner = self.lock();
         let inner = &mut *inner;
-        inner.line.clear();
         let recorded = Recorded {
             generation: registered.generation,
             unfinished: false,
             leaving: None,
         };
-        match inner.entries.get_mut(key) {
-            Some(slot) => {
-                if slot.generation == registered.generation && slot.unfinished {
-                    json::done(&mut inner.line, key, registered.generation);
-                } else {
-                    json::add(&mut inner.line, key, registered);
-                }
-                *slot = recorded;
-            }
-            None => {
-                json::add(&mut inner.line, key, registered);
-                inner.entries.insert(Box::from(key), recorded);
-            }
+        let slot = inner.entries.get_mut(key);
+        // Begun in the journal: only which one finished; else (observe mode) the whole entry.
+        let written = if slot
+            .as_ref()
+            .is_some_and(|slot| slot.generation == registered.generation && slot.unfinished)
+        {
+            Self::line(
+                &mut inner.line,
+                &Line::Done {
+                    path: key,
+                    generation,
+                },
+            )
+        } else {
+            let entry = Entry::of(key, registered, generation, false);
+            Self::line(&mut inner.line, &Line::Add(&entry))
+        };
+        match slot {
+            Some(slot) => *slot = recorded,
+            None => drop(inner.entries.insert(Box::from(key), recorded)),
         }
-        let _ = self.append(inner);
+        if written.is_ok() {
+            let _ = self.append(inner);
+        }
     }
 
     /// Takes `path`'s registration `generation` out of actual state for its deregistration (or
@@ -285,9 +350,9 @@ impl Journal {
     /// actual state no longer holds it): taken under the journal's lock, so no snapshot falls
     /// between.
     ///
-    /// A copy, not the entry's JSON: a clone is its strings' few small allocations, where
-    /// serializing it cost ~7,000 instructions (serde_json; ~2,000 by [`json`]) for a snapshot that
-    /// rarely falls within the deregistration.
+    /// A copy, not the entry's JSON: a clone is its strings' few small allocations (~530
+    /// instructions), where serializing it cost ~7,000 for a snapshot that rarely falls within the
+    /// deregistration.
     pub fn take(&self, path: &Path, generation: Uuid) -> Option<RegisteredPlugin> {
         let mut inner = self.lock();
         let taken = self.actual.remove(path, generation)?;
@@ -316,20 +381,33 @@ impl Journal {
         }
         inner.entries.remove(key);
         crate::memory::shrink_if_sparse(&mut inner.entries);
-        inner.line.clear();
-        let generation = generation.hyphenated();
-        json::remove(
+        let mut buffer = Uuid::encode_buffer();
+        let generation = &*generation.hyphenated().encode_lower(&mut buffer);
+        if Self::line(
             &mut inner.line,
-            key,
-            generation.encode_lower(&mut Uuid::encode_buffer()),
-        );
-        let _ = self.append(inner);
+            &Line::Remove {
+                path: key,
+                generation,
+            },
+        )
+        .is_ok()
+        {
+            let _ = self.append(inner);
+        }
     }
 
     /// Folds the journal into the snapshot (at exit).
     pub fn flush(&self) {
         let mut inner = self.lock();
         let _ = self.compact(&mut inner);
+    }
+
+    /// `line` as the journal holds it, JSON and its newline, into `buffer` (emptied first).
+    fn line(buffer: &mut Vec<u8>, line: &Line<'_>) -> Result<(), String> {
+        buffer.clear();
+        serde_json::to_writer(&mut *buffer, line).map_err(|e| format!("cannot serialize: {e}"))?;
+        buffer.push(b'\n');
+        Ok(())
     }
 
     /// Records the line in `inner.line` (already applied to `entries`): appended to the journal,
@@ -374,7 +452,16 @@ impl Journal {
     /// journal.
     fn compact(&self, inner: &mut Inner) -> Result<(), String> {
         let written = write_atomically(&self.snapshot, |out| {
-            self.write_snapshot(out, &inner.entries, &mut inner.line)
+            let actual = self.actual.hold();
+            let file = SnapshotOut {
+                format: FORMAT,
+                root: &self.root,
+                plugins: EntriesOut {
+                    recorded: &inner.entries,
+                    actual: &actual,
+                },
+            };
+            serde_json::to_writer(out, &file).map_err(std::io::Error::from)
         })
         .and_then(|()| {
             // A new empty file renamed over the old journal: nothing is written through a
@@ -402,45 +489,6 @@ impl Journal {
                 Err(error)
             }
         }
-    }
-
-    /// The snapshot: every entry on disk, from actual state held still meanwhile, or from the copy
-    /// kept of a deregistration under way; written through `buffer` in pieces.
-    fn write_snapshot(
-        &self,
-        out: &mut impl Write,
-        entries: &HashMap<Box<str>, Recorded, PathHasher>,
-        buffer: &mut Vec<u8>,
-    ) -> std::io::Result<()> {
-        let actual = self.actual.hold();
-        buffer.clear();
-        json::snapshot_start(buffer, FORMAT, &self.root);
-        let mut first = true;
-        for (path, recorded) in entries {
-            let registered = actual
-                .get(Path::new(&**path))
-                .filter(|entry| entry.generation == recorded.generation)
-                .or(recorded.leaving.as_deref());
-            let Some(registered) = registered else {
-                tracing::debug!(
-                    socket_path = &**path,
-                    "a recorded registration is in neither actual state nor a deregistration under way: left out of the snapshot"
-                );
-                continue;
-            };
-            if !std::mem::replace(&mut first, false) {
-                buffer.push(b',');
-            }
-            json::entry(buffer, path, registered, recorded.unfinished);
-            if buffer.len() >= SNAPSHOT_PIECE {
-                out.write_all(buffer)?;
-                buffer.clear();
-            }
-        }
-        json::snapshot_end(buffer);
-        out.write_all(buffer)?;
-        buffer.clear();
-        Ok(())
     }
 
     fn failed(&self, inner: &mut Inner, error: &str) {
