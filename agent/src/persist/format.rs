@@ -1,11 +1,10 @@
-//! What the state files hold: the snapshot's shape and the journal's lines, as written and as
-//! read. Both the journal (writing) and the start (reading back) speak it; nothing here touches a
-//! file.
+//! What the state files hold: the snapshot's shape and the journal's lines, as written (serde_json
+//! of these types, borrowing from actual state) and as read. Both the journal (writing) and the
+//! start (reading back) speak it; nothing here touches a file.
 
 use crate::provenance::Process;
 use crate::state::actual::RegisteredPlugin;
 use std::borrow::Cow;
-use std::path::Path;
 use std::time::SystemTime;
 
 /// The format this agent writes and reads; another is ignored (with a warning), never guessed at.
@@ -21,11 +20,12 @@ pub(super) struct StateFile {
 }
 
 /// One registered (or, in observe mode, observed) plugin: owned as read, borrowed from actual
-/// state as written (a snapshot of 10,000 copies none of their strings).
+/// state as written (a snapshot of 10,000 copies none of their strings; the generation is
+/// formatted on the stack).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(super) struct Entry<'a> {
     pub(super) path: Cow<'a, str>,
-    pub(super) generation: String,
+    pub(super) generation: Cow<'a, str>,
     pub(super) dev: u64,
     pub(super) ino: u64,
     pub(super) birth_ns: Option<i64>,
@@ -51,11 +51,19 @@ pub(super) struct Entry<'a> {
 }
 
 impl<'a> Entry<'a> {
-    /// None for a path that is not UTF-8: its plugin is registered again after a restart.
-    pub(super) fn of(path: &'a Path, entry: &'a RegisteredPlugin) -> Option<Entry<'a>> {
-        Some(Entry {
-            path: Cow::Borrowed(path.to_str()?),
-            generation: entry.generation.to_string(),
+    /// `entry`, registered from `path`, as the files hold it. `generation` is its generation
+    /// formatted (lowercase, hyphenated: `Uuid::hyphenated().encode_lower` into a stack buffer);
+    /// `unfinished` is the journal's record of it (not the plugin's `interrupted`, which is what
+    /// the previous agent left).
+    pub(super) fn of(
+        path: &'a str,
+        entry: &'a RegisteredPlugin,
+        generation: &'a str,
+        unfinished: bool,
+    ) -> Entry<'a> {
+        Entry {
+            path: Cow::Borrowed(path),
+            generation: Cow::Borrowed(generation),
             dev: entry.socket.dev,
             ino: entry.socket.ino,
             birth_ns: entry.socket.birth_ns,
@@ -71,8 +79,8 @@ impl<'a> Entry<'a> {
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             creator: entry.provenance.creator.process().map(Cow::Borrowed),
             server: entry.provenance.server.as_deref().map(Cow::Borrowed),
-            unfinished: entry.interrupted,
-        })
+            unfinished,
+        }
     }
 }
 
@@ -96,12 +104,13 @@ pub(super) enum Op {
     },
 }
 
-/// A journal line as written. Reads as [`Op`].
+/// A journal line as written, borrowing everything (a `done` or `remove` line builds no entry).
+/// Reads as [`Op`].
 #[derive(serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum Line<'a> {
     Begin(&'a Entry<'a>),
     Add(&'a Entry<'a>),
-    Done { path: &'a str, generation: String },
-    Remove { path: &'a str, generation: String },
+    Done { path: &'a str, generation: &'a str },
+    Remove { path: &'a str, generation: &'a str },
 }
