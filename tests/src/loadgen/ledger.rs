@@ -63,6 +63,9 @@ pub struct Restart {
     pub ready_ns: u64,
     /// The new agent's start, phase by phase (once its log said).
     pub phases: Option<super::agent::StartPhases>,
+    /// The old agent's CPU over its whole life, ms, read as it was reaped: the load's CPU is the
+    /// old agent's from the load's start to its exit plus the new one's.
+    pub stopped_agent_cpu_ms: u64,
 }
 
 /// The ledger shared by the report and admin tasks and the scenario.

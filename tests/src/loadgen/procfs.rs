@@ -37,11 +37,40 @@ pub struct Usage {
     pub rss_peak_kib: u64,
 }
 
+impl Sample {
+    /// User + system CPU time the process had spent at this reading, ms.
+    pub fn cpu_ms(&self) -> u64 {
+        ticks_to_ms(self.cpu_ticks)
+    }
+}
+
+fn ticks_to_ms(ticks: u64) -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ticks * 1000 / hz
+}
+
+/// User + system CPU time of this process's children it has reaped so far, ms
+/// (`getrusage(RUSAGE_CHILDREN)`). `/proc` forgets a process once it is reaped: the difference
+/// across the wait for one agent's exit is that agent's whole CPU, its shutdown included.
+pub fn reaped_children_cpu_ms() -> u64 {
+    // SAFETY: an all-zero rusage is a valid value to be overwritten.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `usage` is a valid, writable rusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) } != 0 {
+        return 0;
+    }
+    let ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;
+    ms(usage.ru_utime) + ms(usage.ru_stime)
+}
+
 /// Reads process `pid` now.
 pub fn sample(pid: u32) -> std::io::Result<Sample> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command name (which may contain spaces and parentheses): state is the
-    // first, utime the 12th, stime the 13th (fields 14 and 15 of proc(5)).
+    // first, utime the 12th, stime the 13th, cutime and cstime the 14th and 15th (fields 14 to
+    // 17 of proc(5)): the CPU of children the agent has reaped (the eBPF source's loading child)
+    // is the agent's too.
     let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
     let fields: Vec<&str> = after.split_whitespace().collect();
     let field = |i: usize| {
@@ -50,7 +79,7 @@ pub fn sample(pid: u32) -> std::io::Result<Sample> {
             .and_then(|f| f.parse::<u64>().ok())
             .unwrap_or(0)
     };
-    let cpu_ticks = field(11) + field(12);
+    let cpu_ticks = field(11) + field(12) + field(13) + field(14);
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib = |key: &str| {
         status
@@ -92,13 +121,11 @@ impl Sample {
 
     /// What happened between `earlier` and this reading.
     pub fn since(&self, earlier: &Sample) -> Usage {
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
         let wall = self.at.saturating_duration_since(earlier.at);
         let wakeups = self.switches.saturating_sub(earlier.switches);
         Usage {
             wall_ms: wall.as_millis() as u64,
-            cpu_ms: self.cpu_ticks.saturating_sub(earlier.cpu_ticks) * 1000 / hz,
+            cpu_ms: ticks_to_ms(self.cpu_ticks.saturating_sub(earlier.cpu_ticks)),
             wakeups,
             wakeups_per_s: wakeups as f64 / wall.as_secs_f64().max(1e-9),
             rss_kib: self.rss_kib,

@@ -357,7 +357,10 @@ async fn restart_agent(
     if let Some(last) = ledger.lock().agent_up.last_mut() {
         last.1 = Some(signalled_ns);
     }
+    let reaped_before = crate::procfs::reaped_children_cpu_ms();
     agent.stop_with(signal).await?;
+    let stopped_agent_cpu_ms =
+        crate::procfs::reaped_children_cpu_ms().saturating_sub(reaped_before);
     let spawned_ns = now_ns();
     agent.start().await?;
     let ready_ns = now_ns();
@@ -369,6 +372,7 @@ async fn restart_agent(
             spawned_ns,
             ready_ns,
             phases: None,
+            stopped_agent_cpu_ms,
         });
     }
     admin::follow(&agent.admin_socket, ledger.clone()).await?;

@@ -305,6 +305,7 @@ mod tests {
                 spawned_ns: 150,
                 ready_ns: 200,
                 phases: None,
+                stopped_agent_cpu_ms: 0,
             }],
             ..Ledger::default()
         };
