@@ -240,20 +240,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
     // Everything alive should register; the wait is bounded and the shortfall is measured.
     wait_registered(&ledger, created, args.params.timeout, &mut progress).await;
     let loaded = procfs::sample(pid)?;
-    let mut load_usage = loaded.since(&before);
-    // After a restart `before` and `loaded` are two processes' readings: the load's CPU is the
-    // old agent's from `before` to its exit (its whole life's, read as it was reaped) and the
-    // new agent's whole life so far, its start included.
-    let stopped: Vec<u64> = ledger
-        .lock()
-        .restarts
-        .iter()
-        .map(|r| r.stopped_agent_cpu_ms)
-        .collect();
-    if !stopped.is_empty() {
-        load_usage.cpu_ms =
-            stopped.iter().sum::<u64>().saturating_sub(before.cpu_ms()) + loaded.cpu_ms();
-    }
+    let load_usage = load_usage(&before, &loaded, &ledger);
     subject::hook(args.after_load.as_deref(), pid).await?;
 
     let (idle, settle) = measure_idle(pid, args.idle, &mut progress).await?;
@@ -558,3 +545,25 @@ async fn measure_idle(
 const SETTLED: Duration = Duration::from_millis(200);
 /// The longest wait for that.
 const SETTLE_LIMIT: Duration = Duration::from_secs(2);
+
+/// The agent's use over the load. After a restart `before` and `loaded` are two processes'
+/// readings: the load's CPU is then the old agent's from `before` to its exit (its whole life's,
+/// read as it was reaped) and the new agent's whole life so far, its start included.
+fn load_usage(
+    before: &procfs::Sample,
+    loaded: &procfs::Sample,
+    ledger: &SharedLedger,
+) -> procfs::Usage {
+    let mut usage = loaded.since(before);
+    let stopped: Vec<u64> = ledger
+        .lock()
+        .restarts
+        .iter()
+        .map(|r| r.stopped_agent_cpu_ms)
+        .collect();
+    if !stopped.is_empty() {
+        usage.cpu_ms =
+            stopped.iter().sum::<u64>().saturating_sub(before.cpu_ms()) + loaded.cpu_ms();
+    }
+    usage
+}
