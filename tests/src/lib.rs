@@ -83,6 +83,20 @@ macro_rules! plugin {
     };
 }
 
+/// An example plugin of type `DRAPlugin` named `name`, serving `v1.DRAPlugin` at
+/// `dir/<name>.sock`: a DRA driver, the plugin whose handler the restart and pin tests follow.
+#[macro_export]
+macro_rules! dra_plugin {
+    ($dir:expr, $name:expr) => {
+        $crate::plugin!($dir.path(&format!("{}.sock", $name)))
+            .plugin_type("DRAPlugin")
+            .name($name)
+            .arg("--versions")
+            .arg("v1.DRAPlugin")
+            .spawn()
+    };
+}
+
 /// The usual start of an end-to-end scenario: the test's own name, a fresh plugin directory, and
 /// the agent watching it with `source` and default options (`CSIPlugin=accept-all`).
 pub struct Scenario {

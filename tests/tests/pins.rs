@@ -6,7 +6,8 @@
 
 use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, plugin, seen, test_name,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Mark, PluginDir, Source, dra_plugin, plugin, seen,
+    test_name,
 };
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -70,16 +71,6 @@ fn adoption(agent: &AgentProcess) -> Value {
     start
 }
 
-/// A DRA plugin called `name` (the `dra-handler` validates what a plugin speaks).
-fn dra_plugin(dir: &PluginDir, name: &str) -> plugin_agent_tests::PluginProcess {
-    plugin!(dir.path(&format!("{name}.sock")))
-        .plugin_type("DRAPlugin")
-        .name(name)
-        .arg("--versions")
-        .arg("v1.DRAPlugin")
-        .spawn()
-}
-
 /// SIGKILL, then plugins come and go while no agent runs; the next agent adopts the pinned
 /// programs (no load: no BTF, no verifier), finds in the ring what the kernel recorded while no
 /// agent ran, registers the new plugin and deregisters the one that went (its handler hears it).
@@ -99,7 +90,7 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
         return;
     };
     let pins = pinned_at(&first);
-    let before = dra_plugin(&dir, "before");
+    let before = dra_plugin!(&dir, "before");
     before.wait_for_notify(true, EVENT_TIMEOUT).await;
     // Reported only once recorded in the state journal.
     first
@@ -117,7 +108,7 @@ async fn a_restarted_agent_adopts_the_pins_and_the_kernel_recorded_while_no_agen
     // While no agent runs: one plugin goes, one comes.
     let gone = before.socket().to_path_buf();
     before.stop().await;
-    let during = dra_plugin(&dir, "during");
+    let during = dra_plugin!(&dir, "during");
     during.wait_for_event("serving", EVENT_TIMEOUT).await;
 
     let second = AgentProcess::start(&test, with_handler())

@@ -10,7 +10,7 @@
 use plugin_agent_tests::handler::HandlerProcess;
 use plugin_agent_tests::host::PluginHost;
 use plugin_agent_tests::{
-    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, PluginProcess, Source, admin,
+    AgentOptions, AgentProcess, EVENT_TIMEOUT, Line, Mark, PluginDir, Source, admin, dra_plugin,
     per_source, plugin, seen, test_name,
 };
 use std::collections::BTreeMap;
@@ -51,15 +51,6 @@ async fn after_sigkill_a_new_agent_calls_no_unchanged_plugin_and_delivers_what_c
     carries_on_after_sigkill(source, 1000).await
 }
 
-fn dra_plugin(dir: &PluginDir, name: &str) -> PluginProcess {
-    plugin!(dir.path(&format!("{name}.sock")))
-        .plugin_type("DRAPlugin")
-        .name(name)
-        .arg("--versions")
-        .arg("v1.DRAPlugin")
-        .spawn()
-}
-
 /// `plugins` (plugin-host) and three more registered; SIGKILL; while no agent runs, one plugin
 /// goes, one is replaced by a new instance at its path, one is new; a new agent starts. It calls
 /// none of the unchanged plugins and their handler not once, deregisters the gone and the
@@ -88,9 +79,9 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
         .wait_registered(Mark(0), plugins, CONVERGE_TIMEOUT)
         .await;
     eprintln!("{test}: {plugins} plugins registered in {took:?}");
-    let kept = dra_plugin(&dir, "kept");
-    let gone = dra_plugin(&dir, "gone");
-    let replaced = dra_plugin(&dir, "replaced");
+    let kept = dra_plugin!(&dir, "kept");
+    let gone = dra_plugin!(&dir, "gone");
+    let replaced = dra_plugin!(&dir, "replaced");
     for plugin in [&kept, &gone, &replaced] {
         plugin.wait_for_notify(true, EVENT_TIMEOUT).await;
     }
@@ -114,9 +105,9 @@ async fn carries_on_after_sigkill(source: Source, plugins: usize) {
     replaced.stop().await;
     // A new socket instance at the same path (possibly with the freed inode number: the agent
     // tells instances apart by birth time and file handle too).
-    let replaced = dra_plugin(&dir, "replaced");
+    let replaced = dra_plugin!(&dir, "replaced");
     replaced.wait_for_event("serving", EVENT_TIMEOUT).await;
-    let new = dra_plugin(&dir, "new");
+    let new = dra_plugin!(&dir, "new");
     new.wait_for_event("serving", EVENT_TIMEOUT).await;
 
     // Started: the state file was restored before the first walk, which is over.
@@ -295,8 +286,8 @@ async fn registrations_a_kill_interrupted_are_deregistered_if_their_sockets_went
     let first = AgentProcess::start(test, options.clone())
         .await
         .expect("inotify needs no privileges");
-    let went = dra_plugin(&dir, "went");
-    let stayed = dra_plugin(&dir, "stayed");
+    let went = dra_plugin!(&dir, "went");
+    let stayed = dra_plugin!(&dir, "stayed");
     handler
         .wait_for_count(Mark(0), 2, "both Registers arrive", EVENT_TIMEOUT, |l| {
             l.field_is("event", "received") && l.field_is("method", "register")
@@ -368,7 +359,7 @@ async fn a_corrupt_or_foreign_state_file_is_a_warning_and_every_plugin_registers
             .expect("the admin socket has a directory")
             .join("state.json");
         std::fs::write(&state_file, content).expect("write the state file");
-        let plugin = dra_plugin(&dir, "p");
+        let plugin = dra_plugin!(&dir, "p");
         let agent = AgentProcess::start(&test, options)
             .await
             .expect("inotify needs no privileges");
@@ -408,7 +399,7 @@ async fn with_reregister_on_restart_an_unchanged_plugin_is_registered_again() {
     )
     .await;
     let mut options = agent_options(Source::Inotify, &dir, &handler);
-    let plugin = dra_plugin(&dir, "p");
+    let plugin = dra_plugin!(&dir, "p");
     let first = AgentProcess::start(&test, options.clone())
         .await
         .expect("inotify needs no privileges");
