@@ -185,18 +185,23 @@ const NAME_OFFSET: u64 = core::mem::offset_of!(Event, name) as u64;
 /// - or it was last woken at least `batch_ns / 16` ago and either it has consumed everything
 ///   (it is idle or about to be: a steady trickle under load is not held back a whole batch
 ///   delay) or the record is `prompt`, whatever is queued;
+/// - or the record is a `listen` and the reader has consumed everything, however recently it
+///   was woken: a plugin's `listen` comes microseconds after the `bind` that woke the reader, and
+///   the agent dials a socket whose bind it saw only once the listen is reported (a dial before
+///   it is refused, and costs a retry), so the listen must not wait for the next batch;
 /// - or `wakeup_bytes` are queued (a burst: drain before the ring fills);
 ///
 /// otherwise let the record ride along with the previous wake-up: the reader drains once more
 /// `batch_ns` after every drain that found work, which bounds its latency. Wake-ups stay at
-/// most 16 per batch delay, and an idle agent gets none.
+/// most 16 per batch delay, plus one per `listen` that finds the reader idle (it has drained
+/// everything, so it keeps up; one per plugin), and an idle agent gets none.
 ///
 /// Prompt records are those the agent acts on at once and which are rare (a storm's sockets,
 /// bound and unlinked again, cause none): a `listen` (a plugin can be registered), a
 /// listener's release (its plugin may have to be deregistered) and the removal of a name the
 /// agent knows (an entry it has seen, not noise). Behind a flood of other records they wait
 /// `batch_ns / 16` at most, not a whole batch delay, and what they follow rides along.
-fn wake_flags_when(prompt: bool) -> u64 {
+fn wake_flags_when(prompt: bool, listen: bool) -> u64 {
     let now = now_ns();
     let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
         return 0;
@@ -207,7 +212,12 @@ fn wake_flags_when(prompt: bool) -> u64 {
     let elapsed = now.wrapping_sub(unsafe { *last });
     let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
     let caught_up = (prompt || queued == 0) && elapsed >= batch_ns / 16;
-    if caught_up || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes)) || elapsed >= batch_ns {
+    let listen_idle = listen && queued == 0;
+    if caught_up
+        || listen_idle
+        || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes))
+        || elapsed >= batch_ns
+    {
         // SAFETY: as above.
         unsafe { *last = now };
         BPF_RB_FORCE_WAKEUP
@@ -235,7 +245,7 @@ fn submit(event: &Event, prompt: bool) {
     } else {
         used
     };
-    let flags = wake_flags_when(prompt);
+    let flags = wake_flags_when(prompt, event.kind == kind::LISTEN);
     // SAFETY: `event` is a live Event (in map memory: scratch or a parked value), and `len`
     // is at most its size.
     let used =

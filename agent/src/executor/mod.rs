@@ -256,6 +256,12 @@ impl OperationExecutor {
         // a timer; the kernel's word ends its wait, so it registers within a millisecond of
         // the listen rather than up to 50 ms after it.
         self.claims.listened(path);
+        // A listen is reported for every plugin, and almost none has a socket backing off: the
+        // socket's identity (a `statx` and a `name_to_handle_at`) is read only when one does. A
+        // wait recorded after this look takes the claim's report itself (`wait_to_listen`).
+        if self.backoff.is_empty() {
+            return;
+        }
         // Whatever socket is at the path now is the one that listens.
         let Ok(crate::state::EntryKind::Socket(socket)) = crate::state::EntryKind::of(path) else {
             return;
@@ -296,6 +302,12 @@ impl OperationExecutor {
         let this = self.clone();
         let path = path.to_path_buf();
         self.tasks.spawn(async move {
+            // A first attempt of a socket the kernel reported bound: its listen first.
+            if attempt == 1 {
+                this.waits
+                    .until_listen_reported(&desired, claim.listened())
+                    .await;
+            }
             // Shutdown starts no operation: those still waiting for a slot end here.
             let queued = Instant::now();
             let slot = this.slots.acquire(lane).await;
@@ -851,5 +863,69 @@ mod tests {
             "a pause ended without its listen"
         );
         running.end.send(Ended::Done).expect("running");
+    }
+
+    /// The eBPF source reported the socket's bind: its registration dials once the kernel
+    /// reports its `listen` (a dial before would be refused), at once if the listen is known
+    /// already, and after [`waits::FIRST_LISTEN_WAIT`] if no report comes (a lost one, or a
+    /// socket that never listens: the dial then says so).
+    #[tokio::test(start_paused = true)]
+    async fn a_socket_whose_bind_the_kernel_reported_is_dialled_once_its_listen_is_reported() {
+        let mut h = Harness::new(4);
+        fn bound(desired: &DesiredState, name: &str) -> DesiredPlugin {
+            let socket = crate::state::SocketId {
+                dev: 1,
+                ino: 100 + u64::from(name.as_bytes()[0]),
+                birth_ns: None,
+                handle: None,
+            };
+            desired
+                .add_observed(&path(name), socket, Some(1_000), true, None)
+                .expect("desired");
+            desired.get(&path(name)).expect("desired")
+        }
+        // Reported after the registration was asked for.
+        let started = Instant::now();
+        let desired = bound(&h.desired, "a");
+        assert_eq!(h.executor.register(&path("a"), desired), Start::Started);
+        settle().await;
+        assert!(h.started.try_recv().is_err(), "dialled before its listen");
+        h.executor.listened(&path("a"));
+        let running = h.next().await;
+        assert_eq!(running.path, path("a"));
+        assert_eq!(
+            started.elapsed(),
+            Duration::ZERO,
+            "waited for more than the report"
+        );
+        running.end.send(Ended::Done).expect("running");
+        // Reported before: no wait.
+        let desired = bound(&h.desired, "b");
+        let listening = crate::state::desired::Listening {
+            at: std::time::SystemTime::now(),
+            seen_by: crate::state::desired::ListenSeen::KernelReport,
+        };
+        assert!(
+            h.desired
+                .record_listening(&path("b"), None, Some(2_000), listening)
+        );
+        assert_eq!(h.executor.register(&path("b"), desired), Start::Started);
+        assert_eq!(h.next().await.path, path("b"));
+        assert_eq!(
+            started.elapsed(),
+            Duration::ZERO,
+            "waited for a known listen"
+        );
+        // Never reported: dialled after the wait.
+        let desired = bound(&h.desired, "c");
+        assert_eq!(h.executor.register(&path("c"), desired), Start::Started);
+        assert_eq!(h.next().await.path, path("c"));
+        assert_eq!(started.elapsed(), waits::FIRST_LISTEN_WAIT);
+        // Found by a walk (no bind reported): dialled at once.
+        let walked = Instant::now();
+        let desired = h.desired("d", false);
+        assert_eq!(h.executor.register(&path("d"), desired), Start::Started);
+        assert_eq!(h.next().await.path, path("d"));
+        assert_eq!(walked.elapsed(), Duration::ZERO);
     }
 }

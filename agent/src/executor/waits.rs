@@ -7,15 +7,21 @@
 
 use crate::liveness::Probe;
 use crate::state::backoff::{BackoffTable, ListenReleased};
-use crate::state::desired::{DesiredState, ListenSeen, Listening};
+use crate::state::desired::{DesiredPlugin, DesiredState, ListenSeen, Listening};
 use crate::state::queue::ReconcileQueue;
 use crate::state::{PathMap, SocketId};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
+
+/// How long a registration of a socket whose bind the kernel reported waits for the report of
+/// its `listen` before it dials anyway (see [`Waits::until_listen_reported`]): past the eBPF
+/// reader's batch delay (2 ms), the longest a report rides along when the reader is busy.
+pub const FIRST_LISTEN_WAIT: Duration = Duration::from_millis(5);
 
 /// See the module docs.
 pub struct Waits {
@@ -54,6 +60,32 @@ impl Waits {
             tasks,
             cancel,
         })
+    }
+
+    /// Returns once the kernel has reported the `listen` of `desired`'s socket, or after
+    /// [`FIRST_LISTEN_WAIT`], when the kernel reported its bind (the eBPF source): a plugin binds
+    /// and then listens, and the source often reports the bind before the listen has happened.
+    /// A dial then is refused and retried (a socket, a connect, a `statx` and a file handle, a
+    /// timer: ~0.4 per plugin under churn); waiting for the report, which the kernel side sends
+    /// at once (see `wake_flags_when` in agent-ebpf), dials once. `listened` is the path's claim's
+    /// (`claims::InFlight::listened`): a report since the claim was made is its permit; one
+    /// before it is in the desired state. Without a slot: nothing is held meanwhile.
+    pub async fn until_listen_reported(
+        &self,
+        desired: &DesiredPlugin,
+        listened: Arc<tokio::sync::Notify>,
+    ) {
+        let bind_reported = self.listens_reported && desired.kernel_ns.is_some();
+        if !bind_reported || desired.listening.is_some() {
+            return;
+        }
+        if self
+            .desired
+            .listening_known(&desired.path, desired.generation)
+        {
+            return;
+        }
+        let _ = tokio::time::timeout(FIRST_LISTEN_WAIT, listened.notified()).await;
     }
 
     /// Looks at `path` again at `at`, replacing an earlier timer.

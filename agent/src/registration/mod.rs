@@ -10,6 +10,8 @@
 //! exist before its gRPC server runs (listen, then serve). Kubelet's dial blocks with gRPC's
 //! reconnect backoff and then counts the plugin as failed, so such a plugin waits out backoff
 //! steps meant for broken plugins. Here:
+//! - where the kernel reported the bind (eBPF), the executor starts the registration only once it
+//!   reports the listen too, or after a few milliseconds without it (`executor::waits`);
 //! - `ECONNREFUSED` (bound, not listening) is retried at once, three times in [`QUICK_LISTEN_WAIT`]
 //!   (a plugin caught between its bind and its listen listens within microseconds). A socket
 //!   still refusing after that ends the attempt with [`PluginCallError::NotListeningYet`]: the

@@ -444,6 +444,12 @@ impl BackoffTable {
             .is_some_and(|b| b.kind.is_held())
     }
 
+    /// Whether no socket backs off now: most of the time, so a caller may skip reading a
+    /// socket's identity before asking about it.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
     /// Forgets the socket's failures (success, or the socket is gone).
     pub fn reset(&self, path: &Path, socket: SocketId) {
         let mut entries = self.lock();

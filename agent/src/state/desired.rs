@@ -199,6 +199,14 @@ impl DesiredState {
         true
     }
 
+    /// Whether the socket instance `generation` desired at `path` is known to listen (a look
+    /// under the lock, no copy).
+    pub fn listening_known(&self, path: &Path, generation: Uuid) -> bool {
+        self.lock()
+            .get(path)
+            .is_some_and(|now| now.generation == generation && now.listening.is_some())
+    }
+
     /// Whether the socket instance `generation` desired at `path` has had its first contact (a
     /// look under the lock, no copy).
     pub fn contacted_since(&self, path: &Path, generation: Uuid) -> bool {
