@@ -283,6 +283,7 @@ async fn run(args: &RunArgs) -> anyhow::Result<serde_json::Value> {
         "load_ms": (end_ns.saturating_sub(load_started)) / 1_000_000,
         "totals": totals,
         "agent_load": load_usage,
+        "restart_cpu": restart_cpu(&before, &loaded, &ledger),
         // Everything going away (the stale bound's wait included): the deregistrations' cost.
         "agent_removal": removal_usage,
         "agent_idle": idle,
@@ -566,4 +567,21 @@ fn load_usage(
             stopped.iter().sum::<u64>().saturating_sub(before.cpu_ms()) + loaded.cpu_ms();
     }
     usage
+}
+
+/// The load's CPU across the first restart, phase by phase, ms: the old agent before the signal
+/// and from the signal to its exit, the new agent to its admin API listening and after it.
+fn restart_cpu(
+    before: &procfs::Sample,
+    loaded: &procfs::Sample,
+    ledger: &SharedLedger,
+) -> Option<serde_json::Value> {
+    let ledger = ledger.lock();
+    let r = ledger.restarts.first()?;
+    Some(serde_json::json!({
+        "old_running_ms": r.signalled_agent_cpu_ms.saturating_sub(before.cpu_ms()),
+        "old_stopping_ms": r.stopped_agent_cpu_ms.saturating_sub(r.signalled_agent_cpu_ms),
+        "new_starting_ms": r.ready_agent_cpu_ms,
+        "new_running_ms": loaded.cpu_ms().saturating_sub(r.ready_agent_cpu_ms),
+    }))
 }

@@ -66,6 +66,11 @@ pub struct Restart {
     /// The old agent's CPU over its whole life, ms, read as it was reaped: the load's CPU is the
     /// old agent's from the load's start to its exit plus the new one's.
     pub stopped_agent_cpu_ms: u64,
+    /// The old agent's CPU when it was signalled, ms: `stopped_agent_cpu_ms` less this is what
+    /// its shutdown cost.
+    pub signalled_agent_cpu_ms: u64,
+    /// The new agent's CPU when its admin API listened, ms: what its start cost.
+    pub ready_agent_cpu_ms: u64,
 }
 
 /// The ledger shared by the report and admin tasks and the scenario.

@@ -357,6 +357,13 @@ async fn restart_agent(
     if let Some(last) = ledger.lock().agent_up.last_mut() {
         last.1 = Some(signalled_ns);
     }
+    let cpu_ms = |agent: &AgentUnderTest| {
+        agent
+            .pid()
+            .and_then(|pid| crate::procfs::sample(pid).ok())
+            .map_or(0, |s| s.cpu_ms())
+    };
+    let signalled_agent_cpu_ms = cpu_ms(&agent);
     let reaped_before = crate::procfs::reaped_children_cpu_ms();
     agent.stop_with(signal).await?;
     let stopped_agent_cpu_ms =
@@ -364,6 +371,7 @@ async fn restart_agent(
     let spawned_ns = now_ns();
     agent.start().await?;
     let ready_ns = now_ns();
+    let ready_agent_cpu_ms = cpu_ms(&agent);
     {
         let mut ledger = ledger.lock();
         ledger.lifetime += 1;
@@ -373,6 +381,8 @@ async fn restart_agent(
             ready_ns,
             phases: None,
             stopped_agent_cpu_ms,
+            signalled_agent_cpu_ms,
+            ready_agent_cpu_ms,
         });
     }
     admin::follow(&agent.admin_socket, ledger.clone()).await?;

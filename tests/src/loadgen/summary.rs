@@ -97,6 +97,7 @@ pub struct RestartTotals {
     pub start_ms: f64,
     /// Signal sent -> the new agent listening: the window no agent watched, ms.
     pub gap_ms: f64,
+
     /// Plugins registered before the signal and still serving when the new agent was up: nothing
     /// about them changed, so neither they nor their handler should hear from the new agent.
     pub survivors: usize,
@@ -306,6 +307,8 @@ mod tests {
                 ready_ns: 200,
                 phases: None,
                 stopped_agent_cpu_ms: 0,
+                signalled_agent_cpu_ms: 0,
+                ready_agent_cpu_ms: 0,
             }],
             ..Ledger::default()
         };
