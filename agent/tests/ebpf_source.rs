@@ -13,7 +13,7 @@
 
 use std::ffi::OsString;
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{SocketAddr, UnixDatagram, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Condvar, Mutex};
@@ -138,6 +138,10 @@ enum Action {
     /// Listen at a path with a backlog of 0 and never accept, then start this many threads that
     /// each `connect` to it (all but the first block there), and wait to be killed.
     ConnectBlocked(PathBuf, usize),
+    /// `bind` an `AF_UNIX` datagram socket (it cannot listen), then close it.
+    BindDatagram(PathBuf),
+    /// Sleep this many microseconds.
+    Pause(u64),
     /// `bind` expecting `EADDRINUSE`.
     BindFails(PathBuf),
     /// `bind` an abstract socket (no filesystem entry).
@@ -197,6 +201,8 @@ impl Action {
             Action::ConnectBlocked(path, threads) => {
                 format!("connect_blocked\t{}\t{threads}", p(path))
             }
+            Action::BindDatagram(path) => format!("bind_datagram\t{}", p(path)),
+            Action::Pause(us) => format!("pause\t{us}"),
             Action::BindFails(path) => format!("bind_fails\t{}", p(path)),
             Action::BindAbstract(name) => format!("bind_abstract\t{name}"),
             Action::Chdir(path) => format!("chdir\t{}", p(path)),
@@ -248,6 +254,12 @@ impl Action {
                 nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
                     .expect(name);
                 drop(listener);
+            }
+            ["bind_datagram", path] => {
+                drop(UnixDatagram::bind(path).expect(path));
+            }
+            ["pause", us] => {
+                std::thread::sleep(Duration::from_micros(us.parse().expect(us)));
             }
             ["connect", path] => drop(UnixStream::connect(path).expect(path)),
             ["bind_fails", path] => {
@@ -821,6 +833,32 @@ async fn a_listener_closed_after_its_socket_was_unlinked_is_not_reported() {
             Seen::Serving(gone.clone(), true),
             Seen::Removed(gone),
         ]
+    );
+}
+
+/// A bind does not wake the reader for having caught up (the `listen` that follows a plugin's
+/// bind brings both), so a socket bound and never listening must still arrive on its own: here
+/// a datagram socket, bound half a millisecond after a plugin's `listen` woke the reader, with
+/// nothing after it where the tracepoints run (the helper's exit closes its listener without a
+/// `close`; fentry's `unix_release` reports that exit).
+#[tokio::test]
+async fn a_bind_that_no_listen_follows_arrives_with_no_event_after_it() {
+    if !can_run() {
+        return;
+    }
+    let mut f = Fixture::open("bind-only", EbpfOptions::default(), 1024);
+    f.keep_serving = true;
+    let served = f.in_watched("served.sock");
+    let unserved = f.in_watched("unserved.sock");
+    run_helper(&[
+        Action::BindKept(served.clone()),
+        Action::Pause(500),
+        Action::BindDatagram(unserved.clone()),
+    ]);
+    let seen = f.collect_until(&Seen::Created(unserved)).await;
+    assert_eq!(
+        seen,
+        vec![Seen::Created(served.clone()), Seen::Serving(served, true)]
     );
 }
 

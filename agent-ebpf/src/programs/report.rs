@@ -184,7 +184,9 @@ const NAME_OFFSET: u64 = core::mem::offset_of!(Event, name) as u64;
 /// - it was last woken `batch_ns` ago or earlier (a quiet spell: a lone event pays no batching);
 /// - or it was last woken at least `batch_ns / 16` ago and either it has consumed everything
 ///   (it is idle or about to be: a steady trickle under load is not held back a whole batch
-///   delay) or the record is `prompt`, whatever is queued;
+///   delay) or the record is `prompt`, whatever is queued; a `bind` is the exception, it does
+///   not wake the reader for having caught up: the `listen` that follows a plugin's bind
+///   microseconds later is prompt and brings both, where the bind took a wake-up of its own;
 /// - or the record is a `listen` and the reader has consumed everything, however recently it
 ///   was woken: a plugin's `listen` comes microseconds after the `bind` that woke the reader, and
 ///   the agent dials a socket whose bind it saw only once the listen is reported (a dial before
@@ -201,7 +203,7 @@ const NAME_OFFSET: u64 = core::mem::offset_of!(Event, name) as u64;
 /// listener's release (its plugin may have to be deregistered) and the removal of a name the
 /// agent knows (an entry it has seen, not noise). Behind a flood of other records they wait
 /// `batch_ns / 16` at most, not a whole batch delay, and what they follow rides along.
-fn wake_flags_when(prompt: bool, listen: bool) -> u64 {
+fn wake_flags_when(prompt: bool, what: u32) -> u64 {
     let now = now_ns();
     let Some(last) = LAST_WAKE.get_ptr_mut(0) else {
         return 0;
@@ -211,8 +213,8 @@ fn wake_flags_when(prompt: bool, listen: bool) -> u64 {
     // skipped wake-up decision, both of which the reader's follow-up drain tolerates.
     let elapsed = now.wrapping_sub(unsafe { *last });
     let batch_ns = config_u64(addr_of!(CONFIG.batch_ns));
-    let caught_up = (prompt || queued == 0) && elapsed >= batch_ns / 16;
-    let listen_idle = listen && queued == 0;
+    let caught_up = what != kind::BIND && (prompt || queued == 0) && elapsed >= batch_ns / 16;
+    let listen_idle = what == kind::LISTEN && queued == 0;
     if caught_up
         || listen_idle
         || queued >= config_u64(addr_of!(CONFIG.wakeup_bytes))
@@ -245,7 +247,7 @@ fn submit(event: &Event, prompt: bool) {
     } else {
         used
     };
-    let flags = wake_flags_when(prompt, event.kind == kind::LISTEN);
+    let flags = wake_flags_when(prompt, event.kind);
     // SAFETY: `event` is a live Event (in map memory: scratch or a parked value), and `len`
     // is at most its size.
     let used =

@@ -5,11 +5,15 @@
 //! LOSSES counters (mapped) --read after every drain--> moved? --> FsEvent::Rescan
 //! ```
 //!
-//! Wake-ups are batched by the kernel side (see `wake_flags` in agent-ebpf): an event is announced
+//! Wake-ups are batched by the kernel side (see `wake_flags_when` in agent-ebpf): an event is announced
 //! at once only if the reader was last woken at least `batch_delay` ago, or when enough bytes are
 //! queued; otherwise it rides along. So after every drain that found work the reader drains once
 //! more `batch_delay` later, which bounds the latency of ridden-along events; a drain that finds
 //! nothing ends the burst and the reader sleeps until the next epoll wake-up (no idle timers).
+//! The follow-up is one timer moved later after each drain, not a new one each time: tokio
+//! extends a registered timer's deadline in place, while registering a new one takes the timer
+//! lock and, as it is the earliest, wakes the thread parked in `epoll_wait` to shorten its
+//! timeout (measured: 1.2 such wake-ups per plugin lifecycle under churn at 500 a second).
 //!
 //! The reader is a task on the agent's runtime, not a thread of its own: the hand-over to the
 //! watcher then stays on one worker (measured 8–9 µs p50), where a separate reader thread would
@@ -137,7 +141,9 @@ impl Reader {
             }
         };
         let mut seen_losses = [0u64; loss::COUNT as usize];
-        let mut follow_up: Option<Instant> = None;
+        let follow_up = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(follow_up);
+        let mut following_up = false;
         let mut batch = Vec::with_capacity(MAX_BATCH);
         loop {
             let woken = tokio::select! {
@@ -153,7 +159,7 @@ impl Reader {
                         return;
                     }
                 },
-                () = sleep_until(follow_up), if follow_up.is_some() => false,
+                () = &mut follow_up, if following_up => false,
                 () = filters.names_overflow() => false,
             };
             let mut drained = 0;
@@ -167,11 +173,6 @@ impl Reader {
                     }
                 }
             }
-            if drained > 0 {
-                // Let the watcher take the events before the loss counters are read (three map
-                // lookups, each a syscall): they are on no event's path.
-                tokio::task::yield_now().await;
-            }
             let losses = Losses {
                 counters: &losses,
                 seen: &mut seen_losses,
@@ -180,20 +181,17 @@ impl Reader {
                 None => return,
                 Some(left_queued) => more = more || left_queued,
             }
-            follow_up = if more {
+            let deadline = if more {
                 // Stopped at the budget with records queued: come straight back for them.
                 Some(Instant::now())
             } else {
                 (woken || drained > 0).then(|| Instant::now() + batch_delay)
             };
+            following_up = deadline.is_some();
+            if let Some(deadline) = deadline {
+                follow_up.as_mut().reset(deadline);
+            }
         }
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
     }
 }
 
