@@ -184,6 +184,7 @@ impl Watcher {
     /// removed paths, the batch's name hints together, a rescan if one was asked for, then the
     /// listeners closed and the first contacts.
     fn handle_batch(&mut self, batch: &mut Vec<FsEvent>) {
+        let _one_wake_up = self.queue.hold();
         self.telemetry
             .watcher
             .hints
