@@ -198,9 +198,11 @@ fn restarts(results: &[Value], out: &mut String) {
          first walk done (events handled as they come from then on), and its phases: setup (command \
          line, logging, runtime, handlers), event source (eBPF: adoption of the pinned programs), \
          state (the previous agent's, read back) and the first walk (with rounds, each the median \
-         of its own).\n\n\
-         | scenario | mode | stop ms | start ms | gap ms | survivors | plugin calls to survivors | handler calls for survivors | started in ms (setup / source / state / walk) |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         of its own). The load's CPU by phase (loadgen's `restart_cpu`): the old agent running until \
+         the signal and stopping after it, the new agent starting until its admin API listens and \
+         running after.\n\n\
+         | scenario | mode | stop ms | start ms | gap ms | survivors | plugin calls to survivors | handler calls for survivors | started in ms (setup / source / state / walk) | CPU s: old running / stopping, new starting / running |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let t = &r["totals"]["restart"];
@@ -218,9 +220,22 @@ fn restarts(results: &[Value], out: &mut String) {
         } else {
             "not reported".to_string()
         };
+        let cpu = &r["restart_cpu"];
+        let seconds = |name: &str| cpu[name].as_f64().unwrap_or(0.0) / 1000.0;
+        let by_phase = if cpu.is_object() {
+            format!(
+                "{:.2} / {:.2}, {:.2} / {:.2}",
+                seconds("old_running_ms"),
+                seconds("old_stopping_ms"),
+                seconds("new_starting_ms"),
+                seconds("new_running_ms"),
+            )
+        } else {
+            "not reported".to_string()
+        };
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {started} |",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {started} | {by_phase} |",
             r["scenario"].as_str().unwrap_or("?"),
             r["mode"].as_str().unwrap_or("?"),
             t["stop_ms"].as_f64().unwrap_or(0.0),
@@ -495,4 +510,32 @@ fn restart_targets(t: &Value, out: &mut Vec<(&'static str, String, bool)>) {
         format!("{start:.1} ms"),
         start <= 50.0,
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A restart row's table line carries the load's CPU by phase, in seconds.
+    #[test]
+    fn a_restart_row_shows_its_cpu_by_phase() {
+        let row = serde_json::json!({
+            "scenario": "restart",
+            "mode": "ebpf",
+            "totals": {"restart": {"stop_ms": 20.0, "start_ms": 19.0, "gap_ms": 40.0,
+                "survivors": 980, "survivor_plugin_calls": 0, "survivor_handler_calls": 0}},
+            "restart_cpu": {"old_running_ms": 3800, "old_stopping_ms": 20,
+                "new_starting_ms": 10, "new_running_ms": 4340},
+        });
+        let mut out = String::new();
+        restarts(&[row], &mut out);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("| restart | ebpf |"))
+            .expect("the row's line");
+        assert!(
+            line.ends_with("| not reported | 3.80 / 0.02, 0.01 / 4.34 |"),
+            "{line}"
+        );
+    }
 }
